@@ -1,0 +1,67 @@
+// Window arithmetic of neighborhood attention, per axis (SPEC section 1); used by every kernel.
+// Pure integer functions of one axis; callers loop over the (padded) rank.
+// Coordinates are int32; nothing here touches memory.
+#pragma once
+
+namespace natten {
+
+// One axis of the problem. Axes beyond the problem's rank are inert: extent 1, kernel 1,
+// stride 1, dilation 1, not causal, which makes every window the single coordinate 0.
+struct Axis {
+  int extent, kernel, stride, dilation, causal;
+
+  // Members of dilation group g: ceil((L - g) / d).
+  __device__ __forceinline__ int group_len(int g) const {
+    return (extent - g + dilation - 1) / dilation;
+  }
+
+  // In-group window [start, end) of in-group query index ig, in a group of glen members.
+  // Non-causal windows are shifted inward at borders (always `kernel` keys); causal windows
+  // end at the query itself and are truncated at the start of the group.
+  __device__ __forceinline__ void window(int ig, int glen, int& start, int& end) const {
+    const int leader_base = (ig / stride) * stride;
+    if (causal) {
+      const int leader = min(leader_base + stride - 1, glen - 1);
+      start = max(leader - kernel + 1, 0);
+      end = ig + 1;
+    } else {
+      const int leader = min(leader_base + stride / 2, glen - 1);
+      start = min(max(leader - kernel / 2, 0), glen - kernel);
+      end = start + kernel;
+    }
+  }
+
+  // In-group query range [lo, hi) whose windows contain in-group key jg. Window starts and
+  // ends never decrease with the query index, so the range is contiguous; two bisections
+  // find it without a closed form for each (causal, stride, border) case.
+  __device__ __forceinline__ void inverse_window(int jg, int glen, int& lo, int& hi) const {
+    int a = 0, b = glen;  // first query whose window ends after jg
+    while (a < b) {
+      const int mid = (a + b) >> 1;
+      int s, e;
+      window(mid, glen, s, e);
+      if (e > jg) b = mid; else a = mid + 1;
+    }
+    lo = a;
+    a = lo; b = glen;     // first query whose window starts after jg
+    while (a < b) {
+      const int mid = (a + b) >> 1;
+      int s, e;
+      window(mid, glen, s, e);
+      if (s > jg) b = mid; else a = mid + 1;
+    }
+    hi = a;
+  }
+
+  // Window of coordinate i in full-axis coordinates: its keys are first + dilation * t for
+  // t in [0, count), and slot t of the unfused attention weights holds key first + dilation * t.
+  __device__ __forceinline__ void query_window(int i, int& first, int& count) const {
+    const int g = i % dilation, ig = i / dilation;
+    int s, e;
+    window(ig, group_len(g), s, e);
+    first = g + dilation * s;
+    count = e - s;
+  }
+};
+
+}  // namespace natten

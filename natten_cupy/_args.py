@@ -1,0 +1,283 @@
+"""Argument normalization and validation (SPEC section 5).
+
+Every public call passes through here first: per-axis options become tuples, array shapes
+and dtypes are checked against each other, and the result is a small frozen ``NAProblem``
+that the backends, the tile selection and the kernel cache key on. Nothing here touches a
+GPU, so every error is raised before any device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy
+
+from ._dtypes import DTYPE_NAMES, canonical_dtype
+
+__all__ = ["NAProblem", "normalize_axes", "check_fused", "check_fused_backward",
+           "check_qk", "check_av", "check_qk_backward", "check_av_backward",
+           "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("auto", "reference", "naive", "tiled", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class NAProblem:
+    """Shape and options of one neighborhood-attention call (hashable, no arrays)."""
+
+    rank: int
+    batch: int
+    spatial: tuple      # extents (L_0, ..., L_{n-1})
+    heads: int
+    head_dim: int
+    kernel_size: tuple
+    stride: tuple
+    dilation: tuple
+    is_causal: tuple
+    scale: float
+    dtype: numpy.dtype
+    allow_tf32: bool = False
+    deterministic: bool = False
+    tile: tuple | None = None
+
+    @property
+    def num_neighbors(self):
+        """K = prod(kernel_size): slots per query in the unfused attention weights."""
+        return math.prod(self.kernel_size)
+
+    @property
+    def num_tokens(self):
+        return math.prod(self.spatial)
+
+    @property
+    def is_empty(self):
+        return self.batch == 0 or self.heads == 0
+
+    @property
+    def dtype_name(self):
+        return DTYPE_NAMES[self.dtype]
+
+    def flops_forward(self):
+        """Useful FLOPs of the fused forward (BENCH.md): 4 * B * N * H * K * D."""
+        return 4 * self.batch * self.num_tokens * self.heads * self.num_neighbors * self.head_dim
+
+
+def _shape_text(shape):
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _layout_text(rank, last="D"):
+    axes = ("X", "Y", "Z")[:rank] if rank > 1 else ("L",)
+    return "[B, " + ", ".join(axes) + ", H, " + last + "]"
+
+
+def normalize_axes(name, value, rank, kind):
+    """Turn an int (or bool) or a per-axis sequence into a tuple of ``rank`` entries.
+
+    ``kind`` is ``int`` or ``bool``. Raises TypeError for a wrong type and ValueError for a
+    wrong number of axes, naming ``name`` and echoing ``value``.
+    """
+    if kind is bool:
+        def ok(x):
+            return isinstance(x, (bool, numpy.bool_))
+        what = "a bool"
+    else:
+        def ok(x):
+            return isinstance(x, numbers.Integral) and not isinstance(x, (bool, numpy.bool_))
+        what = "an int"
+    if ok(value):
+        return (kind(value),) * rank
+    if isinstance(value, (tuple, list)):
+        if len(value) != rank:
+            raise ValueError(
+                f"{name} must have {rank} entr{'y' if rank == 1 else 'ies'} for a {rank}-D call, "
+                f"got {value!r}")
+        if not all(ok(x) for x in value):
+            raise TypeError(f"{name} must be {what} or a tuple of them, got {value!r}")
+        return tuple(kind(x) for x in value)
+    raise TypeError(f"{name} must be {what} or a tuple of {rank}, got {value!r}")
+
+
+def _check_array(name, x):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise TypeError(f"{name} must be an array (NumPy, CuPy, or a DLPack tensor), "
+                        f"got {type(x).__name__}")
+
+
+def _check_dtype(name, x):
+    try:
+        return canonical_dtype(x.dtype)
+    except TypeError:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: float64, float32, float16, "
+                        "bfloat16") from None
+
+
+def _check_rank(name, x, rank, last="D"):
+    if x.ndim != rank + 3:
+        raise ValueError(f"{name} must have {rank + 3} dimensions {_layout_text(rank, last)} "
+                         f"for a {rank}-D call, got shape {_shape_text(x.shape)}")
+
+
+def _check_same(name, x, ref_name, ref, shape=None):
+    want = tuple(ref.shape) if shape is None else tuple(shape)
+    if tuple(x.shape) != want:
+        raise ValueError(f"{name} shape {_shape_text(x.shape)} does not match {ref_name} "
+                         f"shape {_shape_text(want)}")
+    if canonical_dtype(x.dtype) != canonical_dtype(ref.dtype):
+        raise ValueError(f"{name} dtype {x.dtype} does not match {ref_name} dtype {ref.dtype}")
+
+
+def _geometry(rank, shape, kernel_size, stride, dilation, is_causal):
+    spatial = tuple(int(s) for s in shape[1:1 + rank])
+    heads, head_dim = int(shape[1 + rank]), int(shape[2 + rank])
+    if any(s == 0 for s in spatial):
+        raise ValueError(f"spatial extents must be positive, got {_shape_text(spatial)}")
+    ks = normalize_axes("kernel_size", kernel_size, rank, int)
+    st = normalize_axes("stride", stride, rank, int)
+    dl = normalize_axes("dilation", dilation, rank, int)
+    ca = normalize_axes("is_causal", is_causal, rank, bool)
+    if any(k < 2 for k in ks):
+        raise ValueError(f"kernel_size must be >= 2 on every axis, got {kernel_size!r}")
+    if any(s < 1 or s > k for s, k in zip(st, ks)):
+        raise ValueError(f"stride must satisfy 1 <= stride <= kernel_size on every axis, "
+                         f"got stride={stride!r} with kernel_size={ks!r}")
+    if any(d < 1 for d in dl):
+        raise ValueError(f"dilation must be >= 1 on every axis, got {dilation!r}")
+    for a, (k, d, L) in enumerate(zip(ks, dl, spatial)):
+        if k * d > L:
+            raise ValueError(f"kernel_size * dilation must not exceed the extent on every axis: "
+                             f"axis {a} has kernel_size {k} * dilation {d} = {k * d} > "
+                             f"extent {L}")
+    return spatial, heads, head_dim, ks, st, dl, ca
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        return head_dim ** -0.5 if head_dim > 0 else 1.0
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def _check_options(backend, tile):
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
+    if tile is not None:
+        if not (isinstance(tile, (tuple, list)) and tile
+                and all(isinstance(t, numbers.Integral) and t > 0 for t in tile)):
+            raise ValueError(f"tile must be a tuple of positive ints, got {tile!r}")
+        tile = tuple(int(t) for t in tile)
+    return tile
+
+
+def _make(rank, ref, kernel_size, stride, dilation, is_causal, scale, allow_tf32=False,
+          deterministic=False, tile=None):
+    spatial, heads, head_dim, ks, st, dl, ca = _geometry(
+        rank, ref.shape, kernel_size, stride, dilation, is_causal)
+    if head_dim == 0:
+        raise ValueError(f"head dim must be positive, got shape {_shape_text(ref.shape)}")
+    return NAProblem(
+        rank=rank, batch=int(ref.shape[0]), spatial=spatial, heads=heads, head_dim=head_dim,
+        kernel_size=ks, stride=st, dilation=dl, is_causal=ca,
+        scale=_check_scale(scale, head_dim), dtype=canonical_dtype(ref.dtype),
+        allow_tf32=bool(allow_tf32), deterministic=bool(deterministic), tile=tile)
+
+
+def _check_inputs(rank, named):
+    """Type, rank, dtype and shape agreement of the (name, array) pairs; first one leads."""
+    for name, x in named:
+        _check_array(name, x)
+    for name, x in named:
+        _check_dtype(name, x)
+    (ref_name, ref), rest = named[0], named[1:]
+    _check_rank(ref_name, ref, rank)
+    for name, x in rest:
+        _check_same(name, x, ref_name, ref)
+
+
+def check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
+                allow_tf32=False, deterministic=False, tile=None):
+    """Validate a fused forward call; returns its NAProblem."""
+    tile = _check_options(backend, tile)
+    _check_inputs(rank, [("q", q), ("k", k), ("v", v)])
+    return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
+                 deterministic, tile)
+
+
+def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
+                         is_causal, scale, backend, allow_tf32=False, deterministic=False,
+                         tile=None):
+    """Validate a fused backward call; returns its NAProblem."""
+    tile = _check_options(backend, tile)
+    _check_inputs(rank, [("q", q), ("k", k), ("v", v), ("out", out), ("d_out", d_out)])
+    _check_array("lse", lse)
+    want = tuple(q.shape[:-1])
+    if tuple(lse.shape) != want:
+        raise ValueError(f"lse shape {_shape_text(lse.shape)} must be q's shape without the "
+                         f"head dim, {_shape_text(want)}")
+    lse_dtype = _check_dtype("lse", lse)
+    want_dtype = numpy.dtype(numpy.float64 if canonical_dtype(q.dtype) == numpy.float64
+                             else numpy.float32)
+    if lse_dtype != want_dtype:
+        raise ValueError(f"lse dtype must be {want_dtype} for {q.dtype} inputs, got {lse.dtype}")
+    return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
+                 deterministic, tile)
+
+
+def _check_attn(name, attn, rank, q_like, num_neighbors):
+    _check_array(name, attn)
+    _check_dtype(name, attn)
+    _check_rank(name, attn, rank, last="K")
+    want = tuple(q_like.shape[:-1]) + (num_neighbors,)
+    _check_same(name, attn, "the expected", q_like, shape=want)
+
+
+def _check_rpb(rpb, problem, name="rpb"):
+    _check_array(name, rpb)
+    want = (problem.heads,) + tuple(2 * k - 1 for k in problem.kernel_size)
+    if tuple(rpb.shape) != want:
+        raise ValueError(f"{name} shape {_shape_text(rpb.shape)} must be [H, 2k-1, ...] = "
+                         f"{_shape_text(want)}")
+    if canonical_dtype(rpb.dtype) != problem.dtype:
+        raise ValueError(f"{name} dtype {rpb.dtype} does not match q dtype {problem.dtype}")
+
+
+def check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32=False):
+    tile = _check_options(backend, None)
+    _check_inputs(rank, [("q", q), ("k", k)])
+    p = _make(rank, q, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32, False, tile)
+    if rpb is not None:
+        _check_rpb(rpb, p)
+    return p
+
+
+def check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32=False):
+    _check_options(backend, None)
+    _check_inputs(rank, [("v", v)])
+    p = _make(rank, v, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32)
+    _check_attn("attn", attn, rank, v, p.num_neighbors)
+    return p
+
+
+def check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal, rpb, backend,
+                      allow_tf32=False):
+    _check_options(backend, None)
+    _check_inputs(rank, [("q", q), ("k", k)])
+    p = _make(rank, q, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32)
+    _check_attn("d_attn", d_attn, rank, q, p.num_neighbors)
+    if rpb is not None:
+        _check_rpb(rpb, p)
+    return p
+
+
+def check_av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend,
+                      allow_tf32=False):
+    _check_options(backend, None)
+    _check_inputs(rank, [("v", v), ("d_out", d_out)])
+    p = _make(rank, v, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32)
+    _check_attn("attn", attn, rank, v, p.num_neighbors)
+    return p

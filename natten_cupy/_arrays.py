@@ -1,0 +1,143 @@
+"""Array interop: NumPy, CuPy and any DLPack tensor (PyTorch, JAX) in, the caller's type out.
+
+``Inputs.gather(...)`` turns the caller's arrays into NumPy arrays (CPU) or CuPy arrays (GPU)
+without copies, remembers how to hand results back (a torch tensor for torch inputs, a JAX
+array for JAX inputs) and which stream to launch on (PyTorch's current stream for torch
+inputs). Mixing CPU and GPU arrays, or passing something that is no array, raises before any
+GPU work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy
+
+__all__ = ["Inputs"]
+
+_DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    return cupy
+
+
+def _family(x):
+    """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (by the array's module)."""
+    mod = type(x).__module__.split(".", 1)[0]
+    if isinstance(x, numpy.ndarray):
+        return "numpy"
+    if mod in ("cupy", "torch", "jax", "jaxlib"):
+        return "jax" if mod == "jaxlib" else mod
+    return "dlpack"
+
+
+def _device_kind(name, x, family):
+    """'cpu' or 'gpu' for one input, TypeError for non-arrays."""
+    if family == "numpy":
+        return "cpu"
+    if family == "cupy":
+        return "gpu"
+    if not hasattr(x, "__dlpack_device__"):
+        raise TypeError(f"{name} must be an array (NumPy, CuPy, or a DLPack tensor), "
+                        f"got {type(x).__name__}")
+    dev_type = int(x.__dlpack_device__()[0])
+    if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+        return "cpu"
+    if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+        return "gpu"
+    raise TypeError(f"{name} lives on DLPack device type {dev_type}; only CPU and CUDA "
+                    "arrays are supported")
+
+
+class Inputs:
+    """The caller's arrays, seen as NumPy or CuPy arrays, and the way back."""
+
+    def __init__(self, xp, family, stream, arrays, device_id):
+        self.xp = xp              # numpy or cupy
+        self.family = family      # what the caller passed (results come back as that)
+        self.stream = stream      # CuPy stream to launch on (None on the CPU)
+        self.arrays = arrays
+        self.device_id = device_id
+
+    @classmethod
+    def gather(cls, named):
+        """``named``: list of (argument name, array or None). Nones pass through."""
+        present = [(n, x) for n, x in named if x is not None]
+        for n, x in present:
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise TypeError(f"{n} must be an array (NumPy, CuPy, or a DLPack tensor), "
+                                f"got {type(x).__name__}")
+        families = {n: _family(x) for n, x in present}
+        kinds = {n: _device_kind(n, x, families[n]) for n, x in present}
+        if len(set(kinds.values())) > 1:
+            where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
+            raise ValueError(f"all arrays must be on the same device, got {where}")
+        fams = set(families.values())
+        family = fams.pop() if len(fams) == 1 else "mixed"
+        for n, x in present:
+            if families[n] == "torch" and getattr(x, "requires_grad", False):
+                raise TypeError(
+                    f"{n} requires grad; the array-level calls do not record autograd. Use "
+                    "natten_cupy.torch (autograd) or pass a detached tensor")
+        on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
+        if not on_gpu:
+            arrays = [None if x is None else _as_numpy(x) for _, x in named]
+            return cls(numpy, family, None, arrays, None)
+        cupy = _cupy()
+        if cupy is None:
+            raise TypeError("GPU arrays were given but CuPy is not installed "
+                            "(pip install natten_cupy[cuda13] or [cuda12])")
+        stream = _caller_stream(cupy, family, present)
+        with stream:
+            arrays = [None if x is None else _as_cupy(cupy, x) for _, x in named]
+        devices = {a.device.id for a in arrays if a is not None}
+        if len(devices) > 1:
+            raise ValueError(f"all arrays must be on the same GPU, got devices {sorted(devices)}")
+        return cls(cupy, family, stream, arrays, devices.pop())
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """Context in which kernels launch: the arrays' GPU and the caller's stream."""
+        if self.xp is numpy:
+            yield
+            return
+        with self.xp.cuda.Device(self.device_id), self.stream:
+            yield
+
+    def give_back(self, x):
+        """Hand a NumPy/CuPy result back as the caller's array type (zero-copy)."""
+        if x is None:
+            return None
+        if self.family == "torch":
+            import torch
+            return torch.from_dlpack(x)
+        if self.family == "jax":
+            import jax.numpy as jnp
+            return jnp.from_dlpack(x)
+        return x
+
+
+def _as_numpy(x):
+    if isinstance(x, numpy.ndarray):
+        return x
+    return numpy.from_dlpack(x)
+
+
+def _as_cupy(cupy, x):
+    if isinstance(x, cupy.ndarray):
+        return x
+    return cupy.from_dlpack(x)
+
+
+def _caller_stream(cupy, family, present):
+    """PyTorch's current stream for torch inputs, CuPy's current stream otherwise."""
+    if family == "torch":
+        import torch
+        dev = present[0][1].device
+        return cupy.cuda.Stream.from_external(torch.cuda.current_stream(dev))
+    return cupy.cuda.get_current_stream()

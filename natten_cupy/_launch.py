@@ -1,0 +1,44 @@
+"""The one place kernels are launched, so the profiler sees every launch.
+
+``launch`` runs a compiled kernel on the current CuPy stream. While a profiler is active
+(``natten_cupy.profile()``), each launch is bracketed by CUDA events and reported to it with
+the kernel's name, backend, tile config and grid.
+"""
+
+from __future__ import annotations
+
+__all__ = ["launch", "add_recorder", "remove_recorder"]
+
+_recorders = []
+
+
+def add_recorder(rec):
+    _recorders.append(rec)
+
+
+def remove_recorder(rec):
+    _recorders.remove(rec)
+
+
+def launch(fn, grid, block, args, *, shared_mem=0, name="", backend="", tile=None):
+    """Launch ``fn`` (a cupy.RawKernel) with ``args`` on the current stream.
+
+    Empty grids are skipped (zero-size launches are invalid in CUDA).
+    """
+    grid = tuple(int(g) for g in grid)
+    block = tuple(int(b) for b in block)
+    if any(g == 0 for g in grid):
+        return
+    if shared_mem >= 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = int(shared_mem)
+    if not _recorders:
+        fn(grid, block, args, shared_mem=int(shared_mem))
+        return
+    import cupy
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    fn(grid, block, args, shared_mem=int(shared_mem))
+    stop.record()
+    for rec in _recorders:
+        rec.record(name=name or fn.name, backend=backend, tile=tile, grid=grid, block=block,
+                   start=start, stop=stop)

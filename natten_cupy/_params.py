@@ -1,0 +1,80 @@
+"""The kernels' launch-argument struct, ``NAParams`` of ``cuda_src/natten/common.cuh``.
+
+One NumPy structured scalar, passed by value to every kernel: CuPy hands a ``numpy.void``
+of an aligned structured dtype to the kernel as the struct of the same layout. Field order
+and types here must match the C++ struct exactly.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+__all__ = ["PARAMS_DTYPE", "TENSOR_FIELDS", "make_params", "element_strides"]
+
+_I64 = numpy.int64
+TENSOR_FIELDS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv",
+                 "lse", "delta", "attn", "d_attn", "rpb", "d_rpb")
+
+PARAMS_DTYPE = numpy.dtype(
+    [(name, _I64, (3,)) for name in ("extent", "kernel", "stride", "dilation", "causal")]
+    + [(name, _I64) for name in ("batch", "heads", "head_dim", "num_neighbors")]
+    + [(name, _I64, (6,)) for name in TENSOR_FIELDS]
+    + [("scale", numpy.float32), ("pad_", numpy.float32)],
+    align=True)
+
+
+def element_strides(x):
+    """Strides of an array in elements (CuPy/NumPy report bytes)."""
+    item = x.dtype.itemsize
+    return tuple(int(s) // item for s in x.strides)
+
+
+def _canonical6(x, rank, kind):
+    """Strides over (batch, axis0, axis1, axis2, head, last) with inert axes at 0.
+
+    ``kind`` is "full" for [B, *spatial, H, last] arrays, "lse" for [B, *spatial, H], and
+    "rpb" for [H, r_0, ..., r_{n-1}] (laid out as (head, r0, r1, r2, 0, 0)).
+    """
+    st = element_strides(x)
+    out = [0] * 6
+    if kind == "rpb":
+        out[0] = st[0]
+        for a in range(rank):
+            out[1 + a] = st[1 + a]
+        return out
+    out[0] = st[0]
+    for a in range(rank):
+        out[1 + a] = st[1 + a]
+    out[4] = st[1 + rank]
+    if kind == "full":
+        out[5] = st[2 + rank]
+    return out
+
+
+_KIND = {"lse": "lse", "delta": "lse", "rpb": "rpb", "d_rpb": "rpb"}
+
+
+def make_params(problem, **tensors):
+    """Pack a problem and the strides of the named tensors into one NAParams scalar.
+
+    Keyword names are those of TENSOR_FIELDS; a tensor given as None keeps zero strides.
+    """
+    p = numpy.zeros((), dtype=PARAMS_DTYPE)
+    n = problem.rank
+    pad = 3 - n
+    p["extent"] = list(problem.spatial) + [1] * pad
+    p["kernel"] = list(problem.kernel_size) + [1] * pad
+    p["stride"] = list(problem.stride) + [1] * pad
+    p["dilation"] = list(problem.dilation) + [1] * pad
+    p["causal"] = [int(c) for c in problem.is_causal] + [0] * pad
+    p["batch"] = problem.batch
+    p["heads"] = problem.heads
+    p["head_dim"] = problem.head_dim
+    p["num_neighbors"] = problem.num_neighbors
+    p["scale"] = numpy.float32(problem.scale)
+    for name, x in tensors.items():
+        if name not in TENSOR_FIELDS:
+            raise KeyError(f"unknown tensor field {name!r}")
+        if x is not None:
+            p[name] = _canonical6(x, n, _KIND.get(name, "full"))
+    return p[()]

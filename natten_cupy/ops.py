@@ -1,0 +1,185 @@
+"""Public array-level calls (no autograd): validate, select, launch, hand back.
+
+Every call takes the same four steps: validate and normalize the arguments (``_args``),
+gather the arrays as NumPy/CuPy (``_arrays``), select a backend (logging why others were
+refused), and let the backend launch its kernels into freshly allocated outputs. The
+``run_*`` functions are the same calls on already-gathered arrays with caller-allocated
+outputs; the PyTorch layer uses them so that torch allocates every output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy
+
+from . import _args
+from ._arrays import Inputs
+from ._dtypes import accumulator_dtype
+from .backends import get_backend, PREFERENCE
+
+__all__ = ["select_backend", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
+           "av_backward", "run_fused_forward", "run_fused_backward", "run_qk", "run_av",
+           "run_qk_backward", "run_av_backward"]
+
+log = logging.getLogger("natten_cupy")
+
+
+def select_backend(op, problem, xp, requested="auto"):
+    """The backend module that runs ``op`` on ``problem``; ValueError if none can.
+
+    NumPy arrays always run on the reference backend. ``auto`` walks PREFERENCE[op]
+    (fastest first) and takes the first backend that accepts the problem.
+    """
+    if xp is numpy:
+        if requested not in ("auto", "reference"):
+            raise ValueError(f"backend {requested!r} runs on the GPU and needs CuPy or CUDA "
+                             "arrays; NumPy/CPU arrays run on backend 'reference'")
+        return get_backend("reference")
+    names = PREFERENCE[op] if requested == "auto" else (requested,)
+    reasons = []
+    for name in names:
+        mod = get_backend(name)
+        why = "not available" if mod is None else mod.refuse(op, problem)
+        if why is None:
+            if reasons:
+                log.info("natten_cupy %s: using %s (%s)", op, name, "; ".join(reasons))
+            return mod
+        reasons.append(f"{name}: {why}")
+    raise ValueError(f"backend {requested!r} cannot run {op} for this problem "
+                     f"(dtype {problem.dtype_name}, head_dim {problem.head_dim}): "
+                     + "; ".join(reasons))
+
+
+def _empty(xp, shape, dtype):
+    return xp.empty(tuple(shape), dtype=dtype)
+
+
+# ---- runs on gathered arrays, outputs given --------------------------------------------
+
+def run_fused_forward(problem, backend, q, k, v, out, lse):
+    if not problem.is_empty:
+        backend.fused_forward(problem, q, k, v, out, lse)
+
+
+def run_fused_backward(problem, backend, d_out, q, k, v, out, lse, dq, dk, dv):
+    if not problem.is_empty:
+        backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv)
+
+
+def run_qk(problem, backend, q, k, rpb, attn):
+    if not problem.is_empty:
+        backend.qk(problem, q, k, rpb, attn)
+
+
+def run_av(problem, backend, attn, v, out):
+    if not problem.is_empty:
+        backend.av(problem, attn, v, out)
+
+
+def run_qk_backward(problem, backend, d_attn, q, k, dq, dk, d_rpb):
+    if d_rpb is not None:
+        d_rpb[...] = 0
+    if not problem.is_empty:
+        backend.qk_backward(problem, d_attn, q, k, dq, dk, d_rpb)
+
+
+def run_av_backward(problem, backend, d_out, attn, v, d_attn, dv):
+    if not problem.is_empty:
+        backend.av_backward(problem, d_out, attn, v, d_attn, dv)
+
+
+# ---- public calls ----------------------------------------------------------------------
+
+def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False,
+                  scale=None, backend="auto", return_lse=False, allow_tf32=False,
+                  deterministic=False, tile=None):
+    problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
+                                backend, allow_tf32, deterministic, tile)
+    ins = Inputs.gather([("q", q), ("k", k), ("v", v)])
+    be = select_backend("fused_forward", problem, ins.xp, backend)
+    xp = ins.xp
+    with ins.on_device():
+        qa, ka, va = ins.arrays
+        out = _empty(xp, qa.shape, qa.dtype)
+        lse = _empty(xp, qa.shape[:-1], accumulator_dtype(qa.dtype))
+        run_fused_forward(problem, be, qa, ka, va, out, lse)
+    if return_lse:
+        return ins.give_back(out), ins.give_back(lse)
+    return ins.give_back(out)
+
+
+def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
+                   is_causal=False, scale=None, backend="auto", allow_tf32=False,
+                   deterministic=False, tile=None):
+    problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
+                                         dilation, is_causal, scale, backend, allow_tf32,
+                                         deterministic, tile)
+    ins = Inputs.gather([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
+                         ("lse", lse)])
+    be = select_backend("fused_backward", problem, ins.xp, backend)
+    xp = ins.xp
+    with ins.on_device():
+        do_a, qa, ka, va, oa, la = ins.arrays
+        grads = [_empty(xp, qa.shape, qa.dtype) for _ in range(3)]
+        run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads)
+    return tuple(ins.give_back(g) for g in grads)
+
+
+def qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+       allow_tf32=False):
+    problem = _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend,
+                             allow_tf32)
+    ins = Inputs.gather([("q", q), ("k", k), ("rpb", rpb)])
+    be = select_backend("qk", problem, ins.xp, backend)
+    with ins.on_device():
+        qa, ka, ra = ins.arrays
+        attn = _empty(ins.xp, tuple(qa.shape[:-1]) + (problem.num_neighbors,), qa.dtype)
+        run_qk(problem, be, qa, ka, ra, attn)
+    return ins.give_back(attn)
+
+
+def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+       allow_tf32=False):
+    problem = _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend,
+                             allow_tf32)
+    ins = Inputs.gather([("attn", attn), ("v", v)])
+    be = select_backend("av", problem, ins.xp, backend)
+    with ins.on_device():
+        aa, va = ins.arrays
+        out = _empty(ins.xp, va.shape, va.dtype)
+        run_av(problem, be, aa, va, out)
+    return ins.give_back(out)
+
+
+def qk_backward(rank, d_attn, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None,
+                backend="auto", allow_tf32=False):
+    problem = _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal,
+                                      rpb, backend, allow_tf32)
+    ins = Inputs.gather([("d_attn", d_attn), ("q", q), ("k", k), ("rpb", rpb)])
+    be = select_backend("qk_backward", problem, ins.xp, backend)
+    with ins.on_device():
+        da, qa, ka, ra = ins.arrays
+        dq = _empty(ins.xp, qa.shape, qa.dtype)
+        dk = _empty(ins.xp, ka.shape, ka.dtype)
+        d_rpb = None if ra is None else _empty(ins.xp, ra.shape, accumulator_dtype(ra.dtype))
+        run_qk_backward(problem, be, da, qa, ka, dq, dk, d_rpb)
+        if d_rpb is not None:
+            d_rpb = d_rpb.astype(ra.dtype, copy=False)
+    if d_rpb is None:
+        return ins.give_back(dq), ins.give_back(dk)
+    return ins.give_back(dq), ins.give_back(dk), ins.give_back(d_rpb)
+
+
+def av_backward(rank, d_out, attn, v, kernel_size, *, dilation=1, is_causal=False,
+                backend="auto", allow_tf32=False):
+    problem = _args.check_av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal,
+                                      backend, allow_tf32)
+    ins = Inputs.gather([("d_out", d_out), ("attn", attn), ("v", v)])
+    be = select_backend("av_backward", problem, ins.xp, backend)
+    with ins.on_device():
+        do_a, aa, va = ins.arrays
+        d_attn = _empty(ins.xp, aa.shape, aa.dtype)
+        dv = _empty(ins.xp, va.shape, va.dtype)
+        run_av_backward(problem, be, do_a, aa, va, d_attn, dv)
+    return ins.give_back(d_attn), ins.give_back(dv)
