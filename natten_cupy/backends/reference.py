@@ -1,0 +1,304 @@
+"""Reference backend: neighborhood attention by gathering, in NumPy or CuPy.
+
+Every op gathers, for a chunk of queries, the keys/values of each query's window through a
+gather table built from the per-axis tables of ``_window`` (Cartesian product over axes, flat
+spatial index), and reduces them with small batched matmuls. Backward passes never scatter:
+gradients of keys and values gather, for a chunk of keys, the queries whose windows hold them
+(inverse tables) and recompute the attention weights of each pair.
+
+Chunks hold at most about ``CHUNK_BYTES`` of gathered operands, so memory stays bounded
+whatever the problem size; full-size work arrays (inputs in the compute dtype, outputs before
+the final cast) are the only allocations that grow with the problem.
+
+Precision: float64 computes in float64; float32, float16 and bfloat16 compute in float32 and
+are cast to the output dtype at the end (lse is float32, float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from .. import _window
+from .._dtypes import DTYPE_NAMES, accumulator_dtype, canonical_dtype
+
+try:
+    import cupy
+except ImportError:  # pragma: no cover - depends on the install
+    cupy = None
+
+NAME = "reference"
+DTYPES = tuple(DTYPE_NAMES)
+
+# Upper bound on the gathered operands alive at once in one chunk (bytes).
+CHUNK_BYTES = 1 << 29
+
+
+def refuse(op, problem):
+    """The reference backend runs every op, rank, dtype and geometry."""
+    return None
+
+
+def instantiations():
+    return []
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+def _xp(x):
+    return numpy if cupy is None else cupy.get_array_module(x)
+
+
+def _work(xp, x, problem, tail):
+    """``x`` as a contiguous compute-dtype array ``[B, N, *tail]`` (copies only if needed)."""
+    ct = accumulator_dtype(problem.dtype)
+    x = xp.ascontiguousarray(x.astype(ct, copy=False))
+    return x.reshape((problem.batch, problem.num_tokens) + tuple(tail))
+
+
+def _store(dst, src):
+    """Write a ``[B, N, ...]`` work array into the caller's output (any strides, any dtype)."""
+    dst[...] = src.reshape(dst.shape).astype(dst.dtype, copy=False)
+
+
+def _dots(gathered, x):
+    """``<x_i, g_iw>`` per head: gathered ``[n, w, H, D]``, x ``[n, H, D]`` -> ``[n, H, w]``."""
+    return (gathered.transpose(0, 2, 1, 3) @ x[..., None])[..., 0]
+
+
+def _weighted(weights, gathered):
+    """``sum_w weights_iw g_iw`` per head: ``[n, H, w]``, ``[n, w, H, D]`` -> ``[n, H, D]``."""
+    return (weights[:, :, None, :] @ gathered.transpose(0, 2, 1, 3))[:, :, 0, :]
+
+
+def _outer(tables, radices):
+    """Row-major Cartesian product of per-axis index tables ``[n, w_a]`` -> ``[n, prod w_a]``.
+
+    Entry ``(t_0, ..., t_{r-1})`` of the result is ``sum_a tables[a][:, t_a] * prod_{b>a}
+    radices[b]``: the flat index over axes of extents ``radices``.
+    """
+    out = tables[0]
+    for t, r in zip(tables[1:], radices[1:]):
+        out = (out[:, :, None] * r + t[:, None, :]).reshape(out.shape[0], -1)
+    return out
+
+
+def _all(masks):
+    """Cartesian AND of per-axis masks ``[n, w_a]`` -> ``[n, prod w_a]`` (row-major)."""
+    out = masks[0]
+    for m in masks[1:]:
+        out = (out[:, :, None] & m[:, None, :]).reshape(out.shape[0], -1)
+    return out
+
+
+class _Tables:
+    """Per-axis window tables of one problem, combined per chunk of flat spatial indices."""
+
+    def __init__(self, problem, xp, inverse=False):
+        self.xp = xp
+        self.problem = problem
+        self.fwd = []
+        self.inv = []
+        for L, k, s, d, c in zip(problem.spatial, problem.kernel_size, problem.stride,
+                                 problem.dilation, problem.is_causal):
+            keys, valid = _window.forward_table(L, k, s, d, c)
+            rel = (keys - numpy.arange(L)[:, None]) // d + k - 1  # rpb index, valid slots
+            self.fwd.append(tuple(xp.asarray(t) for t in (keys, valid, rel)))
+            if inverse:
+                self.inv.append(tuple(xp.asarray(t)
+                                      for t in _window.inverse_table(L, k, s, d, c)))
+        self.inverse_width = math.prod(t[0].shape[1] for t in self.inv) if inverse else 0
+
+    def _coords(self, lo, hi):
+        flat = self.xp.arange(lo, hi)
+        return self.xp.unravel_index(flat, self.problem.spatial)
+
+    def forward(self, lo, hi):
+        """Keys of queries ``lo..hi-1``: (flat key index, valid, flat rpb index), ``[n, K]``."""
+        coords = self._coords(lo, hi)
+        rows = [tuple(t[c] for t in tabs) for c, tabs in zip(coords, self.fwd)]
+        p = self.problem
+        keys = _outer([r[0] for r in rows], p.spatial)
+        valid = _all([r[1] for r in rows])
+        rel = _outer([r[2] for r in rows], tuple(2 * k - 1 for k in p.kernel_size))
+        return keys, valid, rel
+
+    def inverse(self, lo, hi):
+        """Queries holding keys ``lo..hi-1``: (flat query index, flat slot, valid), ``[n, M]``."""
+        coords = self._coords(lo, hi)
+        rows = [tuple(t[c] for t in tabs) for c, tabs in zip(coords, self.inv)]
+        p = self.problem
+        queries = _outer([r[0] for r in rows], p.spatial)
+        slots = _outer([r[1] for r in rows], p.kernel_size)
+        valid = _all([r[2] for r in rows])
+        return queries, slots, valid
+
+
+def _chunks(problem, width, live):
+    """``(lo, hi)`` ranges of flat indices so that ``live`` gathered ``[n, width, H, D]``
+    operands fit in CHUNK_BYTES."""
+    item = accumulator_dtype(problem.dtype).itemsize
+    per_row = max(1, live * width * problem.heads * problem.head_dim * item)
+    n = max(1, CHUNK_BYTES // per_row)
+    N = problem.num_tokens
+    for lo in range(0, N, n):
+        yield lo, min(lo + n, N)
+
+
+def _masked(xp, valid, x, fill):
+    """``x`` ``[n, H, w]`` where ``valid`` ``[n, w]`` holds, ``fill`` elsewhere."""
+    return xp.where(valid[:, None, :], x, fill)
+
+
+# ---- fused -----------------------------------------------------------------------------
+
+def fused_forward(problem, q, k, v, out, lse):
+    xp = _xp(q)
+    B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
+    qf, kf, vf = (_work(xp, x, problem, (H, D)) for x in (q, k, v))
+    o = xp.empty_like(qf)
+    m_out = xp.empty(qf.shape[:-1], dtype=qf.dtype)
+    tables = _Tables(problem, xp)
+    for lo, hi in _chunks(problem, K, 1):
+        keys, valid, _ = tables.forward(lo, hi)
+        for b in range(B):
+            s = _masked(xp, valid, problem.scale * _dots(kf[b][keys], qf[b, lo:hi]), -xp.inf)
+            m = s.max(axis=-1, keepdims=True)
+            p = xp.exp(s - m)
+            denom = p.sum(axis=-1, keepdims=True)
+            o[b, lo:hi] = _weighted(p / denom, vf[b][keys])
+            m_out[b, lo:hi] = (m + xp.log(denom))[..., 0]
+    _store(out, o)
+    _store(lse, m_out)
+
+
+def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+    xp = _xp(q)
+    B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
+    scale = problem.scale
+    qf, kf, vf, of, dof = (_work(xp, x, problem, (H, D)) for x in (q, k, v, out, d_out))
+    lf = _work(xp, lse, problem, (H,))
+    delta = xp.einsum("bnhd,bnhd->bnh", dof, of)
+    del of
+    tables = _Tables(problem, xp, inverse=True)
+
+    # dq: gather each query's keys and values.
+    g = xp.empty_like(qf)
+    for lo, hi in _chunks(problem, K, 1):
+        keys, valid, _ = tables.forward(lo, hi)
+        for b in range(B):
+            dp = _dots(vf[b][keys], dof[b, lo:hi])
+            kg = kf[b][keys]
+            x = scale * _dots(kg, qf[b, lo:hi]) - lf[b, lo:hi, :, None]
+            p = xp.exp(_masked(xp, valid, x, -xp.inf))
+            ds = p * (dp - delta[b, lo:hi, :, None])
+            g[b, lo:hi] = scale * _weighted(ds, kg)
+    _store(dq, g)
+
+    # dk, dv: gather each key's queries through the inverse table.
+    gk = g
+    gv = xp.empty_like(qf)
+    for lo, hi in _chunks(problem, tables.inverse_width, 2):
+        qidx, _, valid = tables.inverse(lo, hi)
+        for b in range(B):
+            qg = qf[b][qidx]
+            dog = dof[b][qidx]
+            x = scale * _dots(qg, kf[b, lo:hi]) - lf[b][qidx].transpose(0, 2, 1)
+            p = xp.exp(_masked(xp, valid, x, -xp.inf))
+            ds = p * (_dots(dog, vf[b, lo:hi]) - delta[b][qidx].transpose(0, 2, 1))
+            gv[b, lo:hi] = _weighted(p, dog)
+            gk[b, lo:hi] = scale * _weighted(ds, qg)
+    _store(dk, gk)
+    _store(dv, gv)
+
+
+# ---- unfused ---------------------------------------------------------------------------
+
+def qk(problem, q, k, rpb, attn):
+    xp = _xp(q)
+    B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
+    qf, kf = (_work(xp, x, problem, (H, D)) for x in (q, k))
+    bias = None
+    if rpb is not None:
+        bias = rpb.astype(qf.dtype).reshape(H, -1)
+    a = xp.empty(qf.shape[:-1] + (K,), dtype=qf.dtype)
+    tables = _Tables(problem, xp)
+    for lo, hi in _chunks(problem, K, 1):
+        keys, valid, rel = tables.forward(lo, hi)
+        chunk_bias = None if bias is None else bias[:, rel].transpose(1, 0, 2)
+        for b in range(B):
+            s = _dots(kf[b][keys], qf[b, lo:hi])
+            if chunk_bias is not None:
+                s = s + chunk_bias
+            a[b, lo:hi] = _masked(xp, valid, s, -xp.inf)
+    _store(attn, a)
+
+
+def av(problem, attn, v, out):
+    xp = _xp(v)
+    B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
+    vf = _work(xp, v, problem, (H, D))
+    af = _work(xp, attn, problem, (H, K))
+    o = xp.empty_like(vf)
+    tables = _Tables(problem, xp)
+    for lo, hi in _chunks(problem, K, 1):
+        keys, valid, _ = tables.forward(lo, hi)
+        for b in range(B):
+            o[b, lo:hi] = _weighted(_masked(xp, valid, af[b, lo:hi], 0), vf[b][keys])
+    _store(out, o)
+
+
+def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
+    xp = _xp(q)
+    B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
+    qf, kf = (_work(xp, x, problem, (H, D)) for x in (q, k))
+    daf = _work(xp, d_attn, problem, (H, K))
+    tables = _Tables(problem, xp, inverse=True)
+    rpb_size = math.prod(2 * k - 1 for k in problem.kernel_size)
+    rpb_acc = None if d_rpb is None else xp.zeros(H * rpb_size, dtype=numpy.float64)
+    heads = xp.arange(H)[None, :, None] * rpb_size
+
+    g = xp.empty_like(qf)
+    for lo, hi in _chunks(problem, K, 1):
+        keys, valid, rel = tables.forward(lo, hi)
+        da = _masked(xp, valid, daf[:, lo:hi], 0)  # masks [B, n, H, K] alike
+        for b in range(B):
+            g[b, lo:hi] = _weighted(da[b], kf[b][keys])
+        if rpb_acc is not None:
+            idx = (heads + rel[:, None, :]).ravel()
+            rpb_acc += xp.bincount(idx, weights=da.sum(axis=0).ravel(),
+                                   minlength=H * rpb_size)
+    _store(dq, g)
+
+    for lo, hi in _chunks(problem, tables.inverse_width, 1):
+        qidx, slots, valid = tables.inverse(lo, hi)
+        for b in range(B):
+            dag = daf[b][qidx, :, slots].transpose(0, 2, 1)
+            g[b, lo:hi] = _weighted(_masked(xp, valid, dag, 0), qf[b][qidx])
+    _store(dk, g)
+    if d_rpb is not None:
+        d_rpb += rpb_acc.reshape(d_rpb.shape).astype(d_rpb.dtype)
+
+
+def av_backward(problem, d_out, attn, v, d_attn, dv):
+    xp = _xp(v)
+    B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
+    vf, dof = (_work(xp, x, problem, (H, D)) for x in (v, d_out))
+    af = _work(xp, attn, problem, (H, K))
+    tables = _Tables(problem, xp, inverse=True)
+
+    da = xp.empty_like(af)
+    for lo, hi in _chunks(problem, K, 1):
+        keys, valid, _ = tables.forward(lo, hi)
+        for b in range(B):
+            da[b, lo:hi] = _masked(xp, valid, _dots(vf[b][keys], dof[b, lo:hi]), 0)
+    _store(d_attn, da)
+
+    g = xp.empty_like(vf)
+    for lo, hi in _chunks(problem, tables.inverse_width, 1):
+        qidx, slots, valid = tables.inverse(lo, hi)
+        for b in range(B):
+            ag = _masked(xp, valid, af[b][qidx, :, slots].transpose(0, 2, 1), 0)
+            g[b, lo:hi] = _weighted(ag, dof[b][qidx])
+    _store(dv, g)

@@ -1,0 +1,249 @@
+"""Test oracle: dense neighborhood attention in float64 with an explicit boolean mask.
+
+Written straight from SPEC section 1 with plain Python loops over coordinates; it does not
+import ``natten_cupy._window`` (that module is what the oracle checks). Problems are small
+(a few hundred tokens), so every op is a dense ``[N, N]`` computation per batch and head:
+the mask, or the slot table of the unfused ops, is the only place the window rules enter.
+
+Arrays are NumPy, canonical layout ``[B, *spatial, H, D]``; results are float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy
+
+__all__ = ["axis_window", "axis_keys", "neighborhood_mask", "slot_table", "fused_forward",
+           "fused_backward", "qk", "av", "qk_backward", "av_backward", "dense_attention"]
+
+
+# ---- window rules (SPEC section 1), one axis, plain ints --------------------------------
+
+def axis_window(i, L, k, s, d, causal):
+    """Dilation group ``g`` of query ``i`` and its in-group window ``[start, end)``."""
+    g, ip = i % d, i // d
+    group_len = -(-(L - g) // d)          # ceil((L - g) / d)
+    lam = k // 2
+    if causal:
+        leader = min((ip // s) * s + s - 1, group_len - 1)
+        return g, max(leader - k + 1, 0), ip + 1
+    leader = min((ip // s) * s + s // 2, group_len - 1)
+    start = min(max(leader - lam, 0), group_len - k)
+    return g, start, start + k
+
+
+def axis_keys(i, L, k, s, d, causal):
+    """Coordinates of the keys query ``i`` sees on one axis, ascending."""
+    g, start, end = axis_window(i, L, k, s, d, causal)
+    return [g + d * jp for jp in range(start, end)]
+
+
+def axis_slots(i, L, k, d, causal):
+    """Unfused slots of query ``i`` (stride 1): key coordinate per slot, None if empty."""
+    g, start, end = axis_window(i, L, k, 1, d, causal)
+    return [g + d * (start + t) if start + t < end else None for t in range(k)]
+
+
+def _per_axis(value, rank):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * rank
+
+
+def _flat(coord, spatial):
+    f = 0
+    for c, L in zip(coord, spatial):
+        f = f * L + c
+    return f
+
+
+def neighborhood_mask(spatial, kernel, stride=1, dilation=1, causal=False):
+    """``mask[i, j]``: flat query i sees flat key j (Cartesian product of per-axis keys)."""
+    n = len(spatial)
+    kernel, stride = _per_axis(kernel, n), _per_axis(stride, n)
+    dilation, causal = _per_axis(dilation, n), _per_axis(causal, n)
+    N = math.prod(spatial)
+    mask = numpy.zeros((N, N), dtype=bool)
+    for qc in itertools.product(*(range(L) for L in spatial)):
+        per_axis = [axis_keys(i, L, k, s, d, c)
+                    for i, L, k, s, d, c in zip(qc, spatial, kernel, stride, dilation, causal)]
+        for kc in itertools.product(*per_axis):
+            mask[_flat(qc, spatial), _flat(kc, spatial)] = True
+    return mask
+
+
+def slot_table(spatial, kernel, dilation=1, causal=False):
+    """Unfused slot tables ``(key, rel)``, each ``[N, K]`` int.
+
+    ``key[i, t]`` is the flat key in slot t (row-major over per-axis slots) or -1 if empty;
+    ``rel[i, t]`` the flat index into ``rpb[h]`` of shape ``(2k_0-1, ...)`` (-1 if empty).
+    """
+    n = len(spatial)
+    kernel, dilation, causal = (_per_axis(x, n) for x in (kernel, dilation, causal))
+    N, K = math.prod(spatial), math.prod(kernel)
+    key = numpy.full((N, K), -1, dtype=numpy.int64)
+    rel = numpy.full((N, K), -1, dtype=numpy.int64)
+    rpb_shape = tuple(2 * k - 1 for k in kernel)
+    for qc in itertools.product(*(range(L) for L in spatial)):
+        per_axis = [axis_slots(i, L, k, d, c)
+                    for i, L, k, d, c in zip(qc, spatial, kernel, dilation, causal)]
+        for t, kc in enumerate(itertools.product(*per_axis)):
+            if any(c is None for c in kc):
+                continue
+            key[_flat(qc, spatial), t] = _flat(kc, spatial)
+            offset = tuple((j - i) // d + k - 1
+                           for i, j, d, k in zip(qc, kc, dilation, kernel))
+            rel[_flat(qc, spatial), t] = _flat(offset, rpb_shape)
+    return key, rel
+
+
+# ---- dense helpers ---------------------------------------------------------------------
+
+def _bnhd(x):
+    """[B, *spatial, H, D] -> float64 [B, H, N, D]."""
+    x = numpy.asarray(x, dtype=numpy.float64)
+    B, H, D = x.shape[0], x.shape[-2], x.shape[-1]
+    return x.reshape(B, -1, H, D).transpose(0, 2, 1, 3)
+
+
+def _back(x, shape):
+    """float64 [B, H, N, D] -> [B, *spatial, H, D] of ``shape``."""
+    return numpy.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(shape)
+
+
+def _softmax(logits, mask):
+    s = numpy.where(mask, logits, -numpy.inf)
+    m = s.max(axis=-1, keepdims=True)
+    e = numpy.exp(s - m)
+    z = e.sum(axis=-1, keepdims=True)
+    return e / z, (m + numpy.log(z))[..., 0]
+
+
+def dense_attention(q, k, v, scale=None):
+    """Plain softmax self-attention over all tokens: (out, lse)."""
+    N = math.prod(q.shape[1:-2])
+    return _fused(q, k, v, numpy.ones((N, N), dtype=bool), scale)
+
+
+def _fused(q, k, v, mask, scale):
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    qh, kh, vh = _bnhd(q), _bnhd(k), _bnhd(v)
+    p, lse = _softmax(scale * qh @ kh.transpose(0, 1, 3, 2), mask)
+    out = _back(p @ vh, q.shape)
+    return out, lse.transpose(0, 2, 1).reshape(q.shape[:-1])
+
+
+# ---- fused ops -------------------------------------------------------------------------
+
+def fused_forward(q, k, v, kernel, stride=1, dilation=1, causal=False, scale=None):
+    """(out, lse) in float64; lse in natural log."""
+    mask = neighborhood_mask(q.shape[1:-2], kernel, stride, dilation, causal)
+    return _fused(q, k, v, mask, scale)
+
+
+def fused_backward(d_out, q, k, v, kernel, stride=1, dilation=1, causal=False, scale=None):
+    """(dq, dk, dv) by the explicit softmax-attention gradient formulas, float64."""
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    mask = neighborhood_mask(q.shape[1:-2], kernel, stride, dilation, causal)
+    qh, kh, vh, doh = _bnhd(q), _bnhd(k), _bnhd(v), _bnhd(d_out)
+    p, _ = _softmax(scale * qh @ kh.transpose(0, 1, 3, 2), mask)
+    out = p @ vh
+    dp = doh @ vh.transpose(0, 1, 3, 2)
+    ds = p * (dp - (doh * out).sum(axis=-1, keepdims=True))
+    dq = scale * ds @ kh
+    dk = scale * ds.transpose(0, 1, 3, 2) @ qh
+    dv = p.transpose(0, 1, 3, 2) @ doh
+    return _back(dq, q.shape), _back(dk, q.shape), _back(dv, q.shape)
+
+
+# ---- unfused ops -----------------------------------------------------------------------
+
+def _dense_from_slots(attn, key, N):
+    """[B, *spatial, H, K] slot weights -> dense [B, H, N, N] (empty slots dropped)."""
+    a = numpy.asarray(attn, dtype=numpy.float64)
+    B, H, K = a.shape[0], a.shape[-2], a.shape[-1]
+    a = a.reshape(B, N, H, K).transpose(0, 2, 1, 3)
+    dense = numpy.zeros((B, H, N, N))
+    for i in range(N):
+        for t in range(K):
+            if key[i, t] >= 0:
+                dense[:, :, i, key[i, t]] = a[:, :, i, t]
+    return dense
+
+
+def _slots_from_dense(dense, key, shape):
+    """Dense [B, H, N, N] -> [B, *spatial, H, K] at the slots; empty slots get 0."""
+    B, H, N, _ = dense.shape
+    K = key.shape[1]
+    out = numpy.zeros((B, H, N, K))
+    for i in range(N):
+        for t in range(K):
+            if key[i, t] >= 0:
+                out[:, :, i, t] = dense[:, :, i, key[i, t]]
+    return numpy.ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(shape)
+
+
+def _attn_shape(x, K):
+    return tuple(x.shape[:-1]) + (K,)
+
+
+def qk(q, k, kernel, dilation=1, causal=False, rpb=None):
+    """Unfused logits ``<q_i, k_j> + rpb`` per slot, -inf at empty slots, float64."""
+    spatial = q.shape[1:-2]
+    key, rel = slot_table(spatial, kernel, dilation, causal)
+    N, K = key.shape
+    qh, kh = _bnhd(q), _bnhd(k)
+    dense = qh @ kh.transpose(0, 1, 3, 2)
+    out = _slots_from_dense(dense, key, _attn_shape(q, K))
+    B, H = q.shape[0], q.shape[-2]
+    flat = out.reshape(B, N, H, K)
+    if rpb is not None:
+        r = numpy.asarray(rpb, dtype=numpy.float64).reshape(H, -1)
+        for i in range(N):
+            for t in range(K):
+                if key[i, t] >= 0:
+                    flat[:, i, :, t] += r[:, rel[i, t]]
+    flat.transpose(0, 1, 3, 2)[:, key < 0] = -numpy.inf
+    return out
+
+
+def av(attn, v, kernel, dilation=1, causal=False):
+    """``out_i = sum_t attn[i, t] v_{key(i, t)}`` over non-empty slots, float64."""
+    key, _ = slot_table(v.shape[1:-2], kernel, dilation, causal)
+    dense = _dense_from_slots(attn, key, key.shape[0])
+    return _back(dense @ _bnhd(v), v.shape)
+
+
+def qk_backward(d_attn, q, k, kernel, dilation=1, causal=False, with_rpb=False):
+    """(dq, dk[, d_rpb]) of ``qk``: dq = A k, dk = A^T q with A the dense d_attn."""
+    spatial = q.shape[1:-2]
+    key, rel = slot_table(spatial, kernel, dilation, causal)
+    N, K = key.shape
+    dense = _dense_from_slots(d_attn, key, N)
+    dq = _back(dense @ _bnhd(k), q.shape)
+    dk = _back(dense.transpose(0, 1, 3, 2) @ _bnhd(q), k.shape)
+    if not with_rpb:
+        return dq, dk
+    B, H = q.shape[0], q.shape[-2]
+    kernel = _per_axis(kernel, len(spatial))
+    rpb_shape = (H,) + tuple(2 * kk - 1 for kk in kernel)
+    d_rpb = numpy.zeros((H, math.prod(rpb_shape[1:])))
+    da = numpy.asarray(d_attn, dtype=numpy.float64).reshape(B, N, H, K)
+    for i in range(N):
+        for t in range(K):
+            if key[i, t] >= 0:
+                d_rpb[:, rel[i, t]] += da[:, i, :, t].sum(axis=0)
+    return dq, dk, d_rpb.reshape(rpb_shape)
+
+
+def av_backward(d_out, attn, v, kernel, dilation=1, causal=False):
+    """(d_attn, dv) of ``av``: d_attn[i, t] = <dO_i, v_key(i,t)> (0 if empty), dv = A^T dO."""
+    key, _ = slot_table(v.shape[1:-2], kernel, dilation, causal)
+    N, K = key.shape
+    doh, vh = _bnhd(d_out), _bnhd(v)
+    d_attn = _slots_from_dense(doh @ vh.transpose(0, 1, 3, 2), key, _attn_shape(v, K))
+    dense = _dense_from_slots(attn, key, N)
+    dv = _back(dense.transpose(0, 1, 3, 2) @ doh, v.shape)
+    return d_attn, dv
