@@ -20,7 +20,7 @@ import pathlib
 import re
 
 __all__ = ["cuda_src_dir", "source_hash", "compile_options", "get_kernel", "nvrtc_check",
-           "cuda_include_dirs", "KernelReport", "compiled_keys"]
+           "cuda_include_dirs", "KernelReport", "compiled_keys", "nvrtc_check_many"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +128,14 @@ def nvrtc_check(source, name_expression, arch="sm_90", extra_options=()):
 
     Returns a KernelReport; raises RuntimeError with the compiler log on failure.
     """
+    return nvrtc_check_many(source, [name_expression], arch, extra_options)[0]
+
+
+def nvrtc_check_many(source, name_expressions, arch="sm_90", extra_options=()):
+    """Compile several instantiations of one source in one NVRTC program (one parse).
+
+    Returns one KernelReport per name expression, in order.
+    """
     from cupy_backends.cuda.libs import nvrtc
 
     includes = cuda_include_dirs()
@@ -137,25 +145,29 @@ def nvrtc_check(source, name_expression, arch="sm_90", extra_options=()):
             *[f"-I{d}" for d in includes]]
     prog = nvrtc.createProgram(_read(source), source, [], [])
     try:
-        nvrtc.addNameExpression(prog, name_expression)
+        for name in name_expressions:
+            nvrtc.addNameExpression(prog, name)
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"{source}: {name_expression} failed for {arch}:\n"
+            raise RuntimeError(f"{source} failed to compile for {arch}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from e
         log = nvrtc.getProgramLog(prog)
-        lowered = nvrtc.getLoweredName(prog, name_expression)
+        lowered = [nvrtc.getLoweredName(prog, n) for n in name_expressions]
     finally:
         nvrtc.destroyProgram(prog)
-    # ptxas reports every entry of the file; keep the one we asked for.
-    block = log.split(f"Function properties for {lowered}")
-    if len(block) < 2:
-        raise RuntimeError(f"no ptxas report for {lowered} in:\n{log}")
-    m = _PTXAS.search(block[1])
+    return [_report(name, low, arch, log) for name, low in zip(name_expressions, lowered)]
+
+
+def _report(name, lowered, arch, log):
+    """Parse ptxas -v output for one entry function."""
+    entry = re.search(rf"Compiling entry function '{re.escape(lowered)}' for '{arch}'\n"
+                      r"(?P<body>.*?)(?=Compiling entry function|\Z)", log, re.S)
+    if not entry:
+        raise RuntimeError(f"no ptxas report for {name} ({lowered}) in:\n{log[:2000]}")
+    body = entry["body"]
+    m = _PTXAS.search(body)
     if not m:
-        raise RuntimeError(f"cannot parse ptxas report for {lowered}:\n{block[1][:400]}")
-    smem_m = re.search(rf"Compiling entry function '{re.escape(lowered)}'.*?"
-                       r"Used \d+ registers(?:, used \d+ barriers)?, (\d+) bytes smem", log, re.S)
-    return KernelReport((name_expression, arch, int(m["regs"]),
-                         int(m["st"]) + int(m["ld"]), int(m["stack"]),
-                         int(smem_m.group(1)) if smem_m else 0, log))
+        raise RuntimeError(f"cannot parse ptxas report for {name}:\n{body[:800]}")
+    return KernelReport((name, arch, int(m["regs"]), int(m["st"]) + int(m["ld"]),
+                         int(m["stack"]), int(m["smem"] or 0), body))

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU runner: on a machine with a GPU (and the packages preinstalled, no network), run
+# the GPU test suite and then the benchmark suite in one go. Full logs and JSON go to $OUT;
+# a short summary table is printed last.
+#   bash bench/gpu_run.sh [--quick] [--tests-only|--bench-only] [extra pytest args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/natten_cupy_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/natten_cupy_kernel_cache}
+PY=${PYTHON:-python3}
+
+mode=all; quick=""; pytest_extra=()
+for a in "$@"; do
+  case "$a" in
+    --quick) quick=1 ;;
+    --tests-only) mode=tests ;;
+    --bench-only) mode=bench ;;
+    *) pytest_extra+=("$a") ;;
+  esac
+done
+
+"$PY" - <<'PY' | tee "$OUT/device.txt"
+import cupy, torch
+p = cupy.cuda.runtime.getDeviceProperties(0)
+print(f"device: {p['name'].decode()}  sm_{p['major']}{p['minor']}  cupy {cupy.__version__}  torch {torch.__version__}")
+PY
+
+status=0
+if [ "$mode" != bench ]; then
+  echo "== GPU tests"
+  t0=$(date +%s)
+  NATTEN_QUICK=${quick} "$PY" -m pytest -q -m gpu -p no:cacheprovider tests \
+      --junitxml="$OUT/tests.xml" "${pytest_extra[@]}" > "$OUT/tests.log" 2>&1
+  status=$?
+  echo "   pytest exit $status in $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+  tail -n 3 "$OUT/tests.log"
+fi
+if [ "$mode" != tests ]; then
+  echo "== benchmarks"
+  t0=$(date +%s)
+  if [ -n "$quick" ]; then bargs=(--budget-s 150); else bargs=(--budget-s 330); fi
+  "$PY" bench/suite.py --out "$OUT/bench.json" "${bargs[@]}" > "$OUT/bench.log" 2>&1 \
+      || { echo "   bench failed:"; tail -n 25 "$OUT/bench.log"; status=1; }
+  echo "   bench done in $(( $(date +%s) - t0 )) s"
+  [ -f "$OUT/bench.json" ] && "$PY" bench/report.py "$OUT/bench.json" --summary
+fi
+exit $status

@@ -1,0 +1,99 @@
+"""Every registered kernel instantiation compiles for sm_80 and sm_90, without a GPU.
+
+Compiles straight through NVRTC (no driver, no device context) and reads ptxas's report:
+a compile error or any register spill fails; registers per kernel are printed to the log.
+"""
+
+import collections
+import shutil
+
+import pytest
+
+from natten_cupy import _compile
+from natten_cupy.backends import NAMES, get_backend
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def _by_source():
+    groups = collections.defaultdict(list)
+    for name in NAMES:
+        backend = get_backend(name)
+        if backend is None:
+            continue
+        for source, expr in backend.instantiations():
+            if expr not in groups[source]:
+                groups[source].append(expr)
+    return dict(groups)
+
+
+GROUPS = _by_source()
+
+
+def test_some_kernels_are_registered():
+    # The naive backend alone registers one kernel per op, dtype and rank.
+    assert sum(len(v) for v in GROUPS.values()) >= 12, GROUPS
+
+
+@pytest.mark.skipif(not _compile.cuda_include_dirs(), reason="no CUDA headers (pip install "
+                    "nvidia-cuda-runtime, or a CUDA toolkit)")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", sorted(GROUPS))
+def test_compiles_without_spills(source, arch, capsys):
+    reports = _compile.nvrtc_check_many(source, GROUPS[source], arch)
+    with capsys.disabled():
+        print(f"\n{source} [{arch}]: {len(reports)} kernels")
+        for r in reports:
+            print(f"  {r.name:<60} regs {r.registers:>3}  smem {r.smem_bytes:>6}  "
+                  f"stack {r.stack_bytes:>4}  spill {r.spill_bytes}")
+    spilled = [f"{r.name}: {r.spill_bytes} bytes" for r in reports if r.spill_bytes]
+    assert not spilled, "register spills: " + "; ".join(spilled)
+
+
+def test_source_hash_follows_headers(tmp_path, monkeypatch):
+    """Editing a header changes the compile options (and so CuPy's disk-cache key)."""
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(_compile.cuda_src_dir(), copy)
+    monkeypatch.setenv("NATTEN_CUPY_CUDA_SRC", str(copy))
+    _compile.cuda_src_dir.cache_clear()
+    _compile.source_hash.cache_clear()
+    try:
+        before = _compile.compile_options()
+        header = copy / "natten" / "window.cuh"
+        header.write_text(header.read_text() + "\n// edited\n")
+        _compile.source_hash.cache_clear()
+        after = _compile.compile_options()
+    finally:
+        _compile.cuda_src_dir.cache_clear()
+        _compile.source_hash.cache_clear()
+    assert before != after
+    assert any(o.startswith("-DNATTEN_SRC_HASH=") for o in after)
+
+
+def test_nvrtc_reports_compile_errors(tmp_path, monkeypatch):
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(_compile.cuda_src_dir(), copy)
+    (copy / "broken.cu").write_text("template <typename T> __global__ void k(T* x) { x[0] = y; }")
+    monkeypatch.setenv("NATTEN_CUPY_CUDA_SRC", str(copy))
+    _compile.cuda_src_dir.cache_clear()
+    _compile._read.cache_clear()
+    try:
+        if not _compile.cuda_include_dirs():
+            pytest.skip("no CUDA headers")
+        with pytest.raises(RuntimeError, match="broken.cu failed to compile"):
+            _compile.nvrtc_check("broken.cu", "k<float>", "sm_90")
+    finally:
+        _compile.cuda_src_dir.cache_clear()
+        _compile._read.cache_clear()
+        _compile.source_hash.cache_clear()
+
+
+@pytest.mark.gpu
+def test_kernel_cache_is_hit():
+    """A second request for the same instantiation compiles nothing and returns the same."""
+    naive = get_backend("naive")
+    source, expr = naive.instantiations()[0]
+    first = _compile.get_kernel(source, expr)
+    keys = _compile.compiled_keys()
+    assert _compile.get_kernel(source, expr) is first
+    assert _compile.compiled_keys() == keys
