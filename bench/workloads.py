@@ -1,0 +1,141 @@
+"""The benchmark workloads of BENCH.md as data: shapes, FLOPs, floors and the peers' figures.
+
+Every number in here comes from ../shared/BENCH.md (measured on the lent H200, B = 1). The
+cost formulas are natten_cupy.profiler's, so the profiler CLI and the suite agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH,  # noqa: E402
+                                  bytes_moved, flops, floor_ms)
+
+__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
+           "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "CEILINGS", "COPY_BANDWIDTH",
+           "BACKWARD_FLOP_FACTOR", "dtype_spec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    id: str
+    spatial: tuple
+    kernel: tuple
+    heads: int
+    dim: int
+    why: str
+    batch: int = 1
+    stride: tuple = None
+    dilation: tuple = None
+    causal: tuple = None
+
+    def __post_init__(self):
+        n = len(self.spatial)
+        for name, default in (("stride", 1), ("dilation", 1), ("causal", False)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, (default,) * n)
+
+    @property
+    def rank(self):
+        return len(self.spatial)
+
+    @property
+    def tokens(self):
+        return math.prod(self.spatial)
+
+    @property
+    def neighbors(self):
+        return math.prod(self.kernel)
+
+    @property
+    def shape(self):
+        """Layout of q, k, v in natten_cupy: [B, *spatial, H, D]."""
+        return (self.batch, *self.spatial, self.heads, self.dim)
+
+    def flops(self, backward=False):
+        return flops(self.batch, self.tokens, self.heads, self.neighbors, self.dim, backward)
+
+    def bytes_moved(self, dtype, backward=False):
+        spec = dtype_spec(dtype)
+        return bytes_moved(self.batch, self.tokens, self.heads, self.dim, spec["itemsize"],
+                           backward, 8 if spec["name"] == "float64" else 4)
+
+    def floor_ms(self, dtype, backward=False):
+        spec = dtype_spec(dtype)
+        return floor_ms(self.batch, self.tokens, self.heads, self.neighbors, self.dim,
+                        spec["name"], backward, spec["tf32"])
+
+    def describe(self):
+        grid = " x ".join(map(str, self.spatial))
+        kern = " x ".join(map(str, self.kernel))
+        return f"{grid}, kernel {kern}, H={self.heads}, D={self.dim}"
+
+    def as_dict(self):
+        d = dataclasses.asdict(self)
+        d.update(rank=self.rank, tokens=self.tokens, neighbors=self.neighbors,
+                 flops_fwd=self.flops(), flops_bwd=self.flops(True))
+        return d
+
+
+WORKLOADS = {w.id: w for w in (
+    Workload("W2", (1024, 1024), (9, 9), 8, 32,
+             "the 2-D case users report as too slow in backward"),
+    Workload("W3", (16, 256, 256), (3, 5, 5), 8, 32,
+             "the same tokens in 3-D (video); users find 3-D slower than 2-D"),
+    Workload("W3b", (8, 128, 128), (5, 7, 7), 8, 32, "a video model's layer"),
+    Workload("W2b", (256, 256), (13, 13), 4, 128, "large head dim, large window"),
+    Workload("W1", (32768,), (2047,), 16, 64, "long 1-D sequence, large window"),
+    # Not one of BENCH.md's five: NA whose window is the whole sequence is plain
+    # self-attention (SPEC section 1), so it sets our fused kernel against dense SDPA at the
+    # shape of BENCH.md's "dense self-attention" line.
+    Workload("SA", (16384,), (16384,), 16, 64, "window = whole sequence: dense self-attention"),
+)}
+DEFAULT_WORKLOADS = ("W2", "W3", "W3b", "W2b", "W1", "SA")
+
+# Names the suite accepts for --dtypes. "tf32" is float32 I/O with TF32 tensor cores allowed.
+DTYPES = {
+    "fp16": dict(name="float16", itemsize=2, tf32=False),
+    "bf16": dict(name="bfloat16", itemsize=2, tf32=False),
+    "fp32": dict(name="float32", itemsize=4, tf32=False),
+    "tf32": dict(name="float32", itemsize=4, tf32=True),
+}
+DEFAULT_DTYPES = ("fp16", "fp32")
+
+
+def dtype_spec(dtype):
+    spec = DTYPES[dtype]
+    return dict(spec, key=dtype)
+
+
+# BENCH.md "Peer: PyTorch FlexAttention", ms as (forward, forward+backward); None where
+# BENCH.md gives no figure.
+PUBLISHED_PEERS = {
+    ("W2", "fp16"): {"flex_flat": (34.5, 119.0), "flex_tiled": (18.9, 64.1)},
+    ("W2", "bf16"): {"flex_flat": (34.4, 118.6), "flex_tiled": (18.9, 64.1)},
+    ("W2", "fp32"): {"flex_flat": (195.7, 2381.0), "flex_tiled": (71.6, 855.0)},
+    ("W3", "fp16"): {"flex_flat": (65.7, 206.9), "flex_tiled": (86.4, 239.5)},
+    ("W3", "fp32"): {"flex_tiled": (192.3, 2291.0)},
+    ("W3b", "fp16"): {"flex_flat": (8.87, 27.5), "flex_tiled": (11.4, 31.7),
+                      "sdpa_masked": (71.4, 248.4)},
+    ("W3b", "fp32"): {"flex_tiled": (24.7, 298.9)},
+    ("W2b", "fp16"): {"flex_flat": (1.98, 6.61), "flex_tiled": (0.774, 2.71),
+                      "sdpa_masked": (14.6, 55.6)},
+    ("W2b", "fp32"): {"flex_tiled": (13.3, 101.8)},
+    ("W1", "fp16"): {"flex_flat": (1.20, 4.82), "flex_tiled": (1.19, 4.83),
+                     "sdpa_masked": (9.76, 34.4)},
+    ("W1", "fp32"): {"flex_tiled": (23.1, 203.6)},
+    # BENCH.md dense self-attention, fp16, N = 16384, 16 heads, head dim 64.
+    ("SA", "fp16"): {"sdpa": (2.47, 8.73)},
+}
+
+# BENCH.md "Floors" for W2 and W3, ms as (forward, backward). Note: its exact-fp32 row matches
+# a 67 TFLOP/s ceiling (the H200 datasheet), not the 51 TFLOP/s matmul it measured; the
+# suite computes floors from the measured ceilings, so its fp32 floors are 1.71 / 4.26 ms on W2.
+PUBLISHED_FLOORS = {
+    "fp16": (0.51, 1.01), "bf16": (0.51, 1.01), "tf32": (1.01, 2.01), "fp32": (1.30, 3.25),
+}
