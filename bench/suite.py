@@ -1,0 +1,509 @@
+#!/usr/bin/env python3
+"""Benchmark suite: BENCH.md's workloads x dtypes x natten_cupy's backends, next to the peers.
+
+    python bench/suite.py [--workloads W2,W3] [--dtypes fp16,fp32] [--backends fused,naive]
+                          [--no-peers] [--budget-s 330] [--item-s 15] --out results.json
+
+Everything runs in one process, side by side. Per (workload, dtype) group, every
+implementation (ours: the fused op on each backend that accepts it, the unfused chain
+qk -> softmax -> av on naive/tiled; peers: FlexAttention in two token orders, dense masked
+SDPA) goes through the same steps:
+
+1. setup (inputs in the implementation's layout; masks), the extra memory it holds recorded;
+2. first forward and first forward+backward timed on their own (they compile);
+3. output and gradients compared with our best backend's (relative error recorded);
+4. one timed call of each gives the repetition counts that fit the per-item time limit
+   (an implementation slower than the limit gets that one measurement, or is skipped);
+5. CUDA-event timing after warm-up, medians: forward, forward+backward (random dO), and
+   backward as their difference; peak extra memory of one forward+backward.
+
+One failing implementation records its error and the run goes on. The run stops starting
+new items when ``--budget-s`` is spent; each group gets a fair share of what is left. The
+JSON is rewritten after every item, so an interrupted run still leaves its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+import workloads as wl  # noqa: E402
+
+# Our implementations, best first: (name, backend, path). The first that runs in a group
+# is the reference the others are checked against.
+OURS = (("fused", "fused", "fused"), ("naive", "naive", "fused"),
+        ("tiled_unfused", "tiled", "unfused"), ("naive_unfused", "naive", "unfused"),
+        ("reference", "reference", "fused"))
+DEFAULT_BACKENDS = ("fused", "naive", "tiled")
+# Rough lower bounds of throughput (useful FLOP/s) to skip hopeless items without running.
+SLOW_FLOPS = {"naive": 0.2e12, "naive_unfused": 0.2e12, "reference": 0.02e12}
+TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-3, "tf32": 2e-2}
+L2_BYTES = 50 * 2 ** 20
+
+
+class Skip(Exception):
+    pass
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default=",".join(wl.DEFAULT_WORKLOADS),
+                   help=f"comma list of {', '.join(wl.WORKLOADS)}")
+    p.add_argument("--dtypes", default=",".join(wl.DEFAULT_DTYPES),
+                   help=f"comma list of {', '.join(wl.DTYPES)} (tf32: fp32 I/O, TF32 math)")
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                   help="comma list of natten_cupy backends to time (reference is opt-in)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--budget-s", type=float, default=330.0,
+                   help="stop starting new items after this many seconds")
+    p.add_argument("--item-s", type=float, default=15.0,
+                   help="time limit of the timed repetitions of one item")
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "suite.json"))
+    args = p.parse_args(argv)
+    args.workloads = _pick(args.workloads, wl.WORKLOADS, "workload")
+    args.dtypes = _pick(args.dtypes, wl.DTYPES, "dtype")
+    args.backends = [b for b in args.backends.split(",") if b]
+    return args
+
+
+def _pick(text, known, what):
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in known]
+    if bad:
+        raise SystemExit(f"unknown {what}(s) {bad}; known: {', '.join(known)}")
+    return names
+
+
+# ---- implementations of natten_cupy -------------------------------------------------------
+
+class Ours:
+    kind = "ours"
+
+    def __init__(self, name, backend, path, w, spec):
+        self.name, self.backend, self.path, self.w, self.spec = name, backend, path, w, spec
+        self.sets, self._i = [], 0
+
+    def check_available(self, torch_q):
+        from natten_cupy import _args
+        from natten_cupy.backends import get_backend
+        mod = get_backend(self.backend)
+        if mod is None:
+            raise Skip(f"backend {self.backend} is not available")
+        w = self.w
+        problem = _args.check_fused(w.rank, torch_q, torch_q, torch_q, w.kernel, w.stride,
+                                    w.dilation, w.causal, None, self.backend,
+                                    self.spec["tf32"])
+        ops = (("fused_forward", "fused_backward") if self.path == "fused"
+               else ("qk", "av", "qk_backward", "av_backward"))
+        why = [f"{op}: {r}" for op in ops for r in [mod.refuse(op, problem)] if r]
+        if why:
+            raise Skip("refused: " + "; ".join(why))
+        floor_flops = SLOW_FLOPS.get(self.name)
+        if floor_flops:
+            guess = w.flops() / floor_flops
+            return guess
+        return None
+
+    def setup(self, input_sets):
+        import cupy
+        self.sets = [tuple(cupy.from_dlpack(x) for x in s) for s in input_sets]
+        w = self.w
+        self.kw = dict(dilation=w.dilation, is_causal=w.causal, backend=self.backend,
+                       allow_tf32=self.spec["tf32"])
+
+    def _next(self):
+        s = self.sets[self._i % len(self.sets)]
+        self._i += 1
+        return s
+
+    def _fwd(self, q, k, v):
+        from natten_cupy import ops, profile
+        w = self.w
+        if self.path == "fused":
+            return ops.fused_forward(w.rank, q, k, v, w.kernel, stride=w.stride,
+                                     return_lse=True, **self.kw)
+        return profile.unfused_forward(w.rank, q, k, v, w.kernel, **self.kw)
+
+    def _bwd(self, q, k, v, do, saved):
+        from natten_cupy import ops, profile
+        w = self.w
+        if self.path == "fused":
+            out, lse = saved
+            return ops.fused_backward(w.rank, do, q, k, v, out, lse, w.kernel,
+                                      stride=w.stride, **self.kw)
+        return profile.unfused_backward(w.rank, do, q, k, v, saved[1], w.kernel, **self.kw)
+
+    def forward(self):
+        q, k, v, _ = self._next()
+        return self._fwd(q, k, v)
+
+    def forward_backward(self):
+        q, k, v, do = self._next()
+        return self._bwd(q, k, v, do, self._fwd(q, k, v))
+
+    def results(self):
+        import torch
+        q, k, v, do = self.sets[0]
+        saved = self._fwd(q, k, v)
+        grads = self._bwd(q, k, v, do, saved)
+        return tuple(torch.from_dlpack(x) for x in (saved[0], *grads))
+
+    def teardown(self):
+        self.sets = []
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+def _sync():
+    import torch
+    torch.cuda.synchronize()
+
+
+def _wall(fn):
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _timed(fn, reps):
+    import torch
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(reps)]
+    for start, stop in pairs:
+        start.record()
+        fn()
+        stop.record()
+    _sync()
+    return [s.elapsed_time(e) for s, e in pairs]
+
+
+class Memory:
+    """Peak extra device memory of a block: torch's and CuPy's pools' high-water marks."""
+
+    def __enter__(self):
+        import cupy
+        import torch
+        self.pool = cupy.get_default_memory_pool()
+        self.pool.free_all_blocks()
+        self.cupy0 = self.pool.total_bytes()
+        torch.cuda.reset_peak_memory_stats()
+        self.torch0 = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        _sync()
+        self.peak = (max(0, torch.cuda.max_memory_allocated() - self.torch0)
+                     + max(0, self.pool.total_bytes() - self.cupy0))
+        return False
+
+
+def _rel_err(a, b):
+    a, b = a.float(), b.float()
+    scale = float(b.abs().max())
+    err = float((a - b).abs().max())
+    if not math.isfinite(err):
+        return float("inf")
+    return err / scale if scale > 0 else err
+
+
+def _reps(t_ms, limit_s, lo, hi):
+    return max(lo, min(hi, int(limit_s * 1e3 / max(t_ms, 1e-3))))
+
+
+def run_item(impl, w, spec, group, args, deadline):
+    """Measure one implementation; returns its record (raises Skip or errors)."""
+    import torch
+    rec = {}
+    fl_f, fl_b = w.flops(), w.flops(True)
+    with Memory() as m:
+        impl.setup(group["inputs"])
+    rec["setup_bytes"] = m.peak
+    rec["first_fwd_ms"] = _wall(impl.forward)
+    rec["first_fwdbwd_ms"] = _wall(impl.forward_backward)
+
+    # Correctness against our best backend (the first of ours to run in this group).
+    outs = tuple(t.detach() for t in impl.results())
+    if group.get("ref") is None:
+        group["ref"] = (impl.name, tuple(t.clone() for t in outs))
+    ref_name, ref = group["ref"]
+    errs = {n: _rel_err(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs, ref)}
+    tol = TOLERANCE["tf32" if spec["tf32"] else spec["name"]]
+    rec.update(checked_against=ref_name, rel_err=errs,
+               check_ok=all(e <= (tol if n == "out" else 2 * tol) for n, e in errs.items()))
+    del outs
+
+    # One timed call each sets the repetitions; slow items are capped at that one call.
+    t_f = _timed(impl.forward, 1)[0]
+    t_fb = _timed(impl.forward_backward, 1)[0]
+    left = max(0.0, deadline - time.time())
+    limit = min(args.item_s, left)
+    notes = []
+    if t_f + t_fb > limit:
+        f_times, fb_times = [t_f], [t_fb]
+        notes.append(f"capped: one call takes {(t_f + t_fb) / 1e3:.1f} s (limit {limit:.0f} s)")
+    else:
+        share_f = t_f / (t_f + t_fb)
+        r_f = _reps(t_f, limit * share_f, args.min_reps, args.max_reps)
+        r_fb = _reps(t_fb, limit * (1 - share_f), args.min_reps, args.max_reps)
+        warm = max(0, min(args.warmup, int(limit * 1e3 / (t_f + t_fb)) - 1))
+        for _ in range(warm):
+            impl.forward_backward()
+        f_times = _timed(impl.forward, r_f)
+        fb_times = _timed(impl.forward_backward, r_fb)
+    with Memory() as m:
+        impl.forward_backward()
+    fwd, fwdbwd = statistics.median(f_times), statistics.median(fb_times)
+    bwd = fwdbwd - fwd
+    rec.update(
+        fwd_ms=fwd, fwdbwd_ms=fwdbwd, bwd_ms=bwd, reps_fwd=len(f_times),
+        reps_fwdbwd=len(fb_times), fwd_spread=_spread(f_times), fwdbwd_spread=_spread(fb_times),
+        fwd_tflops=fl_f / fwd / 1e9, fwdbwd_tflops=(fl_f + fl_b) / fwdbwd / 1e9,
+        bwd_tflops=fl_b / bwd / 1e9 if bwd > 0 else None,
+        floor_fraction_fwd=w.floor_ms(spec["key"]) / fwd,
+        floor_fraction_bwd=w.floor_ms(spec["key"], True) / bwd if bwd > 0 else None,
+        peak_extra_bytes=m.peak, notes=notes)
+    torch.cuda.synchronize()
+    return rec
+
+
+def _spread(times):
+    return [min(times), max(times)]
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+def make_inputs(w, spec, seed, copies):
+    import torch
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float32": torch.float32}[spec["name"]]
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return [tuple(torch.randn(w.shape, generator=g, device="cuda", dtype=torch.float32)
+                  .to(dtype) for _ in range(4)) for _ in range(copies)]
+
+
+def input_copies(w, spec):
+    """Copies of the inputs to rotate through so that timed calls do not hit a warm L2."""
+    size = 3 * w.batch * w.tokens * w.heads * w.dim * spec["itemsize"]
+    return 1 if size >= 2 * L2_BYTES else min(8, math.ceil(2 * L2_BYTES / size))
+
+
+def plan_group(w, spec, args):
+    """[(name, kind, factory)] in priority order for one (workload, dtype)."""
+    from natten_cupy.backends import get_backend
+    items = []
+    # Our implementations whose backend exists here, best first.
+    ours = [o for o in OURS if o[1] in args.backends and get_backend(o[1]) is not None]
+    for name, backend, path in ours[:1]:
+        items.append((name, "ours", lambda n=name, b=backend, p=path: Ours(n, b, p, w, spec)))
+    peer_list = []
+    if args.peers:
+        import peers
+        dt = _torch_dtype(spec)
+        published = wl.PUBLISHED_PEERS.get((w.id, spec["key"]), {})
+        order = sorted(peers.peers_for(w),
+                       key=lambda p: published.get(p[0], (math.inf, math.inf))[1])
+        peer_list = [(n, "peer", lambda f=f: f(dt, spec["tf32"])) for n, f in order]
+    # Best of ours first, then the peers (their compile is shared across token orders),
+    # then the slower implementations of ours.
+    items += peer_list
+    for name, backend, path in ours[1:]:
+        items.append((name, "ours", lambda n=name, b=backend, p=path: Ours(n, b, p, w, spec)))
+    return items
+
+
+def _torch_dtype(spec):
+    import torch
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float32": torch.float32}[spec["name"]]
+
+
+def environment():
+    env = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        env["device"] = torch.cuda.get_device_name(0)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        env["torch_error"] = repr(e)
+    try:
+        import cupy
+        env["cupy"] = cupy.__version__
+    except Exception as e:  # noqa: BLE001
+        env["cupy_error"] = repr(e)
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       capture_output=True, text=True,
+                                       timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    from natten_cupy.backends import NAMES, get_backend
+    env["backends"] = [n for n in NAMES if get_backend(n) is not None]
+    return env
+
+
+def write_json(path, data):
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def _jsonable(x):
+    if isinstance(x, tuple):
+        return list(x)
+    return str(x)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    import torch
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+    console = Console()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    data = {
+        "meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
+                 "args": {k: v for k, v in vars(args).items()},
+                 "env": environment(),
+                 "ceilings_flops": wl.CEILINGS, "copy_bandwidth": wl.COPY_BANDWIDTH},
+        "workloads": {wid: wl.WORKLOADS[wid].as_dict() for wid in args.workloads},
+        "published_peers": {f"{k[0]}/{k[1]}": v for k, v in wl.PUBLISHED_PEERS.items()},
+        "results": [],
+    }
+    groups = [(wl.WORKLOADS[wid], wl.dtype_spec(dt)) for wid in args.workloads
+              for dt in args.dtypes]
+    plans = [plan_group(w, spec, args) for w, spec in groups]
+    total = sum(len(p) for p in plans)
+    context_lost = None
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("bench", total=total)
+        for gi, ((w, spec), plan) in enumerate(zip(groups, plans)):
+            g_start = time.time()
+            share = max(0.0, deadline - g_start) / (len(groups) - gi)
+            g_deadline = min(deadline, g_start + share)
+            group = {"inputs": None, "ref": None}
+            for ii, (name, kind, factory) in enumerate(plan):
+                rec = {"workload": w.id, "dtype": spec["key"], "impl": name, "kind": kind,
+                       "floor_fwd_ms": w.floor_ms(spec["key"]),
+                       "floor_bwd_ms": w.floor_ms(spec["key"], True)}
+                progress.update(task, description=f"{w.id} {spec['key']} {name}")
+                now = time.time()
+                if context_lost:
+                    rec.update(status="not run", reason=f"CUDA context lost ({context_lost})")
+                elif now >= deadline or (ii > 0 and now >= g_deadline):
+                    rec.update(status="not run", reason="time budget spent")
+                else:
+                    rec.update(_run_one(name, factory, w, spec, group, args,
+                                        max(g_deadline, now + 1.0) if ii == 0 else g_deadline))
+                    if rec["status"] == "error" and not _cuda_alive():
+                        context_lost = f"after {w.id} {spec['key']} {name}"
+                data["results"].append(rec)
+                data["meta"]["elapsed_s"] = time.time() - t_start
+                write_json(args.out, data)
+                progress.console.print(_line(rec))
+                progress.advance(task)
+            group.clear()
+            _free()
+    data["meta"]["elapsed_s"] = time.time() - t_start
+    write_json(args.out, data)
+    console.print(f"wrote {args.out} in {data['meta']['elapsed_s']:.0f} s")
+    try:
+        import report
+        console.print(report.summary_table(data))
+    except Exception as e:  # noqa: BLE001 - the JSON is what matters
+        console.print(f"(no summary: {e!r})")
+    return 0
+
+
+def _run_one(name, factory, w, spec, group, args, deadline):
+    t0 = time.time()
+    impl = None
+    try:
+        impl = factory()
+        if group["inputs"] is None:
+            group["inputs"] = make_inputs(w, spec, args.seed, input_copies(w, spec))
+        if isinstance(impl, Ours):
+            guess_s = impl.check_available(group["inputs"][0][0])
+            if guess_s is not None and guess_s > args.item_s:
+                raise Skip(f"predicted too slow: about {guess_s:.0f} s per forward")
+        rec = run_item(impl, w, spec, group, args, deadline)
+        rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - one failure must not end the run
+        if type(e).__name__ == "Skip":
+            rec = {"status": "skipped", "reason": str(e)}
+        else:
+            rec = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:2000],
+                   "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        if impl is not None:
+            try:
+                impl.teardown()
+            except Exception:  # noqa: BLE001
+                pass
+        impl = None
+        _free()
+    rec["item_s"] = time.time() - t0
+    return rec
+
+
+def _free():
+    try:
+        import cupy
+        import torch
+        torch.cuda.synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _cuda_alive():
+    try:
+        import torch
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _line(rec):
+    head = f"{rec['workload']:>4} {rec['dtype']:<5} {rec['impl']:<14}"
+    if rec.get("status") != "ok":
+        return f"{head} {rec.get('status')}: {rec.get('reason', '')[:150]}"
+    bwd = f"{rec['bwd_ms']:.3f}" if rec.get("bwd_ms") is not None else "-"
+    return (f"{head} fwd {rec['fwd_ms']:.3f} ms ({rec['fwd_tflops']:.1f} TF/s)  "
+            f"fwd+bwd {rec['fwdbwd_ms']:.3f} ms  bwd {bwd} ms  "
+            f"first {rec['first_fwd_ms']:.0f}/{rec['first_fwdbwd_ms']:.0f} ms  "
+            f"err {max(rec['rel_err'].values()):.1e} vs {rec['checked_against']}  "
+            f"peak {rec['peak_extra_bytes'] / 2 ** 30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
