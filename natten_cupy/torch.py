@@ -1,0 +1,421 @@
+"""PyTorch layer: autograd-enabled neighborhood attention and ``NeighborhoodAttention{1,2,3}D``.
+
+Three thin tiers, one set for every rank:
+
+* custom ops ``torch.ops.natten_cupy.*`` (``torch.library.custom_op``): validate, select a
+  backend, let torch allocate every output, and fill it through ``natten_cupy.ops.run_*`` on
+  zero-copy NumPy (CPU) or CuPy (CUDA) views, launched on torch's current stream. Each op has
+  a fake (shape-only) implementation for ``torch.compile`` and, for the forward ops, an
+  autograd formula that saves its tensors through ``ctx.save_for_backward`` (so saved-tensor
+  hooks such as ``torch.autograd.graph.save_on_cpu`` apply);
+* public functions ``na1d/na2d/na3d`` (fused) and ``na{n}d_qk`` / ``na{n}d_av`` (unfused),
+  which raise the same errors as the array-level calls before any work;
+* modules ``NeighborhoodAttention1D/2D/3D``: qkv projection, heads, NA, output projection.
+
+Tensors are ``[B, *spatial, H, D]`` with any strides; unfused weights ``[B, *spatial, H, K]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+from typing import Optional
+
+import numpy
+import torch
+from torch import Tensor, nn
+
+from . import _args, ops
+from ._dtypes import BFLOAT16
+
+__all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
+           "na3d_av", "NeighborhoodAttention", "NeighborhoodAttention1D",
+           "NeighborhoodAttention2D", "NeighborhoodAttention3D"]
+
+
+# ---- torch tensors as NumPy / CuPy arrays -----------------------------------------------
+
+def _xp(device):
+    """The array module that runs on ``device``: numpy (CPU) or cupy (CUDA)."""
+    if device.type == "cpu":
+        return numpy
+    import cupy
+    return cupy
+
+
+@contextlib.contextmanager
+def _on_torch_stream(device):
+    """Launch context: the tensor's GPU and torch's current stream there (nothing on CPU)."""
+    if device.type == "cpu":
+        yield
+        return
+    import cupy
+    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device))
+    with cupy.cuda.Device(device.index), stream:
+        yield
+
+
+def _view(t):
+    """A zero-copy, writable NumPy/CuPy view of tensor ``t`` (None stays None).
+
+    Call inside ``_on_torch_stream`` so that CuPy imports the tensor on torch's stream.
+    """
+    if t is None:
+        return None
+    t = t.detach()
+    if t.device.type == "cpu":
+        if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: reinterpret the bits
+            return t.view(torch.int16).numpy().view(BFLOAT16)
+        return t.numpy()
+    import cupy
+    return cupy.from_dlpack(t)
+
+
+def _accumulator(dtype):
+    """lse / d_rpb accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rpb_shape(heads, kernel_size):
+    return (heads,) + tuple(2 * k - 1 for k in kernel_size)
+
+
+# ---- custom ops (per-axis options arrive as lists) --------------------------------------
+
+@torch.library.custom_op("natten_cupy::na_fused_forward", mutates_args=())
+def _fused_forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
+                   stride: list[int], dilation: list[int], is_causal: list[bool],
+                   scale: Optional[float], backend: str, allow_tf32: bool,
+                   deterministic: bool) -> tuple[Tensor, Tensor]:
+    problem = _args.check_fused(len(kernel_size), q, k, v, kernel_size, stride, dilation,
+                                is_causal, scale, backend, allow_tf32, deterministic)
+    be = ops.select_backend("fused_forward", problem, _xp(q.device), backend)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
+    with _on_torch_stream(q.device):
+        ops.run_fused_forward(problem, be, *map(_view, (q, k, v, out, lse)))
+    return out, lse
+
+
+@_fused_forward.register_fake
+def _(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+      deterministic):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype))
+
+
+@torch.library.custom_op("natten_cupy::na_fused_backward", mutates_args=())
+def _fused_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    kernel_size: list[int], stride: list[int], dilation: list[int],
+                    is_causal: list[bool], scale: Optional[float], backend: str,
+                    allow_tf32: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    problem = _args.check_fused_backward(len(kernel_size), d_out, q, k, v, out, lse,
+                                         kernel_size, stride, dilation, is_causal, scale,
+                                         backend, allow_tf32, deterministic)
+    be = ops.select_backend("fused_backward", problem, _xp(q.device), backend)
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
+    with _on_torch_stream(q.device):
+        ops.run_fused_backward(problem, be, *map(_view, (d_out, q, k, v, out, lse, *grads)))
+    return tuple(grads)
+
+
+@_fused_backward.register_fake
+def _(d_out, q, k, v, out, lse, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fused_setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _fused_grad(ctx, d_out, d_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _fused_backward(d_out, q, k, v, out, lse, *ctx.options)
+    return (dq, dk, dv) + (None,) * len(ctx.options)
+
+
+_fused_forward.register_autograd(_fused_grad, setup_context=_fused_setup_context)
+
+
+@torch.library.custom_op("natten_cupy::na_qk", mutates_args=())
+def _qk(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int],
+        dilation: list[int], is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
+    problem = _args.check_qk(len(kernel_size), q, k, kernel_size, dilation, is_causal, rpb,
+                             backend, allow_tf32)
+    be = ops.select_backend("qk", problem, _xp(q.device), backend)
+    attn = torch.empty(q.shape[:-1] + (problem.num_neighbors,), dtype=q.dtype, device=q.device)
+    with _on_torch_stream(q.device):
+        ops.run_qk(problem, be, *map(_view, (q, k, rpb, attn)))
+    return attn
+
+
+@_qk.register_fake
+def _(q, k, rpb, kernel_size, *options):
+    return q.new_empty(q.shape[:-1] + (math.prod(kernel_size),))
+
+
+@torch.library.custom_op("natten_cupy::na_qk_backward", mutates_args=())
+def _qk_backward(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
+                 kernel_size: list[int], dilation: list[int], is_causal: list[bool],
+                 backend: str, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, d_rpb); d_rpb is an empty tensor of shape (0,) unless ``with_rpb``."""
+    problem = _args.check_qk_backward(len(kernel_size), d_attn, q, k, kernel_size, dilation,
+                                      is_causal, None, backend, allow_tf32)
+    be = ops.select_backend("qk_backward", problem, _xp(q.device), backend)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    d_rpb = None
+    if with_rpb:  # accumulated in float32 (float64), zeroed by run_qk_backward
+        d_rpb = torch.empty(_rpb_shape(problem.heads, problem.kernel_size),
+                            dtype=_accumulator(q.dtype), device=q.device)
+    with _on_torch_stream(q.device):
+        ops.run_qk_backward(problem, be, *map(_view, (d_attn, q, k, dq, dk, d_rpb)))
+    if d_rpb is None:
+        return dq, dk, q.new_empty((0,))
+    return dq, dk, d_rpb.to(q.dtype)
+
+
+@_qk_backward.register_fake
+def _(d_attn, q, k, with_rpb, kernel_size, *options):
+    heads = q.shape[-2]
+    d_rpb_shape = _rpb_shape(heads, kernel_size) if with_rpb else (0,)
+    return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(d_rpb_shape)
+
+
+def _qk_setup_context(ctx, inputs, output):
+    q, k, rpb, *options = inputs
+    ctx.save_for_backward(q, k)
+    ctx.with_rpb = rpb is not None
+    ctx.options = options
+
+
+def _qk_grad(ctx, d_attn):
+    q, k = ctx.saved_tensors
+    dq, dk, d_rpb = _qk_backward(d_attn, q, k, ctx.with_rpb, *ctx.options)
+    return (dq, dk, d_rpb if ctx.with_rpb else None) + (None,) * len(ctx.options)
+
+
+_qk.register_autograd(_qk_grad, setup_context=_qk_setup_context)
+
+
+@torch.library.custom_op("natten_cupy::na_av", mutates_args=())
+def _av(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int],
+        is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
+    problem = _args.check_av(len(kernel_size), attn, v, kernel_size, dilation, is_causal,
+                             backend, allow_tf32)
+    be = ops.select_backend("av", problem, _xp(v.device), backend)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    with _on_torch_stream(v.device):
+        ops.run_av(problem, be, *map(_view, (attn, v, out)))
+    return out
+
+
+@_av.register_fake
+def _(attn, v, *options):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("natten_cupy::na_av_backward", mutates_args=())
+def _av_backward(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[int],
+                 dilation: list[int], is_causal: list[bool], backend: str,
+                 allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    problem = _args.check_av_backward(len(kernel_size), d_out, attn, v, kernel_size, dilation,
+                                      is_causal, backend, allow_tf32)
+    be = ops.select_backend("av_backward", problem, _xp(v.device), backend)
+    d_attn = torch.empty(attn.shape, dtype=attn.dtype, device=attn.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    with _on_torch_stream(v.device):
+        ops.run_av_backward(problem, be, *map(_view, (d_out, attn, v, d_attn, dv)))
+    return d_attn, dv
+
+
+@_av_backward.register_fake
+def _(d_out, attn, v, *options):
+    return attn.new_empty(attn.shape), v.new_empty(v.shape)
+
+
+def _av_setup_context(ctx, inputs, output):
+    attn, v, *options = inputs
+    ctx.save_for_backward(attn, v)
+    ctx.options = options
+
+
+def _av_grad(ctx, d_out):
+    attn, v = ctx.saved_tensors
+    d_attn, dv = _av_backward(d_out, attn, v, *ctx.options)
+    return (d_attn, dv) + (None,) * len(ctx.options)
+
+
+_av.register_autograd(_av_grad, setup_context=_av_setup_context)
+
+
+# ---- public functions -------------------------------------------------------------------
+
+def _check_tensors(named):
+    """The torch-only checks the array API makes in ``Inputs.gather``: types and devices."""
+    present = [(n, x) for n, x in named if x is not None]
+    for n, x in present:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(x).__name__}")
+    kinds = {n: ("gpu" if x.is_cuda else "cpu") for n, x in present}
+    if len(set(kinds.values())) > 1:
+        where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
+        raise ValueError(f"all arrays must be on the same device, got {where}")
+    devices = {x.device for _, x in present}
+    if len(devices) > 1:
+        raise ValueError("all arrays must be on the same GPU, got devices "
+                         f"{sorted(d.index for d in devices)}")
+
+
+def _validating():
+    """Eager calls validate up front; under torch.compile the ops validate when they run."""
+    return not torch.compiler.is_compiling()
+
+
+def _per_axis(rank, kernel_size, dilation, is_causal, stride=1):
+    return ([int(x) for x in _args.normalize_axes("kernel_size", kernel_size, rank, int)],
+            [int(x) for x in _args.normalize_axes("stride", stride, rank, int)],
+            [int(x) for x in _args.normalize_axes("dilation", dilation, rank, int)],
+            [bool(x) for x in _args.normalize_axes("is_causal", is_causal, rank, bool)])
+
+
+def na(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
+       backend="auto", allow_tf32=False, deterministic=False):
+    """Fused neighborhood attention with autograd (``rank`` spatial axes)."""
+    if _validating():
+        _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
+                          backend, allow_tf32, deterministic)
+        _check_tensors([("q", q), ("k", k), ("v", v)])
+    ks, st, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal, stride)
+    out, _ = _fused_forward(q, k, v, ks, st, dl, ca, None if scale is None else float(scale),
+                            backend, bool(allow_tf32), bool(deterministic))
+    return out
+
+
+def na_qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+          allow_tf32=False):
+    """Unfused attention logits ``[B, *spatial, H, K]`` with autograd (q, k and rpb)."""
+    if _validating():
+        _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32)
+        _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
+    ks, _, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal)
+    return _qk(q, k, rpb, ks, dl, ca, backend, bool(allow_tf32))
+
+
+def na_av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+          allow_tf32=False):
+    """Unfused attention-weighted values ``[B, *spatial, H, D]`` with autograd (attn and v)."""
+    if _validating():
+        _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32)
+        _check_tensors([("attn", attn), ("v", v)])
+    ks, _, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal)
+    return _av(attn, v, ks, dl, ca, backend, bool(allow_tf32))
+
+
+_AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
+
+_NA_DOC = """{n}-D fused neighborhood attention with autograd.
+
+    q, k, v: torch tensors ``[B, {axes}, H, D]`` (any strides, CPU or CUDA).
+    kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple;
+    scale defaults to ``D ** -0.5``. Returns ``out`` like q. Gradients flow to q, k and v.
+    ``backend``: auto, reference (CPU tensors run here), naive, fused.
+    """
+
+_QK_DOC = """{n}-D unfused attention logits with autograd: ``[B, {axes}, H, K]``.
+
+    K = prod(kernel_size), slots row-major over kernel offsets; no scale is applied; slots
+    outside a causal window hold -inf. ``rpb`` ``[H, 2k_0-1, ...]`` (optional) is added and
+    receives a gradient.
+    """
+
+_AV_DOC = """{n}-D unfused attention-weighted values with autograd.
+
+    attn ``[B, {axes}, H, K]`` (e.g. the softmax of ``na{n}d_qk``), v ``[B, {axes}, H, D]``;
+    returns ``[B, {axes}, H, D]``. Slots outside a causal window are ignored.
+    """
+
+
+def _for_rank(fn, rank, name, doc):
+    """``fn`` with its leading ``rank`` argument fixed, named and documented for that rank."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(rank, *args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = doc.format(n=rank, axes=_AXES[rank])
+    sig = inspect.signature(fn)
+    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+    del call.__wrapped__
+    return call
+
+
+na1d, na2d, na3d = (_for_rank(na, n, f"na{n}d", _NA_DOC) for n in (1, 2, 3))
+na1d_qk, na2d_qk, na3d_qk = (_for_rank(na_qk, n, f"na{n}d_qk", _QK_DOC) for n in (1, 2, 3))
+na1d_av, na2d_av, na3d_av = (_for_rank(na_av, n, f"na{n}d_av", _AV_DOC) for n in (1, 2, 3))
+
+
+# ---- modules ----------------------------------------------------------------------------
+
+class NeighborhoodAttention(nn.Module):
+    """Multi-head neighborhood attention over ``[B, *spatial, dim]`` inputs.
+
+    qkv linear projection, split into ``num_heads`` heads of ``dim // num_heads``, fused NA,
+    merge heads, output projection. Use the rank-specific subclasses
+    ``NeighborhoodAttention1D/2D/3D``.
+    """
+
+    rank = None
+
+    def __init__(self, dim, num_heads, kernel_size, *, stride=1, dilation=1, is_causal=False,
+                 qkv_bias=True, proj_bias=True, scale=None, backend="auto"):
+        super().__init__()
+        if self.rank is None:
+            raise TypeError("NeighborhoodAttention has no rank; use NeighborhoodAttention1D, "
+                            "NeighborhoodAttention2D or NeighborhoodAttention3D")
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f"dim must be a positive multiple of num_heads, got dim={dim} "
+                             f"and num_heads={num_heads}")
+        ks, st, dl, ca = _per_axis(self.rank, kernel_size, dilation, is_causal, stride)
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.kernel_size, self.stride = tuple(ks), tuple(st)
+        self.dilation, self.is_causal = tuple(dl), tuple(ca)
+        self.scale, self.backend = scale, backend
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+
+    def forward(self, x):
+        if x.ndim != self.rank + 2 or x.shape[-1] != self.dim:
+            axes = _AXES[self.rank]
+            raise ValueError(f"x must be [B, {axes}, {self.dim}] for {type(self).__name__}, "
+                             f"got shape {tuple(x.shape)}")
+        qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
+        q, k, v = qkv.unbind(-3)
+        out = na(self.rank, q, k, v, self.kernel_size, stride=self.stride,
+                 dilation=self.dilation, is_causal=self.is_causal, scale=self.scale,
+                 backend=self.backend)
+        return self.proj(out.flatten(-2))
+
+    def extra_repr(self):
+        return (f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, dilation={self.dilation}, is_causal={self.is_causal}, "
+                f"backend={self.backend!r}")
+
+
+class NeighborhoodAttention1D(NeighborhoodAttention):
+    """Neighborhood attention over ``[B, L, dim]``."""
+    rank = 1
+
+
+class NeighborhoodAttention2D(NeighborhoodAttention):
+    """Neighborhood attention over ``[B, X, Y, dim]``."""
+    rank = 2
+
+
+class NeighborhoodAttention3D(NeighborhoodAttention):
+    """Neighborhood attention over ``[B, X, Y, Z, dim]``."""
+    rank = 3
