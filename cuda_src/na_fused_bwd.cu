@@ -1,0 +1,345 @@
+// Fused NA backward on tensor cores (mma.sync m16n8k16, f16/bf16): delta = rowsum(dO * O),
+// then a key-parallel pass for dK, dV and a query-parallel pass for dQ, no atomics.
+// Threads: a CTA owns a multi-dimensional tile of one dilation group; each warp owns a compact
+// 16-row patch of it (the m16 rows) and walks, 16 rows at a time, only the rows its patch
+// reaches, gathered from a shared-memory slab with ldmatrix (one row address per lane).
+// Reads q, k, v, d_o, lse (and o for delta); writes delta, then dk, dv, then dq, each once.
+#include "natten/common.cuh"
+#include "natten/mma.cuh"
+#include "natten/fused_bwd_tile.cuh"
+
+using namespace natten;
+
+// delta[b, x, h] = sum_e d_o[b, x, h, e] * o[b, x, h, e] in float32. `lanes` lanes (a power
+// of two <= 32) share one row, each reading 8 contiguous elements at a time (last dims
+// contiguous, rows 16-byte aligned: the launcher guarantees it).
+template <typename T>
+__global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
+                             float* __restrict__ delta, const NAParams p, const int lanes) {
+  const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
+  const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  i64 r = tid / lanes;
+  const int sub = (int)(tid % lanes);
+  const bool live = r < rows;
+  if (!live) r = rows - 1;
+  i64 rest = r;
+  const i64 h = rest % p.heads; rest /= p.heads;
+  const i64 x2 = rest % p.extent[2]; rest /= p.extent[2];
+  const i64 x1 = rest % p.extent[1]; rest /= p.extent[1];
+  const i64 x0 = rest % p.extent[0];
+  const i64 b = rest / p.extent[0];
+  const T* orow = o + offset6(p.o, b, x0, x1, x2, h, 0);
+  const T* drow = d_o + offset6(p.d_o, b, x0, x1, x2, h, 0);
+  float acc = 0.f;
+  for (int e = sub * 8; e < p.head_dim; e += lanes * 8) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(orow + e);
+    const uint4 dv = *reinterpret_cast<const uint4*>(drow + e);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc += to_float(oe[t]) * to_float(de[t]);
+  }
+  for (int off = lanes >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (live && sub == 0) delta[offset6(p.delta, b, x0, x1, x2, h, 0)] = acc;
+}
+
+namespace {
+
+// One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
+// queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
+// (q, d_o), gathered rows keys (k, v), output dq (scaled).
+// Owner tensors own0/own1, gathered gat0/gat1; S = own0 gat0^T, dP = own1 gat1^T,
+// out0 += dS gat0, out1 += P gat1 (owners are keys only), over head-dim columns
+// [chunk * DC, chunk * DC + DC). Dp: head dim padded to a multiple of 16 (zero columns).
+template <typename T, int Dp, int DC, bool OwnerIsKey>
+__device__ __forceinline__ void bwd_pass(
+    const T* __restrict__ own0, const T* __restrict__ own1, const T* __restrict__ gat0,
+    const T* __restrict__ gat1, const float* __restrict__ lse, const float* __restrict__ delta,
+    T* __restrict__ out0, T* __restrict__ out1, const NAParams& p, const i64* so0,
+    const i64* so1, const i64* sg0, const i64* sg1, const i64* sw0, const i64* sw1,
+    const int (&tile)[3], const int (&patch)[3], const int slab_rows, const int bh0) {
+  typedef bwd::Step<T> St;
+  constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
+  constexpr int CH = Dp / 8;       // 16-byte pieces per row
+  constexpr int NACC1 = OwnerIsKey ? DC / 8 : 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nwarps = blockDim.x >> 5;
+  const int group = lane >> 2, quad = lane & 3, m = lane >> 3;
+  const int D = (int)p.head_dim;
+
+  // ---- which tile, dilation group, head-dim chunk, batch and head ----
+  Axis ax[3];
+  int glen[3], gi[3], tix[3], org[3], last[3];
+  i64 bx = blockIdx.x;
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    ax[a] = axis_of(p, a);
+    const int ntile = ((ax[a].extent + ax[a].dilation - 1) / ax[a].dilation + tile[a] - 1) / tile[a];
+    tix[a] = (int)(bx % ntile);
+    bx /= ntile;
+  }
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    gi[a] = (int)(bx % ax[a].dilation);
+    bx /= ax[a].dilation;
+  }
+  const int col0 = (int)bx * DC;
+  const i64 bh = bh0 + blockIdx.y;
+  const i64 b = bh / p.heads, h = bh % p.heads;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    glen[a] = ax[a].group_len(gi[a]);
+    org[a] = tix[a] * tile[a];
+    if (org[a] >= glen[a]) return;  // whole CTA: this group is shorter than the grid
+    last[a] = min(org[a] + tile[a] - 1, glen[a] - 1);
+  }
+
+  // ---- shared memory ----
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* own_s0 = reinterpret_cast<T*>(smem);
+  T* own_s1 = own_s0 + nwarps * 16 * RS;
+  T* gat_s0 = own_s1 + nwarps * 16 * RS;
+  T* gat_s1 = gat_s0 + slab_rows * RS;
+  bwd::RowDesc* desc = reinterpret_cast<bwd::RowDesc*>(gat_s1 + slab_rows * RS);
+  float* lse_s = reinterpret_cast<float*>(desc + nwarps * 16);  // owners are keys only
+  float* dlt_s = lse_s + slab_rows;
+
+  // ---- this warp's patch ----
+  int wpos[3];
+  {
+    int w = warp;
+    for (int a = 2; a >= 0; --a) {
+      const int nw = tile[a] / patch[a];
+      wpos[a] = org[a] + (w % nw) * patch[a];
+      w /= nw;
+    }
+  }
+  auto owner_coords = [&](int r, int (&c)[3]) {
+    c[2] = wpos[2] + r % patch[2];
+    c[1] = wpos[1] + (r / patch[2]) % patch[1];
+    c[0] = wpos[0] + r / (patch[1] * patch[2]);
+    return c[0] < glen[0] && c[1] < glen[1] && c[2] < glen[2];
+  };
+  auto full = [&](int a, int c) { return (i64)(gi[a] + ax[a].dilation * c); };
+
+  // Stage the owner rows (zeros where out of range or past the head dim).
+  for (int idx = lane; idx < 16 * CH; idx += 32) {
+    const int r = idx / CH, piece = idx % CH;
+    int c[3];
+    const bool ok = owner_coords(r, c) && piece * 8 < D;
+    i64 o0 = 0, o1 = 0;
+    if (ok) {
+      o0 = offset6(so0, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * 8);
+      o1 = offset6(so1, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * 8);
+    }
+    tc::cp_async16(own_s0 + (warp * 16 + r) * RS + piece * 8, own0 + o0, ok);
+    tc::cp_async16(own_s1 + (warp * 16 + r) * RS + piece * 8, own1 + o1, ok);
+  }
+  tc::cp_async_commit();
+
+  // Owner intervals of this lane's two accumulator rows (group, group + 8), and for query
+  // owners their lse (log2 units) and delta.
+  int own_iv[2][3][2];
+  bool own_ok[2];
+  i64 own_off[2][2];
+  float row_l2[2] = {0.f, 0.f}, row_dl[2] = {0.f, 0.f};
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    int c[3];
+    own_ok[hh] = owner_coords(group + 8 * hh, c);
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      if (own_ok[hh]) {
+        bwd::owner_interval<OwnerIsKey>(ax[a], glen[a], c[a], own_iv[hh][a][0], own_iv[hh][a][1]);
+      } else {
+        own_iv[hh][a][0] = own_iv[hh][a][1] = 0;
+      }
+    }
+    const i64 f0 = full(0, c[0]), f1 = full(1, c[1]), f2 = full(2, c[2]);
+    own_off[hh][0] = offset6(sw0, b, f0, f1, f2, h, 0);
+    own_off[hh][1] = offset6(sw1, b, f0, f1, f2, h, 0);
+    if (!OwnerIsKey && own_ok[hh]) {
+      row_l2[hh] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
+      row_dl[hh] = delta[offset6(p.delta, b, f0, f1, f2, h, 0)];
+    }
+  }
+
+  // Rows this warp's patch reaches (empty if the patch lies past the group's end) and the
+  // CTA's union of them.
+  int wlo[3], whi[3], clo[3], chi[3];
+  {
+    bool any = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) any = any && wpos[a] < glen[a];
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      if (any) {
+        bwd::reach<OwnerIsKey>(ax[a], glen[a], wpos[a], min(wpos[a] + patch[a] - 1, glen[a] - 1),
+                               wlo[a], whi[a]);
+      } else {
+        wlo[a] = whi[a] = 0;
+      }
+      bwd::reach<OwnerIsKey>(ax[a], glen[a], org[a], last[a], clo[a], chi[a]);
+    }
+  }
+
+  float acc0[DC / 8][4], acc1[NACC1][4];
+#pragma unroll
+  for (int j = 0; j < DC / 8; ++j)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) acc0[j][t] = 0.f;
+#pragma unroll
+  for (int j = 0; j < NACC1; ++j)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) acc1[j][t] = 0.f;
+
+  const float sl2 = p.scale * bwd::kLog2e;
+  const T* own_a0 = own_s0 + (warp * 16 + (m & 1) * 8 + (lane & 7)) * RS + (m >> 1) * 8;
+  const T* own_a1 = own_s1 + (warp * 16 + (m & 1) * 8 + (lane & 7)) * RS + (m >> 1) * 8;
+  bwd::RowDesc* wdesc = desc + warp * 16;
+
+  // Slabs: sub-boxes of the CTA's union holding at most slab_rows rows, innermost axis first.
+  int n[3];
+  n[2] = max(min(chi[2] - clo[2], slab_rows), 1);
+  n[1] = max(min(chi[1] - clo[1], slab_rows / n[2]), 1);
+  n[0] = max(min(chi[0] - clo[0], slab_rows / (n[1] * n[2])), 1);
+  for (int s0 = clo[0]; s0 < chi[0]; s0 += n[0])
+  for (int s1 = clo[1]; s1 < chi[1]; s1 += n[1])
+  for (int s2 = clo[2]; s2 < chi[2]; s2 += n[2]) {
+    const int e0 = min(s0 + n[0], chi[0]), e1 = min(s1 + n[1], chi[1]), e2 = min(s2 + n[2], chi[2]);
+    const int m1 = e1 - s1, m2 = e2 - s2;
+    const int rows = (e0 - s0) * m1 * m2;
+    __syncthreads();  // every warp is done with the previous slab
+    for (int idx = threadIdx.x; idx < rows * CH; idx += blockDim.x) {
+      const int r = idx / CH, piece = idx % CH;
+      const i64 f0 = full(0, s0 + r / (m1 * m2)), f1 = full(1, s1 + (r / m2) % m1),
+                f2 = full(2, s2 + r % m2);
+      const bool ok = piece * 8 < D;
+      const i64 g0 = ok ? offset6(sg0, b, f0, f1, f2, h, piece * 8) : 0;
+      const i64 g1 = ok ? offset6(sg1, b, f0, f1, f2, h, piece * 8) : 0;
+      tc::cp_async16(gat_s0 + r * RS + piece * 8, gat0 + g0, ok);
+      tc::cp_async16(gat_s1 + r * RS + piece * 8, gat1 + g1, ok);
+    }
+    tc::cp_async_commit();
+    if (OwnerIsKey) {
+      for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const i64 f0 = full(0, s0 + r / (m1 * m2)), f1 = full(1, s1 + (r / m2) % m1),
+                  f2 = full(2, s2 + r % m2);
+        lse_s[r] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
+        dlt_s[r] = delta[offset6(p.delta, b, f0, f1, f2, h, 0)];
+      }
+    }
+    tc::cp_async_wait<0>();
+    __syncthreads();
+
+    // This warp's share of the slab: its reach intersected with the slab box.
+    const int lo0 = max(wlo[0], s0), lo1 = max(wlo[1], s1), lo2 = max(wlo[2], s2);
+    const int k0 = max(min(whi[0], e0) - lo0, 0), k1 = max(min(whi[1], e1) - lo1, 0),
+              k2 = max(min(whi[2], e2) - lo2, 0);
+    const int count = k0 * k1 * k2;
+    for (int base = 0; base < count; base += 16) {
+      if (lane < 16) {
+        bwd::RowDesc d;
+        const int t = base + lane;
+        if (t < count) {
+          const int c0 = lo0 + t / (k1 * k2), c1 = lo1 + (t / k2) % k1, c2 = lo2 + t % k2;
+          d.row = ((c0 - s0) * m1 + (c1 - s1)) * m2 + (c2 - s2);
+          bwd::owner_interval<!OwnerIsKey>(ax[0], glen[0], c0, d.lo0, d.hi0);
+          bwd::owner_interval<!OwnerIsKey>(ax[1], glen[1], c1, d.lo1, d.hi1);
+          bwd::owner_interval<!OwnerIsKey>(ax[2], glen[2], c2, d.lo2, d.hi2);
+        } else {
+          d.row = 0;
+          d.lo0 = d.hi0 = d.lo1 = d.hi1 = d.lo2 = d.hi2 = 0;
+        }
+        d.pad_ = 0;
+        wdesc[lane] = d;
+      }
+      __syncwarp();
+      const int row_a = wdesc[(m >> 1) * 8 + (lane & 7)].row;
+      const int row_t = wdesc[(m & 1) * 8 + (lane & 7)].row;
+
+      float s[2][4] = {}, dp[2][4] = {};
+      St::template abt<Dp>(s, own_a0, gat_s0 + row_a * RS + (m & 1) * 8);
+      St::template abt<Dp>(dp, own_a1, gat_s1 + row_a * RS + (m & 1) * 8);
+
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
+          float l2 = 0.f, dl = 0.f;
+          if (OwnerIsKey) {
+            l2 = lse_s[d.row];
+            dl = dlt_s[d.row];
+          }
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            if (!OwnerIsKey) {
+              l2 = row_l2[hh];
+              dl = row_dl[hh];
+            }
+            const int e = hh * 2 + c;
+            const float pv = bwd::meets(own_iv[hh], d) ? exp2f(s[nt][e] * sl2 - l2) : 0.f;
+            s[nt][e] = pv;
+            dp[nt][e] = pv * (dp[nt][e] - dl);
+          }
+        }
+      unsigned a_ds[4];
+      St::to_a(a_ds, dp);
+      const int toff = row_t * RS + (m >> 1) * 8 + col0;
+      St::template ab<DC>(acc0, a_ds, gat_s0 + toff);
+      if (OwnerIsKey) {
+        unsigned a_p[4];
+        St::to_a(a_p, s);
+        St::template ab<NACC1 * 8>(acc1, a_p, gat_s1 + toff);
+      }
+      __syncwarp();  // descriptors are rewritten next block
+    }
+  }
+
+  // ---- write this lane's rows once ----
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (!own_ok[hh]) continue;
+#pragma unroll
+    for (int j = 0; j < DC / 8; ++j) {
+      const int col = col0 + j * 8 + quad * 2;
+      if (col < D) {
+        out0[own_off[hh][0] + col * sw0[5]] = from_float<T>(acc0[j][hh * 2] * p.scale);
+        out0[own_off[hh][0] + (col + 1) * sw0[5]] = from_float<T>(acc0[j][hh * 2 + 1] * p.scale);
+        if (OwnerIsKey) {
+          out1[own_off[hh][1] + col * sw1[5]] = from_float<T>(acc1[j][hh * 2]);
+          out1[own_off[hh][1] + (col + 1) * sw1[5]] = from_float<T>(acc1[j][hh * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * heads from bh0.
+template <typename T, int Dp, int DC>
+__global__ void na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k,
+                                const T* __restrict__ v, const T* __restrict__ d_o,
+                                const float* __restrict__ lse, const float* __restrict__ delta,
+                                T* __restrict__ dk, T* __restrict__ dv, const NAParams p,
+                                const int t0, const int t1, const int t2, const int p0,
+                                const int p1, const int p2, const int slab_rows, const int bh0) {
+  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2};
+  bwd_pass<T, Dp, DC, true>(k, v, q, d_o, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk,
+                            p.dv, tile, patch, slab_rows, bh0);
+}
+
+// dQ: owners are queries. Same grid as na_bwd_fused_kv.
+template <typename T, int Dp, int DC>
+__global__ void na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k,
+                               const T* __restrict__ v, const T* __restrict__ d_o,
+                               const float* __restrict__ lse, const float* __restrict__ delta,
+                               T* __restrict__ dq, const NAParams p, const int t0, const int t1,
+                               const int t2, const int p0, const int p1, const int p2,
+                               const int slab_rows, const int bh0) {
+  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2};
+  bwd_pass<T, Dp, DC, false>(q, d_o, k, v, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
+                             p.dq, tile, patch, slab_rows, bh0);
+}

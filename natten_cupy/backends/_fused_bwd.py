@@ -1,0 +1,141 @@
+"""Fused backward on tensor cores (float16, bfloat16): launcher of ``cuda_src/na_fused_bwd.cu``.
+
+Three launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not):
+
+1. ``na_bwd_delta``: delta = rowsum(dO * O) in float32, [B, *spatial, H];
+2. ``na_bwd_fused_kv``: dK, dV. A CTA owns a tile of keys of one dilation group; each warp
+   owns 16 keys forming a compact patch (1-D 16, 2-D 4x4, 3-D 1x4x4) and walks only the
+   queries whose windows reach its patch, 16 at a time, gathered from a shared-memory slab;
+3. ``na_bwd_fused_q``: dQ, the same walk with queries as owners and keys gathered.
+
+Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; the accumulated
+columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to bound registers.
+Measurements and predictions: ``bench/results/NOTES-fused-bwd.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from .._compile import get_kernel
+from .._dtypes import FLOAT32, HALF_TYPES, c_type
+from .._launch import launch
+from .._params import make_params
+
+SOURCE = "na_fused_bwd.cu"
+D_BUCKETS = (32, 64, 128, 256)
+KV_CHUNK = 64
+Q_CHUNK = 128
+SMEM_BUDGET = 96 * 1024
+MAX_GRID_Y = 65535
+
+# (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes.
+TILES = {
+    1: ((64, 1, 1), (16, 1, 1)),
+    2: ((8, 8, 1), (4, 4, 1)),
+    3: ((1, 8, 8), (1, 4, 4)),
+}
+
+
+def refuse(problem):
+    if problem.dtype == FLOAT32:
+        if not problem.allow_tf32:
+            return "exact float32 runs in _fused_fp32"
+        return "the TF32 backward is not built yet"
+    if problem.dtype not in HALF_TYPES:
+        return f"dtype {problem.dtype_name} is not supported (float16, bfloat16)"
+    if problem.head_dim % 8 or problem.head_dim > D_BUCKETS[-1]:
+        return f"head_dim {problem.head_dim} must be a multiple of 8 up to {D_BUCKETS[-1]}"
+    return None
+
+
+def _bucket(head_dim):
+    return next(d for d in D_BUCKETS if d >= head_dim)
+
+
+def _names(ctype, dp):
+    return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}>",
+            f"na_bwd_fused_q<{ctype}, {dp}, {min(dp, Q_CHUNK)}>")
+
+
+def instantiations():
+    out = []
+    for dt in HALF_TYPES:
+        ct = c_type(dt)
+        out.append((SOURCE, f"na_bwd_delta<{ct}>"))
+        for dp in D_BUCKETS:
+            out += [(SOURCE, name) for name in _names(ct, dp)]
+    return out
+
+
+def _rows_ready(x):
+    """True if x's last dim is contiguous and every row starts 16-byte aligned."""
+    item = x.dtype.itemsize
+    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != item:
+        return False
+    if x.data.ptr % 16:
+        return False
+    return all(s % 16 == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+
+
+def _ready(x):
+    import cupy
+    return x if _rows_ready(x) else cupy.ascontiguousarray(x)
+
+
+def _reach_bound(problem, tile):
+    """Upper bound of the gathered rows one CTA reaches (the union box's volume)."""
+    vol = 1
+    for a in range(3):
+        if a >= problem.rank:
+            continue
+        k, s, d, L = (problem.kernel_size[a], problem.stride[a], problem.dilation[a],
+                      problem.spatial[a])
+        vol *= min(-(-L // d), tile[a] + 2 * k + 2 * s)
+    return vol
+
+
+def _slab_rows(problem, dp, itemsize, nwarps, tile, owner_is_key):
+    row = (dp + 8) * itemsize * 2 + (8 if owner_is_key else 0)
+    fixed = nwarps * 16 * ((dp + 8) * itemsize * 2 + 32)
+    cap = max((SMEM_BUDGET - fixed) // row, 16)
+    rows = min(cap, _reach_bound(problem, tile))
+    return int(rows), int(fixed + rows * row)
+
+
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+    import cupy
+
+    ct = c_type(problem.dtype)
+    dp = _bucket(problem.head_dim)
+    q, k, v, out, d_out = (_ready(x) for x in (q, k, v, out, d_out))
+    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
+                    delta=delta)
+
+    rows = problem.batch * problem.num_tokens * problem.heads
+    lanes = min(32, 1 << (dp // 8 - 1).bit_length())
+    launch(get_kernel(SOURCE, f"na_bwd_delta<{ct}>"), (-(-rows * lanes // 256),), (256,),
+           (out, d_out, delta, p, numpy.int32(lanes)), name="na_bwd_delta", backend="fused")
+
+    tile, patch = TILES[problem.rank]
+    nwarps = math.prod(t // w for t, w in zip(tile, patch))
+    ntiles = math.prod(-(-(-(-L // d)) // t) for L, d, t in
+                       zip(problem.spatial + (1,) * (3 - problem.rank),
+                           problem.dilation + (1,) * (3 - problem.rank), tile))
+    groups = math.prod(problem.dilation)
+    geo = [numpy.int32(x) for x in tile + patch]
+    bh = problem.batch * problem.heads
+    name_kv, name_q = _names(ct, dp)
+    for name, chunk, owner_is_key, ptrs in (
+            (name_kv, min(dp, KV_CHUNK), True, (q, k, v, d_out, lse, delta, dk, dv)),
+            (name_q, min(dp, Q_CHUNK), False, (q, k, v, d_out, lse, delta, dq))):
+        slab, smem = _slab_rows(problem, dp, q.dtype.itemsize, nwarps, tile, owner_is_key)
+        fn = get_kernel(SOURCE, name)
+        gx = ntiles * groups * (dp // chunk)
+        for bh0 in range(0, bh, MAX_GRID_Y):
+            launch(fn, (gx, min(MAX_GRID_Y, bh - bh0)), (32 * nwarps,),
+                   (*ptrs, p, *geo, numpy.int32(slab), numpy.int32(bh0)), shared_mem=smem,
+                   name=name.split("<")[0], backend="fused", tile=tile)
