@@ -1,0 +1,391 @@
+"""Cases, inputs, runs and tolerances of the shared GPU correctness suite.
+
+A ``Case`` is one op kind on one geometry and dtype. Its inputs are fresh random values
+(seeded by the case id so a failure reproduces), made once per case and shared by every
+backend under test, together with two reference results computed on the CPU by the
+reference backend: one in float64 on float64 copies of the inputs (the truth), one in the
+case's own dtype (the yardstick). A GPU backend passes when, for every output,
+
+    max |backend - truth| <= FACTOR * max |yardstick - truth| + FLOORS[dtype] * max(1, max |truth|)
+
+with FACTOR 2 for forward outputs and 3 for gradients (the FlashAttention rule). float32
+cases with ``tf32`` measure the yardstick in float16, whose 10-bit mantissa is TF32's.
+
+Every backend output is poisoned with NaN before the run and must hold no NaN after it, and
+empty causal slots must be exactly -inf (qk) or 0 (d_attn of av_backward). Inputs of the
+unfused ops hold NaN at empty slots (attn, d_attn), which every backend must ignore.
+
+``NATTEN_CUPY_GPU_QUICK=1`` keeps about one case in four.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zlib
+
+import numpy
+
+from natten_cupy import _args, _window, ops
+from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, accumulator_dtype
+from natten_cupy.backends import get_backend
+
+BACKENDS = ("naive", "tiled", "fused")
+KINDS = ("fused", "qk", "qk_rpb", "av", "qk_backward", "qk_backward_rpb", "av_backward")
+DTYPES = {"float64": FLOAT64, "float32": FLOAT32, "float16": FLOAT16, "bfloat16": BFLOAT16}
+
+# Absolute floor per dtype, relative to the largest true value (or 1). float64 is bounded by
+# NAParams carrying the softmax scale as float32 (a relative error of about 6e-8).
+FLOORS = {"float64": 1e-6, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+FACTOR = {"forward": 2.0, "gradient": 3.0}
+GRADIENTS = ("dq", "dk", "dv", "d_rpb", "d_attn")
+
+QUICK = bool(os.environ.get("NATTEN_CUPY_GPU_QUICK"))
+
+# (spatial, kernel, stride, dilation, causal) per rank: odd extents, odd and even kernels,
+# dilation, stride, every causal mix, and kernel == extent (plain self-attention).
+GEOMETRIES = {
+    1: [((13,), (5,), (1,), (1,), (False,)),
+        ((17,), (4,), (2,), (2,), (True,)),
+        ((15,), (3,), (3,), (3,), (False,)),
+        ((11,), (6,), (5,), (1,), (True,)),
+        ((9,), (9,), (1,), (1,), (False,))],
+    2: [((7, 9), (3, 4), (1, 2), (1, 2), (False, True)),
+        ((9, 11), (5, 5), (2, 1), (1, 1), (True, True)),
+        ((10, 7), (4, 3), (4, 3), (2, 2), (False, False)),
+        ((11, 6), (2, 6), (1, 1), (3, 1), (True, False)),
+        ((5, 7), (5, 7), (1, 1), (1, 1), (False, False))],
+    3: [((5, 6, 7), (3, 2, 4), (1, 2, 3), (1, 2, 1), (False, True, False)),
+        ((7, 5, 6), (4, 3, 3), (1, 1, 1), (1, 1, 2), (True, True, True)),
+        ((6, 7, 5), (2, 3, 5), (2, 3, 5), (3, 2, 1), (False, False, False)),
+        ((5, 9, 5), (3, 4, 2), (3, 1, 2), (1, 2, 2), (True, False, True)),
+        ((3, 5, 5), (3, 5, 5), (1, 1, 1), (1, 1, 1), (False, False, False))],
+}
+HEAD_DIMS = (32, 16, 64, 33, 8, 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str
+    rank: int
+    dtype: str
+    spatial: tuple
+    kernel: tuple
+    stride: tuple
+    dilation: tuple
+    causal: tuple
+    head_dim: int
+    batch: int = 2
+    heads: int = 3
+    permuted: bool = False   # [B, H, *spatial, D] buffers viewed as [B, *spatial, H, D]
+    tf32: bool = False
+
+    @property
+    def id(self):
+        def axes(t):
+            return "x".join(str(int(v)) for v in t)
+        return (f"{self.kind}-{self.rank}d-{self.dtype}{'-tf32' if self.tf32 else ''}"
+                f"-L{axes(self.spatial)}-k{axes(self.kernel)}-s{axes(self.stride)}"
+                f"-d{axes(self.dilation)}-c{axes(self.causal)}-D{self.head_dim}"
+                f"-B{self.batch}H{self.heads}{'-perm' if self.permuted else ''}")
+
+    @property
+    def np_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def fused(self):
+        return self.kind == "fused"
+
+    @property
+    def rpb(self):
+        return self.kind.endswith("_rpb")
+
+    @property
+    def ops(self):
+        """The ops (backends/__init__.OPS names) this case runs."""
+        if self.fused:
+            return ("fused_forward", "fused_backward")
+        return (self.kind.replace("_rpb", ""),)
+
+
+def make_cases():
+    """The suite: every kind x rank x dtype, on rotating geometries and head dims."""
+    cases = []
+    n = 0
+    for kind in KINDS:
+        per = 3 if kind == "fused" else 2
+        for rank in (1, 2, 3):
+            geoms = GEOMETRIES[rank] if kind == "fused" else GEOMETRIES[rank][:4]
+            for di, dtype in enumerate(DTYPES):
+                for j in range(per):
+                    spatial, kernel, stride, dilation, causal = geoms[(di * per + j) % len(geoms)]
+                    if kind != "fused":
+                        stride = (1,) * rank
+                    cases.append(Case(kind, rank, dtype, spatial, kernel, stride, dilation,
+                                      causal, HEAD_DIMS[n % len(HEAD_DIMS)],
+                                      permuted=n % 3 == 1))
+                    n += 1
+            # allow_tf32 on float32: the yardstick is float16 (same mantissa as TF32).
+            spatial, kernel, stride, dilation, causal = geoms[rank % len(geoms)]
+            if kind != "fused":
+                stride = (1,) * rank
+            cases.append(Case(kind, rank, "float32", spatial, kernel, stride, dilation, causal,
+                              32, tf32=True))
+    if QUICK:
+        cases = cases[::4]
+    return cases
+
+
+# ---- arrays -----------------------------------------------------------------------------
+
+def _rng(case):
+    return numpy.random.default_rng(zlib.crc32(case.id.encode()))
+
+
+def empty_slots(case):
+    """Boolean ``[*spatial, K]``: slots outside a (causal) window, by the window tables."""
+    valid = None
+    for L, k, s, d, c in zip(case.spatial, case.kernel, case.stride, case.dilation,
+                             case.causal):
+        _, v = _window.forward_table(L, k, s, d, c)  # [L, k]
+        if valid is None:
+            valid = v
+        else:
+            n = valid.ndim - 1
+            valid = (valid[..., None, :, None] & v.reshape((1,) * n + (L, 1, k)))
+            valid = valid.reshape(valid.shape[:-3] + (L, -1))
+    return ~valid
+
+
+def make_inputs(case):
+    """Low-precision inputs of the case (dict name -> NumPy array in the case's dtype)."""
+    rng = _rng(case)
+    dt = case.np_dtype
+    full = (case.batch,) + case.spatial + (case.heads, case.head_dim)
+    weights = (case.batch,) + case.spatial + (case.heads, math.prod(case.kernel))
+
+    def normal(shape, scale=1.0):
+        return (scale * rng.standard_normal(shape)).astype(dt)
+
+    def with_empty_nan(x):
+        empty = empty_slots(case)[None, ..., None, :]
+        return numpy.where(numpy.broadcast_to(empty, x.shape), numpy.array(numpy.nan, dt), x)
+
+    x = {}
+    if case.fused:
+        x["q"], x["k"], x["v"], x["d_out"] = (normal(full) for _ in range(4))
+    elif case.kind.startswith("qk_backward"):
+        x["d_attn"] = with_empty_nan(normal(weights))
+        x["q"], x["k"] = normal(full), normal(full)
+    elif case.kind.startswith("qk"):
+        x["q"], x["k"] = normal(full), normal(full)
+    elif case.kind == "av":
+        x["attn"] = with_empty_nan(normal(weights, 0.5))
+        x["v"] = normal(full)
+    else:  # av_backward
+        x["d_out"], x["v"] = normal(full), normal(full)
+        x["attn"] = with_empty_nan(normal(weights, 0.5))
+    if case.rpb:
+        x["rpb"] = normal((case.heads,) + tuple(2 * k - 1 for k in case.kernel))
+    return x
+
+
+def _head_major(shape, rank):
+    """Axis order of a [B, H, *spatial(, last)] buffer viewed as [B, *spatial, H(, last)]."""
+    tail = len(shape) - 2 - rank  # 1 with a last axis, 0 for lse
+    order = (0,) + tuple(range(2, 2 + rank)) + (1,) + tuple(range(2 + rank, 2 + rank + tail))
+    buffer_shape = (shape[0], shape[1 + rank]) + tuple(shape[1:1 + rank]) + tuple(
+        shape[2 + rank:])
+    return buffer_shape, order
+
+
+def on_device(x, case):
+    """A NumPy array as a CuPy array (head-major buffer, permuted view, when case.permuted)."""
+    import cupy
+    if case.permuted and x.ndim >= case.rank + 2 and x.shape[0] == case.batch:
+        buffer_shape, order = _head_major(x.shape, case.rank)
+        inverse = numpy.argsort(order)
+        host = numpy.ascontiguousarray(x.transpose(inverse))
+        assert host.shape == buffer_shape
+        return _upload(cupy, host).transpose(order)
+    return _upload(cupy, numpy.ascontiguousarray(x))
+
+
+def _upload(cupy, host):
+    # Through 16-bit integers, so that bfloat16 needs no CuPy-side dtype support to copy.
+    if host.dtype.itemsize == 2:
+        return cupy.asarray(host.view(numpy.uint16)).view(host.dtype)
+    return cupy.asarray(host)
+
+
+def to_host(x):
+    """Any NumPy/CuPy array as a float64 NumPy array."""
+    if isinstance(x, numpy.ndarray):
+        return x.astype(numpy.float64)
+    import cupy
+    if x.dtype.itemsize == 2:
+        dt = x.dtype
+        return cupy.asnumpy(x.view(cupy.uint16)).view(dt).astype(numpy.float64)
+    return cupy.asnumpy(x).astype(numpy.float64)
+
+
+def poisoned(xp, shape, dtype, case):
+    """An output filled with NaN (head-major permuted view on the GPU when case.permuted)."""
+    host = numpy.full(shape, numpy.nan, dtype=dtype)
+    if xp is numpy:
+        return host
+    return on_device(host, case)
+
+
+# ---- runs -------------------------------------------------------------------------------
+
+def problems(case, x, backend_name="reference"):
+    """NAProblem per op of the case, built from arrays ``x`` (NumPy or CuPy)."""
+    r, kw = case.rank, dict(allow_tf32=case.tf32)
+    ks, dl, ca = case.kernel, case.dilation, case.causal
+    if case.fused:
+        fwd = _args.check_fused(r, x["q"], x["k"], x["v"], ks, case.stride, dl, ca, None,
+                                backend_name, **kw)
+        # The backward problem has the forward's geometry; out and lse do not exist yet.
+        return {"fused_forward": fwd, "fused_backward": fwd}
+    if case.kind.startswith("qk_backward"):
+        return {"qk_backward": _args.check_qk_backward(r, x["d_attn"], x["q"], x["k"], ks, dl,
+                                                       ca, x.get("rpb"), backend_name, **kw)}
+    if case.kind.startswith("qk"):
+        return {"qk": _args.check_qk(r, x["q"], x["k"], ks, dl, ca, x.get("rpb"), backend_name,
+                                     **kw)}
+    if case.kind == "av":
+        return {"av": _args.check_av(r, x["attn"], x["v"], ks, dl, ca, backend_name, **kw)}
+    return {"av_backward": _args.check_av_backward(r, x["d_out"], x["attn"], x["v"], ks, dl,
+                                                   ca, backend_name, **kw)}
+
+
+def refusal(case, backend):
+    """Why ``backend`` (a module or None) cannot run the case, or None."""
+    if backend is None:
+        return "backend not available in this install"
+    shaped = make_inputs(case)
+    for op, problem in problems(case, shaped, backend.NAME).items():
+        why = backend.refuse(op, problem)
+        if why is not None:
+            return f"{backend.NAME} refuses {op}: {why}"
+    return None
+
+
+def run(case, backend, x, xp):
+    """Run the case's ops on ``backend`` with inputs ``x`` (arrays of module ``xp``).
+
+    Outputs are NaN-poisoned before the run; returns the dict of outputs (arrays of ``xp``).
+    """
+    probs = problems(case, x, backend.NAME)
+    dt = x["q"].dtype if "q" in x else x["v"].dtype
+    acc = accumulator_dtype(dt)
+    full = (case.batch,) + case.spatial + (case.heads, case.head_dim)
+    rows = full[:-1]
+    weights = rows + (math.prod(case.kernel),)
+
+    def out(shape, dtype=dt):
+        return poisoned(xp, shape, dtype, case)
+
+    y = {}
+    if case.fused:
+        y["out"], y["lse"] = out(full), out(rows, acc)
+        ops.run_fused_forward(probs["fused_forward"], backend, x["q"], x["k"], x["v"],
+                              y["out"], y["lse"])
+        y["dq"], y["dk"], y["dv"] = out(full), out(full), out(full)
+        ops.run_fused_backward(probs["fused_backward"], backend, x["d_out"], x["q"], x["k"],
+                               x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"])
+    elif case.kind.startswith("qk_backward"):
+        y["dq"], y["dk"] = out(full), out(full)
+        y["d_rpb"] = None
+        if case.rpb:
+            y["d_rpb"] = xp.full(x["rpb"].shape, numpy.nan, dtype=acc)
+        ops.run_qk_backward(probs["qk_backward"], backend, x["d_attn"], x["q"], x["k"], y["dq"],
+                            y["dk"], y["d_rpb"])
+        if y["d_rpb"] is None:
+            del y["d_rpb"]
+    elif case.kind.startswith("qk"):
+        y["attn"] = out(weights)
+        ops.run_qk(probs["qk"], backend, x["q"], x["k"], x.get("rpb"), y["attn"])
+    elif case.kind == "av":
+        y["out"] = out(full)
+        ops.run_av(probs["av"], backend, x["attn"], x["v"], y["out"])
+    else:
+        y["d_attn"], y["dv"] = out(weights), out(full)
+        ops.run_av_backward(probs["av_backward"], backend, x["d_out"], x["attn"], x["v"],
+                            y["d_attn"], y["dv"])
+    return y
+
+
+_references = {}
+
+
+def references(case):
+    """(inputs, truth, yardstick) of the case, computed once and shared by every backend."""
+    if case not in _references:
+        ref = get_backend("reference")
+        x = make_inputs(case)
+        x64 = {n: a.astype(numpy.float64) for n, a in x.items()}
+        truth = {n: to_host(a) for n, a in run(case, ref, x64, numpy).items()}
+        low = x
+        if case.tf32:
+            low = {n: a.astype(numpy.float16) for n, a in x.items()}
+        yard = {n: to_host(a) for n, a in run(case, ref, low, numpy).items()}
+        _references[case] = (x, truth, yard)
+    return _references[case]
+
+
+# ---- checks -----------------------------------------------------------------------------
+
+def error_bound(case, name, truth, yard):
+    kind = "gradient" if name in GRADIENTS else "forward"
+    finite = numpy.isfinite(truth)
+    ref_err = float(numpy.abs(yard[finite] - truth[finite]).max(initial=0.0))
+    scale = max(1.0, float(numpy.abs(truth[finite]).max(initial=0.0)))
+    return FACTOR[kind] * ref_err + FLOORS[case.dtype] * scale, ref_err
+
+
+def compare(case, got, truth, yard, where=""):
+    """Assert every output of ``got`` (float64 NumPy) against truth within the bound."""
+    empty = None if case.fused else empty_slots(case)[None, ..., None, :]
+    for name, t in truth.items():
+        g = got[name]
+        assert g.shape == t.shape, f"{where}{name}: shape {g.shape} != {t.shape}"
+        assert not numpy.isnan(g).any(), (
+            f"{where}{name}: {int(numpy.isnan(g).sum())} of {g.size} elements left unwritten "
+            f"(NaN), first at {numpy.argwhere(numpy.isnan(g))[0].tolist()}")
+        if name == "attn":
+            e = numpy.broadcast_to(empty, g.shape)
+            assert (g[e] == -numpy.inf).all(), f"{where}attn: empty causal slots must be -inf"
+            assert numpy.isfinite(g[~e]).all(), f"{where}attn: non-finite weight in a window"
+        if name == "d_attn" and case.kind == "av_backward":
+            e = numpy.broadcast_to(empty, g.shape)
+            assert (g[e] == 0).all(), f"{where}d_attn: empty causal slots must be 0"
+        bound, ref_err = error_bound(case, name, t, yard[name])
+        finite = numpy.isfinite(t)
+        err = float(numpy.abs(g[finite] - t[finite]).max(initial=0.0))
+        if err > bound:
+            worst = numpy.unravel_index(numpy.argmax(numpy.where(finite, numpy.abs(g - t), 0)),
+                                        g.shape)
+            raise AssertionError(
+                f"{where}{name}: max error {err:.3g} > bound {bound:.3g} (reference "
+                f"{case.dtype}{'/fp16' if case.tf32 else ''} error {ref_err:.3g}); worst at "
+                f"{list(worst)}: got {g[worst]!r}, expected {t[worst]!r}")
+
+
+def check_backend(case, backend_name):
+    """Run ``case`` on a GPU backend and compare; returns None or a skip reason."""
+    import cupy
+    backend = get_backend(backend_name)
+    why = refusal(case, backend)
+    if why is not None:
+        return why
+    x, truth, yard = references(case)
+    xd = {n: on_device(a, case) if n != "rpb" else _upload(cupy, a) for n, a in x.items()}
+    y = run(case, backend, xd, cupy)
+    cupy.cuda.get_current_stream().synchronize()
+    compare(case, {n: to_host(a) for n, a in y.items()}, truth, yard,
+            where=f"[{backend_name} {case.id}] ")
+    return None
