@@ -1,0 +1,490 @@
+// Unfused neighborhood attention on tensor cores: window scores (qk, av_backward's d_attn), weighted sums over the window (av, dq) or its inverse (dv, dk), and the rpb gradient.
+// One warp owns a 16-row patch (1-D 16, 2-D 4x4, 3-D 1x4x4) of one (batch, head) and walks the halo of columns its rows reach; lanes hold mma.sync fragments, operands read from global memory (L1).
+// Reads q/k/v/d_out rows, attn/d_attn weights, rpb; writes attn/d_attn, out/dq/dk/dv (float32 atomics into d_rpb).
+#include "natten/common.cuh"
+#include "natten/mma.cuh"
+
+namespace natten {
+namespace tiled {
+
+constexpr int kWarps = 4;  // warps per CTA; warps are independent (no shared memory)
+
+// ---- Geometry of one warp -------------------------------------------------------------
+// All indices below are in dilation-group coordinates: per axis a warp's rows share one
+// dilation group g, and in-group index x stands for coordinate g + dilation * x.
+// Rows are the warp's 16-slot patch; columns are the halo: the in-group box that holds
+// every window of the rows (forward), or every query whose window holds one of the rows
+// (inverse). Window starts and ends never decrease with the query index, so the windows of
+// the first and last row bound that box per axis.
+struct Geometry {
+  Axis ax[3];
+  int g[3], glen[3];  // dilation group of the patch and its length
+  int lo[3], n[3];    // rows: in-group [lo, lo + n), n <= pw
+  int pw[3];          // patch width (product 16)
+  int hs[3], hw[3];   // columns: in-group [hs, hs + hw)
+  int b, h, slice;
+  int cols;           // hw[0] * hw[1] * hw[2]
+};
+
+// Decode this warp's (batch, head, d-slice, patch); false when the patch is empty.
+// Warp order: d-slice fastest, then head, then patch (last axis fastest), then batch, so a
+// CTA's warps share rows of the same tokens and neighboring CTAs share halos in L2.
+__device__ __forceinline__ bool setup_warp(const NAParams& p, bool inverse, int slices,
+                                           Geometry& G) {
+  // Inert axes (kernel 1) trail the real ones.
+  const int rank = p.kernel[2] > 1 ? 3 : (p.kernel[1] > 1 ? 2 : 1);
+  G.pw[0] = rank == 1 ? 16 : (rank == 2 ? 4 : 1);
+  G.pw[1] = rank == 1 ? 1 : 4;
+  G.pw[2] = rank == 3 ? 4 : 1;
+  i64 w = (i64)blockIdx.x * kWarps + threadIdx.x / 32;
+  G.slice = (int)(w % slices); w /= slices;
+  G.h = (int)(w % p.heads); w /= p.heads;
+  int pa[3], npg[3];
+  for (int a = 2; a >= 0; --a) {
+    G.ax[a] = axis_of(p, a);
+    const int glen0 = G.ax[a].group_len(0);  // the longest group
+    npg[a] = (glen0 + G.pw[a] - 1) / G.pw[a];
+    const i64 per = (i64)npg[a] * G.ax[a].dilation;
+    pa[a] = (int)(w % per);
+    w /= per;
+  }
+  if (w >= p.batch) return false;
+  G.b = (int)w;
+  G.cols = 1;
+  for (int a = 0; a < 3; ++a) {
+    const Axis& ax = G.ax[a];
+    G.g[a] = pa[a] / npg[a];
+    G.glen[a] = ax.group_len(G.g[a]);
+    G.lo[a] = (pa[a] % npg[a]) * G.pw[a];
+    G.n[a] = min(G.pw[a], G.glen[a] - G.lo[a]);
+    if (G.n[a] <= 0) return false;
+    int s0, e0, s1, e1;
+    if (inverse) {
+      ax.inverse_window(G.lo[a], G.glen[a], s0, e0);
+      ax.inverse_window(G.lo[a] + G.n[a] - 1, G.glen[a], s1, e1);
+    } else {
+      ax.window(G.lo[a], G.glen[a], s0, e0);
+      ax.window(G.lo[a] + G.n[a] - 1, G.glen[a], s1, e1);
+    }
+    G.hs[a] = s0;
+    G.hw[a] = e1 - s0;
+    G.cols *= G.hw[a];
+  }
+  return true;
+}
+
+// Row r (0..15) of the patch: in-group index per axis (clamped to the first row when the
+// row lies past a partial patch, so that its loads stay in range) and whether it exists.
+__device__ __forceinline__ bool patch_row(const Geometry& G, int r, int (&x)[3]) {
+  const int o2 = r % G.pw[2], o1 = (r / G.pw[2]) % G.pw[1], o0 = r / (G.pw[1] * G.pw[2]);
+  const bool ok = o0 < G.n[0] && o1 < G.n[1] && o2 < G.n[2];
+  x[0] = G.lo[0] + (ok ? o0 : 0);
+  x[1] = G.lo[1] + (ok ? o1 : 0);
+  x[2] = G.lo[2] + (ok ? o2 : 0);
+  return ok;
+}
+
+// Column c (< G.cols) of the halo: in-group index per axis (last axis fastest).
+__device__ __forceinline__ void halo_col(const Geometry& G, int c, int (&y)[3]) {
+  y[2] = G.hs[2] + c % G.hw[2];
+  c /= G.hw[2];
+  y[1] = G.hs[1] + c % G.hw[1];
+  y[0] = G.hs[0] + c / G.hw[1];
+}
+
+// Offset of the (batch, head) row at in-group index x of tensor with strides st.
+__device__ __forceinline__ i64 row_offset(const Geometry& G, const i64* st, const int (&x)[3]) {
+  return offset6(st, G.b, G.g[0] + (i64)G.ax[0].dilation * x[0],
+                 G.g[1] + (i64)G.ax[1].dilation * x[1], G.g[2] + (i64)G.ax[2].dilation * x[2],
+                 G.h, 0);
+}
+
+// Per-axis windows [s, e) of the query at in-group index x.
+__device__ __forceinline__ void windows_of(const Geometry& G, const int (&x)[3], int (&s)[3],
+                                           int (&e)[3]) {
+  for (int a = 0; a < 3; ++a) G.ax[a].window(x[a], G.glen[a], s[a], e[a]);
+}
+
+// Slot of key y in the window [s, e) (row-major over per-axis slots), or -1 outside it.
+__device__ __forceinline__ int slot_of(const Geometry& G, const int (&s)[3], const int (&e)[3],
+                                       const int (&y)[3]) {
+  int slot = 0;
+  bool in = true;
+  for (int a = 0; a < 3; ++a) {
+    in = in && y[a] >= s[a] && y[a] < e[a];
+    slot = slot * G.ax[a].kernel + (y[a] - s[a]);
+  }
+  return in ? slot : -1;
+}
+
+// ---- Element-type traits --------------------------------------------------------------
+// The scores kernel contracts over the head dim in chunks of 32. Lane quad q loads the 8
+// consecutive elements 8q..8q+7 of a chunk with one 16-byte access, for its A rows and its
+// B column alike; the mma's logical k index is a permutation of the physical head-dim index,
+// the same for A and B, so the dot products are unchanged.
+template <typename T> struct Elem;
+
+template <> struct Elem<__half> {
+  typedef tc::F16Tag Tag;
+  static constexpr int kRegs8 = 4;  // registers holding 8 elements
+};
+template <> struct Elem<__nv_bfloat16> {
+  typedef tc::BF16Tag Tag;
+  static constexpr int kRegs8 = 4;
+};
+template <> struct Elem<float> {  // TF32 tensor cores
+  static constexpr int kRegs8 = 8;
+};
+
+template <typename T> struct IsF32 { static constexpr bool value = false; };
+template <> struct IsF32<float> { static constexpr bool value = true; };
+
+template <typename T>
+__device__ __forceinline__ void load8(unsigned (&r)[Elem<T>::kRegs8], const T* ptr, bool ok) {
+  if constexpr (IsF32<T>::value) {
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), v = u;
+    if (ok) {
+      u = __ldg(reinterpret_cast<const float4*>(ptr));
+      v = __ldg(reinterpret_cast<const float4*>(ptr) + 1);
+    }
+    r[0] = tc::to_tf32(u.x); r[1] = tc::to_tf32(u.y); r[2] = tc::to_tf32(u.z);
+    r[3] = tc::to_tf32(u.w); r[4] = tc::to_tf32(v.x); r[5] = tc::to_tf32(v.y);
+    r[6] = tc::to_tf32(v.z); r[7] = tc::to_tf32(v.w);
+  } else {
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) u = __ldg(reinterpret_cast<const uint4*>(ptr));
+    r[0] = u.x; r[1] = u.y; r[2] = u.z; r[3] = u.w;
+  }
+}
+
+// acc (16 rows x 8 columns) += A rows (group, group + 8) . B column (group), over the
+// 32-element chunk each lane loaded with load8 (see the permutation above).
+template <typename T>
+__device__ __forceinline__ void mma_chunk32(float (&acc)[4], const unsigned (&a0)[Elem<T>::kRegs8],
+                                            const unsigned (&a1)[Elem<T>::kRegs8],
+                                            const unsigned (&b)[Elem<T>::kRegs8]) {
+  if constexpr (IsF32<T>::value) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const unsigned a[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
+      const unsigned bb[2] = {b[2 * s], b[2 * s + 1]};
+      tc::mma1688_tf32(acc, a, bb);
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const unsigned a[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
+      const unsigned bb[2] = {b[2 * s], b[2 * s + 1]};
+      tc::mma16816(acc, a, bb, typename Elem<T>::Tag());
+    }
+  }
+}
+
+// Store 8 consecutive accumulators as elements of T (16-byte aligned destination).
+template <typename T>
+__device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
+  if constexpr (IsF32<T>::value) {
+    reinterpret_cast<float4*>(ptr)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(ptr)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    typename Elem<T>::Tag tag;
+    *reinterpret_cast<uint4*>(ptr) = make_uint4(tc::pack2(v[0], v[1], tag), tc::pack2(v[2], v[3], tag),
+                                                tc::pack2(v[4], v[5], tag), tc::pack2(v[6], v[7], tag));
+  }
+}
+
+// ---- Scores: out[i, t] = <A_i, B_j(i, t)> (+ rpb), empty causal slots = fill ------------
+// qk: A = q, B = k, out = attn, fill = -inf. av_backward: A = d_out, B = v, out = d_attn,
+// fill = 0, no rpb. Strides: A in p.q, B in p.k, out in p.attn, rpb in p.rpb.
+// Each lane keeps its two rows' A fragments in registers (DC chunks of 32 head-dim
+// elements) and walks the halo 8 keys at a time; a score is written only to its slot.
+template <typename T, int DC>
+__global__ void __launch_bounds__(kWarps * 32)
+na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T* __restrict__ rpb,
+                T* __restrict__ out, float fill, NAParams p) {
+  constexpr int R = Elem<T>::kRegs8;
+  Geometry G;
+  if (!setup_warp(p, false, 1, G)) return;
+  const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const int D = (int)p.head_dim;
+
+  // Large head dims reload A per key block (from L1) instead of holding it in registers.
+  constexpr int HELD = (2 * DC * R <= 32) ? DC : 1;
+  bool rok[2];
+  int rx[2][3], ws[2][3], we[2][3];
+  i64 out_row[2];
+  const T* arow[2];
+  unsigned afrag[2][HELD][R];
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    rok[ri] = patch_row(G, grp + 8 * ri, rx[ri]);
+    windows_of(G, rx[ri], ws[ri], we[ri]);
+    out_row[ri] = row_offset(G, p.attn, rx[ri]);
+    arow[ri] = a_in + row_offset(G, p.q, rx[ri]) + 8 * quad;
+    if (HELD == DC) {
+#pragma unroll
+      for (int c = 0; c < HELD; ++c) load8<T>(afrag[ri][c], arow[ri] + 32 * c, 32 * c + 8 * quad < D);
+    }
+  }
+  const i64 rpb_head = (i64)G.h * p.rpb[0];
+
+  for (int base = 0; base < G.cols; base += 8) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+      const int c = base + grp;
+      int y[3];
+      halo_col(G, min(c, G.cols - 1), y);
+      const T* brow = b_in + row_offset(G, p.k, y);
+#pragma unroll
+      for (int ch = 0; ch < DC; ++ch) {
+        const int d0 = 32 * ch + 8 * quad;
+        unsigned bfrag[R];
+        load8<T>(bfrag, brow + d0, c < G.cols && d0 < D);
+        if (HELD == DC) {
+          mma_chunk32<T>(acc, afrag[0][ch], afrag[1][ch], bfrag);
+        } else {
+          load8<T>(afrag[0][0], arow[0] + 32 * ch, d0 < D);
+          load8<T>(afrag[1][0], arow[1] + 32 * ch, d0 < D);
+          mma_chunk32<T>(acc, afrag[0][0], afrag[1][0], bfrag);
+        }
+      }
+    }
+    // acc[e]: row grp + 8 * (e / 2), column base + 2 * quad + e % 2.
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = e / 2, c = base + 2 * quad + (e & 1);
+      if (!rok[ri] || c >= G.cols) continue;
+      int y[3];
+      halo_col(G, c, y);
+      const int slot = slot_of(G, ws[ri], we[ri], y);
+      if (slot < 0) continue;
+      float v = acc[e];
+      if (rpb != nullptr) {
+        i64 off = rpb_head;
+        for (int a = 0; a < 3; ++a)
+          off += (i64)(y[a] - rx[ri][a] + G.ax[a].kernel - 1) * p.rpb[1 + a];
+        v += to_float(rpb[off]);
+      }
+      out[out_row[ri] + (i64)slot * p.attn[5]] = from_float<T>(v);
+    }
+  }
+
+  if (!(p.causal[0] | p.causal[1] | p.causal[2])) return;
+  // Slots past a causal window's end hold no key: write fill there, lanes along the slots.
+  const int K = (int)p.num_neighbors;
+  const int k1 = G.ax[1].kernel, k2 = G.ax[2].kernel;
+  for (int r = 0; r < 16; ++r) {
+    int x[3], s[3], e[3];
+    if (!patch_row(G, r, x)) continue;
+    windows_of(G, x, s, e);
+    const int n0 = e[0] - s[0], n1 = e[1] - s[1], n2 = e[2] - s[2];
+    if (n0 * n1 * n2 == K) continue;
+    const i64 row = row_offset(G, p.attn, x);
+    for (int t = lane; t < K; t += 32) {
+      const int t2 = t % k2, t1 = (t / k2) % k1, t0 = t / (k1 * k2);
+      if (t0 >= n0 || t1 >= n1 || t2 >= n2) out[row + (i64)t * p.attn[5]] = from_float<T>(fill);
+    }
+  }
+}
+
+// ---- Weighted sums: out_r = sum_c W(r, c) X_c over the halo columns c -----------------
+// Forward (INVERSE false): rows are queries, columns keys, W(r, c) = weights[r, slot of c]
+// (av: weights = attn, X = v, out; qk_backward dq: weights = d_attn, X = k, dq).
+// Inverse: rows are keys, columns queries, W(r, c) = weights[c, slot of r in c's window]
+// (av_backward dv: attn, X = d_out; qk_backward dk: d_attn, X = q).
+// W is 0 wherever the key is outside the query's window, so empty causal slots are never
+// read. Strides: weights in p.attn, X in p.v, out in p.o.
+// mma A = W (16 rows x 16 columns), B = X (16 columns x 8 head-dim elements) per n-tile.
+// Each warp covers one slice of 8 * NT head-dim elements: logical n-column m of n-tile t is
+// physical element NT * m + t of the slice, so a lane loads NT consecutive elements of each of
+// its four columns and ends holding 2 * NT consecutive outputs of each of its two rows.
+template <typename T, int NT, bool INVERSE>
+__global__ void __launch_bounds__(kWarps * 32)
+na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
+                  NAParams p) {
+  constexpr bool F32 = IsF32<T>::value;
+  const int D = (int)p.head_dim;
+  const int slices = (D + 8 * NT - 1) / (8 * NT);
+  Geometry G;
+  if (!setup_warp(p, INVERSE, slices, G)) return;
+  const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const int dbase = G.slice * 8 * NT;
+
+  bool rok[2];
+  int rx[2][3], ws[2][3], we[2][3];
+  i64 wrow[2];
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    rok[ri] = patch_row(G, grp + 8 * ri, rx[ri]);
+    if (!INVERSE) {
+      windows_of(G, rx[ri], ws[ri], we[ri]);
+      wrow[ri] = row_offset(G, p.attn, rx[ri]);
+    }
+  }
+  // The four columns of each 16-column step a lane feeds the mma (A's k index and B's rows).
+  int cofs[4];
+  if (F32) { cofs[0] = quad; cofs[1] = quad + 4; cofs[2] = quad + 8; cofs[3] = quad + 12; }
+  else { cofs[0] = 2 * quad; cofs[1] = 2 * quad + 1; cofs[2] = 2 * quad + 8; cofs[3] = 2 * quad + 9; }
+
+  float acc[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+
+  // X elements per lane and column: NT, loaded in units of U (16 bytes, or 8 for NT = 4).
+  constexpr int U = F32 ? 4 : (NT >= 8 ? 8 : 4);
+  constexpr int XW = F32 ? NT : NT / 2;  // 32-bit words per column
+  for (int base = 0; base < G.cols; base += 16) {
+    unsigned xw[4][XW];
+    float wv[2][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = base + cofs[j];
+      const bool cok = c < G.cols;
+      int y[3];
+      halo_col(G, cok ? c : 0, y);
+      const T* xrow = x_in + row_offset(G, p.v, y) + dbase + NT * grp;
+#pragma unroll
+      for (int u = 0; u < NT / U; ++u) {
+        const bool ok = cok && dbase + NT * grp + U * u < D;
+        if constexpr (F32) {
+          float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (ok) f = __ldg(reinterpret_cast<const float4*>(xrow + U * u));
+          xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
+          xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
+        } else if constexpr (U == 8) {
+          uint4 f = make_uint4(0u, 0u, 0u, 0u);
+          if (ok) f = __ldg(reinterpret_cast<const uint4*>(xrow + U * u));
+          xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
+        } else {
+          uint2 f = make_uint2(0u, 0u);
+          if (ok) f = __ldg(reinterpret_cast<const uint2*>(xrow + U * u));
+          xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
+        }
+      }
+      // Weights of this column for the lane's two rows.
+      if (INVERSE) {
+        int s[3], e[3];
+        windows_of(G, y, s, e);
+        const T* wq = w_in + row_offset(G, p.attn, y);
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const int slot = (cok && rok[ri]) ? slot_of(G, s, e, rx[ri]) : -1;
+          wv[ri][j] = slot < 0 ? 0.f : to_float(wq[(i64)slot * p.attn[5]]);
+        }
+      } else {
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const int slot = (cok && rok[ri]) ? slot_of(G, ws[ri], we[ri], y) : -1;
+          wv[ri][j] = slot < 0 ? 0.f : to_float(w_in[wrow[ri] + (i64)slot * p.attn[5]]);
+        }
+      }
+    }
+    if constexpr (F32) {
+      const unsigned a0[4] = {tc::to_tf32(wv[0][0]), tc::to_tf32(wv[1][0]), tc::to_tf32(wv[0][1]),
+                              tc::to_tf32(wv[1][1])};
+      const unsigned a1[4] = {tc::to_tf32(wv[0][2]), tc::to_tf32(wv[1][2]), tc::to_tf32(wv[0][3]),
+                              tc::to_tf32(wv[1][3])};
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const unsigned b0[2] = {xw[0][t], xw[1][t]};
+        const unsigned b1[2] = {xw[2][t], xw[3][t]};
+        tc::mma1688_tf32(acc[t], a0, b0);
+        tc::mma1688_tf32(acc[t], a1, b1);
+      }
+    } else {
+      typename Elem<T>::Tag tag;
+      const unsigned a[4] = {tc::pack2(wv[0][0], wv[0][1], tag), tc::pack2(wv[1][0], wv[1][1], tag),
+                             tc::pack2(wv[0][2], wv[0][3], tag), tc::pack2(wv[1][2], wv[1][3], tag)};
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        // Element t of a column is the low (t even) or high half of word t / 2.
+        const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
+        const unsigned b[2] = {__byte_perm(xw[0][t / 2], xw[1][t / 2], sel),
+                               __byte_perm(xw[2][t / 2], xw[3][t / 2], sel)};
+        tc::mma16816(acc[t], a, b, tag);
+      }
+    }
+  }
+
+  // acc[t][2 * ri + h]: row grp + 8 * ri, slice element NT * (2 * quad + h) + t, so a lane
+  // holds 2 * NT consecutive elements of each row, starting at 2 * NT * quad.
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    if (!rok[ri]) continue;
+    T* orow = out + row_offset(G, p.o, rx[ri]) + dbase + 2 * NT * quad;
+#pragma unroll
+    for (int u = 0; u < 2 * NT / 8; ++u) {
+      if (dbase + 2 * NT * quad + 8 * u >= D) break;
+      float v[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int el = 8 * u + m;  // element of the lane's 2 * NT run
+        v[m] = el < NT ? acc[el][2 * ri] : acc[el - NT][2 * ri + 1];
+      }
+      store8<T>(orow + 8 * u, v);
+    }
+  }
+}
+
+// ---- Relative positional bias gradient ------------------------------------------------
+// d_rpb[h, o] += sum over queries i and slots t whose key sits at relative offset o of
+// d_attn[i, t]. One CTA per (chunk of query rows, head); a warp takes one row at a time and
+// its lanes walk the slots (coalesced); partial sums of the offsets [r_begin, r_begin + r_count)
+// collect in shared memory, then one float32 atomicAdd per offset and CTA goes to d_rpb
+// (strides p.d_rpb). The order of those atomics varies, so the result is not bitwise
+// deterministic. Rows are (batch, token) pairs, row-major over (batch, axis0, axis1, axis2).
+template <typename T>
+__global__ void __launch_bounds__(256)
+na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, long long rows_per_cta,
+                  int r_begin, int r_count, NAParams p) {
+  extern __shared__ float part[];
+  const int h = blockIdx.y;
+  for (int i = threadIdx.x; i < r_count; i += blockDim.x) part[i] = 0.f;
+  __syncthreads();
+
+  Axis ax[3];
+  int rs[3];  // strides of the flattened offset index over the (2k - 1)-wide axes
+  for (int a = 0; a < 3; ++a) ax[a] = axis_of(p, a);
+  rs[2] = 1;
+  rs[1] = 2 * ax[2].kernel - 1;
+  rs[0] = rs[1] * (2 * ax[1].kernel - 1);
+  const int K = (int)p.num_neighbors;
+  const int k1 = ax[1].kernel, k2 = ax[2].kernel;
+  const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2];
+  const i64 first = (i64)blockIdx.x * rows_per_cta;
+  const i64 last = min(first + rows_per_cta, rows);
+  const int lane = threadIdx.x % 32;
+  for (i64 row = first + threadIdx.x / 32; row < last; row += blockDim.x / 32) {
+    int x[3];
+    i64 rest = row;
+    x[2] = (int)(rest % p.extent[2]); rest /= p.extent[2];
+    x[1] = (int)(rest % p.extent[1]); rest /= p.extent[1];
+    x[0] = (int)(rest % p.extent[0]); rest /= p.extent[0];
+    int base = 0, n[3];  // base: offset index of slot 0
+    for (int a = 0; a < 3; ++a) {
+      const int ig = x[a] / ax[a].dilation;
+      int s, e;
+      ax[a].window(ig, ax[a].group_len(x[a] % ax[a].dilation), s, e);
+      n[a] = e - s;
+      base += (s - ig + ax[a].kernel - 1) * rs[a];
+    }
+    const T* src = d_attn + offset6(p.d_attn, rest, x[0], x[1], x[2], h, 0);
+    for (int t = lane; t < K; t += 32) {
+      const int t2 = t % k2, t1 = (t / k2) % k1, t0 = t / (k1 * k2);
+      if (t0 >= n[0] || t1 >= n[1] || t2 >= n[2]) continue;
+      const int o = base + t0 * rs[0] + t1 * rs[1] + t2 - r_begin;
+      if (o >= 0 && o < r_count) atomicAdd(&part[o], to_float(src[(i64)t * p.d_attn[5]]));
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < r_count; i += blockDim.x) {
+    const float v = part[i];
+    if (v == 0.f) continue;
+    const int o = r_begin + i;
+    const int o0 = o / rs[0], o1 = (o / rs[1]) % (2 * k1 - 1), o2 = o % rs[1];
+    atomicAdd(&d_rpb[h * p.d_rpb[0] + o0 * p.d_rpb[1] + o1 * p.d_rpb[2] + o2 * p.d_rpb[3]], v);
+  }
+}
+
+}  // namespace tiled
+}  // namespace natten

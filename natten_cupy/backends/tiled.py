@@ -1,0 +1,231 @@
+"""Tiled backend: the unfused ops (qk, av and their backward) on tensor cores.
+
+The kernels of ``cuda_src/na_tiled.cu`` give each warp a compact 16-row patch of one
+(batch, head) (1-D 16, 2-D 4x4, 3-D 1x4x4, in dilation-group coordinates) and walk the halo of
+columns its rows reach with ``mma.sync``. Four ops reduce to two kernels and a reduction:
+
+* scores ``out[i, t] = <A_i, B_j(i, t)>``: qk (q, k -> attn, + rpb, empty causal slots -inf)
+  and av_backward's d_attn (d_out, v -> d_attn, empty slots 0);
+* weighted sums ``out_r = sum_c W(r, c) X_c`` over the window (av: attn, v; dq: d_attn, k) or
+  over the inverse window (dv: attn, d_out; dk: d_attn, q);
+* the rpb gradient: per-CTA shared-memory partial sums, one float32 atomicAdd per (head,
+  offset) and CTA (not bitwise deterministic).
+
+float16/bfloat16 run on f16/bf16 tensor cores, float32 on TF32 tensor cores when the caller
+allows TF32 (exact float32 runs on the naive backend). Head dims: multiples of 8 up to 256.
+q/k/v-like tensors are read and written with 16-byte accesses along the head dim: a tensor
+whose head dim is not contiguous, or whose other strides break that alignment, goes through
+a contiguous copy. attn, d_attn, rpb and d_rpb are accessed element-wise with any strides.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from .._compile import get_kernel
+from .._dtypes import FLOAT32, HALF_TYPES, c_type
+from .._launch import launch
+from .._params import make_params
+from . import OPS
+
+NAME = "tiled"
+DTYPES = HALF_TYPES + (FLOAT32,)
+
+SOURCE = "na_tiled.cu"
+WARPS = 4              # warps per CTA (kWarps in na_tiled.cu)
+MAX_HEAD_DIM = 256
+SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
+SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
+RPB_BLOCK = 256
+RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
+RPB_CTAS = 2048                      # CTAs of one rpb-gradient pass, over all heads
+_NULL = numpy.uint64(0)              # a null device pointer (no rpb)
+_UNFUSED = ("qk", "av", "qk_backward", "av_backward")
+
+
+def refuse(op, problem):
+    if op not in OPS:
+        return f"unknown op {op!r}"
+    if op not in _UNFUSED:
+        return "the tiled backend runs only the unfused ops (qk, av and their backward)"
+    if problem.dtype not in DTYPES:
+        return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32)"
+    if problem.dtype == FLOAT32 and not problem.allow_tf32:
+        return "exact float32 is not implemented here (pass allow_tf32=True for TF32)"
+    d = problem.head_dim
+    if d % 8 or d > MAX_HEAD_DIM:
+        return f"head dim {d} is not a multiple of 8 up to {MAX_HEAD_DIM}"
+    if any(s != 1 for s in problem.stride):
+        return f"unfused ops take stride 1, got {problem.stride}"
+    if max(problem.spatial) >= 2 ** 31:
+        return "extents of 2**31 or more do not fit the kernels' int32 coordinates"
+    if op == "qk_backward" and problem.heads > 65535:
+        return f"{problem.heads} heads exceed the rpb-gradient grid (65535)"
+    return None
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+def _is_f32(problem):
+    return problem.dtype == FLOAT32
+
+
+def score_chunks(problem):
+    """Chunks of 32 head-dim elements the scores kernel is compiled for (DC)."""
+    need = _ceil_div(problem.head_dim, 32)
+    return next(c for c in SCORE_CHUNKS if c >= need)
+
+
+def slice_tiles(problem):
+    """n-tiles per warp of the weighted-sum kernel (NT): 8 * NT head-dim elements a warp."""
+    tiles = SLICE_TILES[_is_f32(problem)]
+    return next((t for t in tiles if 8 * t >= problem.head_dim), tiles[-1])
+
+
+def patch_shape(rank):
+    """Rows of one warp per axis (product 16), matching setup_warp in na_tiled.cu."""
+    return {1: (16,), 2: (4, 4), 3: (1, 4, 4)}[rank]
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def num_patches(problem):
+    """Warp patches per (batch, head): per axis, dilation groups x patches of the longest."""
+    total = 1
+    for L, d, w in zip(problem.spatial, problem.dilation, patch_shape(problem.rank)):
+        total *= d * _ceil_div(_ceil_div(L, d), w)
+    return total
+
+
+def _grid(problem, slices=1):
+    warps = problem.batch * problem.heads * num_patches(problem) * slices
+    return (_ceil_div(warps, WARPS),)
+
+
+# ---- operands ----------------------------------------------------------------------------
+
+def _aligned(x):
+    """True when ``x`` can be read and written with 16-byte accesses along its last axis:
+    16-byte aligned base, contiguous last axis, every other stride a multiple of 16 bytes."""
+    if x.data.ptr % 16 or (x.shape[-1] > 1 and x.strides[-1] != x.dtype.itemsize):
+        return False
+    return all(size == 1 or stride % 16 == 0
+               for size, stride in zip(x.shape[:-1], x.strides[:-1]))
+
+
+def _operand(x):
+    import cupy
+    return x if _aligned(x) else cupy.ascontiguousarray(x)
+
+
+class _Output:
+    """An output array, or a contiguous stand-in copied back by ``done()``."""
+
+    def __init__(self, x):
+        import cupy
+        self.target = x
+        self.array = x if _aligned(x) else cupy.empty(x.shape, dtype=x.dtype)
+
+    def done(self):
+        if self.array is not self.target:
+            self.target[...] = self.array
+
+
+# ---- kernels -----------------------------------------------------------------------------
+
+def _scores_expr(problem):
+    return f"natten::tiled::na_tiled_scores<{c_type(problem.dtype)}, {score_chunks(problem)}>"
+
+
+def _weighted_expr(problem, inverse):
+    inv = "true" if inverse else "false"
+    return (f"natten::tiled::na_tiled_weighted<{c_type(problem.dtype)}, "
+            f"{slice_tiles(problem)}, {inv}>")
+
+
+def _rpb_expr(problem):
+    return f"natten::tiled::na_tiled_rpb_grad<{c_type(problem.dtype)}>"
+
+
+def _scores(problem, a, b, rpb, out, fill):
+    """out[i, t] = <a_i, b_j(i, t)> (+ rpb); a in p.q, b in p.k, out in p.attn."""
+    p = make_params(problem, q=a, k=b, rpb=rpb, attn=out)
+    expr = _scores_expr(problem)
+    launch(get_kernel(SOURCE, expr), _grid(problem), (32 * WARPS,),
+           (a, b, _NULL if rpb is None else rpb, out, numpy.float32(fill), p),
+           name=expr, backend=NAME)
+
+
+def _weighted(problem, weights, x, out, inverse):
+    """out_r = sum of weights * x over the window (or inverse window) of r."""
+    p = make_params(problem, attn=weights, v=x, o=out)
+    tiles = slice_tiles(problem)
+    slices = _ceil_div(problem.head_dim, 8 * tiles)
+    expr = _weighted_expr(problem, inverse)
+    launch(get_kernel(SOURCE, expr), _grid(problem, slices), (32 * WARPS,),
+           (weights, x, out, p), name=expr, backend=NAME)
+
+
+def _rpb_grad(problem, d_attn, d_rpb):
+    p = make_params(problem, d_attn=d_attn, d_rpb=d_rpb)
+    offsets = math.prod(2 * k - 1 for k in problem.kernel_size)
+    rows = problem.batch * problem.num_tokens
+    ctas = max(1, min(_ceil_div(rows, 64), RPB_CTAS // problem.heads))
+    rows_per_cta = _ceil_div(rows, ctas)
+    grid = (_ceil_div(rows, rows_per_cta), problem.heads)
+    expr = _rpb_expr(problem)
+    fn = get_kernel(SOURCE, expr)
+    for begin in range(0, offsets, RPB_SMEM_FLOATS):
+        count = min(RPB_SMEM_FLOATS, offsets - begin)
+        launch(fn, grid, (RPB_BLOCK,),
+               (d_attn, d_rpb, numpy.int64(rows_per_cta), numpy.int32(begin),
+                numpy.int32(count), p),
+               shared_mem=4 * count, name=expr, backend=NAME)
+
+
+# ---- the four unfused ops ----------------------------------------------------------------
+
+def qk(problem, q, k, rpb, attn):
+    _scores(problem, _operand(q), _operand(k), rpb, attn, -numpy.inf)
+
+
+def av(problem, attn, v, out):
+    o = _Output(out)
+    _weighted(problem, attn, _operand(v), o.array, inverse=False)
+    o.done()
+
+
+def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
+    q, k = _operand(q), _operand(k)
+    dq_o, dk_o = _Output(dq), _Output(dk)
+    _weighted(problem, d_attn, k, dq_o.array, inverse=False)
+    _weighted(problem, d_attn, q, dk_o.array, inverse=True)
+    dq_o.done()
+    dk_o.done()
+    if d_rpb is not None:
+        _rpb_grad(problem, d_attn, d_rpb)
+
+
+def av_backward(problem, d_out, attn, v, d_attn, dv):
+    d_out, v = _operand(d_out), _operand(v)
+    _scores(problem, d_out, v, None, d_attn, 0.0)
+    dv_o = _Output(dv)
+    _weighted(problem, attn, d_out, dv_o.array, inverse=True)
+    dv_o.done()
+
+
+def instantiations():
+    """Every (source, name_expression) this backend may compile."""
+    out = []
+    for dtype in DTYPES:
+        ct = c_type(dtype)
+        out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}>") for dc in SCORE_CHUNKS]
+        for nt in SLICE_TILES[dtype == FLOAT32]:
+            for inv in ("false", "true"):
+                out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, {inv}>"))
+        out.append((SOURCE, f"natten::tiled::na_tiled_rpb_grad<{ct}>"))
+    return out
