@@ -133,7 +133,8 @@ class Ours:
         return s
 
     def _fwd(self, q, k, v):
-        from natten_cupy import ops, profile
+        from natten_cupy import ops
+        import natten_cupy.profile as profile  # the submodule, not the package's function
         w = self.w
         if self.path == "fused":
             return ops.fused_forward(w.rank, q, k, v, w.kernel, stride=w.stride,
@@ -141,7 +142,8 @@ class Ours:
         return profile.unfused_forward(w.rank, q, k, v, w.kernel, **self.kw)
 
     def _bwd(self, q, k, v, do, saved):
-        from natten_cupy import ops, profile
+        from natten_cupy import ops
+        import natten_cupy.profile as profile
         w = self.w
         if self.path == "fused":
             out, lse = saved
