@@ -90,7 +90,9 @@ def fused_forward(problem, q, k, v, out, lse):
 
 def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     import cupy
-    delta = cupy.empty(lse.shape, dtype=accumulator_dtype(problem.dtype))
+    # Allocated by lse's array module: CuPy here, NumPy under the CPU kernel emulator.
+    xp = cupy.get_array_module(lse)
+    delta = xp.empty(lse.shape, dtype=accumulator_dtype(problem.dtype))
     p = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, d_o=d_out, dq=dq, dk=dk, dv=dv,
                     delta=delta)
     _run("na_bwd_delta_naive", problem, _rows(problem), (out, d_out, delta, p))
