@@ -1,0 +1,173 @@
+"""Device probe of the fused tensor-core forward: compile, check, time, in one call.
+
+    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py warm     # compile every instantiation (parallel)
+    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py check    # tests' cases: errors per case
+    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py time     # BENCH.md workloads, ms and TFLOP/s
+    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py small    # one small case (for compute-sanitizer)
+
+Timings: CUDA events around each launch after two warm-up runs, median of 15; inputs are
+fresh standard-normal arrays (never zeros). FLOPs are BENCH.md's useful FLOPs, 4 B N H K D.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# FlexAttention forward ms on the H200 (BENCH.md, best token order).
+FLEX = {("W2", "float16"): 18.9, ("W2", "bfloat16"): 18.9, ("W2", "float32"): 71.6,
+        ("W3", "float16"): 65.7, ("W3b", "float16"): 8.87, ("W2b", "float16"): 0.774,
+        ("W1", "float16"): 1.20}
+SDPA = {64: 2.47, 128: 3.63}   # dense SDPA forward, N 16384, 16 heads (BENCH.md)
+
+# (id, spatial, kernel, heads, dim)
+WORKLOADS = {
+    "W2": ((1024, 1024), (9, 9), 8, 32),
+    "W3": ((16, 256, 256), (3, 5, 5), 8, 32),
+    "W3b": ((8, 128, 128), (5, 7, 7), 8, 32),
+    "W2b": ((256, 256), (13, 13), 4, 128),
+    "W1": ((32768,), (2047,), 16, 64),
+    "SA64": ((16384,), (16384,), 16, 64),
+    "SA128": ((16384,), (16384,), 16, 128),
+}
+# (workload, dtype, tile or None)
+RUNS = [
+    ("W2", "float16", None), ("W2", "float16", (16, 8)), ("W2", "bfloat16", None),
+    ("W2", "float32", None),
+    ("W3", "float16", None), ("W3", "float16", (4, 4, 4)),
+    ("W3b", "float16", None), ("W2b", "float16", None),
+    ("W1", "float16", (64,)), ("W1", "float16", (128,)),
+    ("SA64", "float16", None), ("SA128", "float16", None),
+]
+
+
+def _warm_one(expr):
+    from natten_cupy._compile import get_kernel
+    t = time.perf_counter()
+    try:
+        get_kernel("na_fused_fwd.cu", expr)
+        return expr, time.perf_counter() - t, None
+    except Exception as e:  # report, keep going
+        return expr, time.perf_counter() - t, f"{type(e).__name__}: {str(e)[:400]}"
+
+
+def warm():
+    import multiprocessing as mp
+    from natten_cupy.backends import _fused_fwd
+    exprs = [e for _, e in _fused_fwd.instantiations()]
+    t = time.perf_counter()
+    with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 4)) as pool:
+        res = pool.map(_warm_one, exprs)
+    bad = [r for r in res if r[2]]
+    print(f"warm: {len(exprs)} kernels in {time.perf_counter() - t:.1f} s, "
+          f"slowest {max(r[1] for r in res):.1f} s, {len(bad)} failed")
+    for expr, _, err in bad[:3]:
+        print("  FAILED", expr, err)
+
+
+def check():
+    import cupy as cp
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    import test_gpu_fused_fwd as t
+    worst = {}
+    cases = [(c, "canonical") for c in t.CASES]
+    cases += [(((21, 18), (5, 7), 1, (2, 1), False, 3, 64, t.F16, None), lay)
+              for lay in ("heads_first", "strided_last")]
+    for i, (case, layout) in enumerate(cases):
+        rng = numpy.random.default_rng(1000 + i)
+        name = f"{len(case[0])}d {case[0]} k{case[1]} s{case[2]} d{case[3]} c{case[4]} D{case[6]} " \
+               f"{numpy.dtype(case[7]).name} {case[8] or ''} {layout}"
+        try:
+            err, ref_err, lse_err = t.check_case(case, rng, layout)
+            status = "ok"
+        except AssertionError as e:
+            err = ref_err = lse_err = float("nan")
+            status = f"FAIL {str(e)[:120]}"
+        except Exception as e:
+            err = ref_err = lse_err = float("nan")
+            status = f"ERROR {type(e).__name__}: {str(e)[:300]}"
+        cp.cuda.runtime.deviceSynchronize()
+        dn = numpy.dtype(case[7]).name
+        if status == "ok":
+            w = worst.setdefault(dn, [0.0, 0.0])
+            w[0], w[1] = max(w[0], err), max(w[1], lse_err)
+        print(f"{status:<4} out {err:.2e} (ref {ref_err:.2e}) lse {lse_err:.2e}  {name}")
+    for dn, (e, le) in worst.items():
+        print(f"max error {dn}: out {e:.2e}, lse {le:.2e}")
+
+
+def _inputs(cp, shape, dtype):
+    return [cp.random.standard_normal(shape, dtype=cp.float32).astype(dtype) for _ in range(3)]
+
+
+def time_all(runs=RUNS):
+    import cupy as cp
+    from natten_cupy import _args
+    from natten_cupy.backends import get_backend
+    from natten_cupy._dtypes import canonical_dtype
+    fused = get_backend("fused")
+    rows = []
+    for wid, dname, tile in runs:
+        spatial, kernel, heads, dim = WORKLOADS[wid]
+        dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
+        q, k, v = _inputs(cp, (1,) + spatial + (heads, dim), dtype)
+        prob = _args.check_fused(len(spatial), q, k, v, kernel, 1, 1, False, None, "fused",
+                                 allow_tf32=dname == "float32", tile=tile)
+        why = fused.refuse("fused_forward", prob)
+        if why:
+            rows.append((wid, dname, tile, None, why))
+            continue
+        out = cp.empty_like(q)
+        lse = cp.empty(q.shape[:-1], cp.float32)
+        try:
+            for _ in range(2):
+                fused.fused_forward(prob, q, k, v, out, lse)
+            times = []
+            for _ in range(15):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record()
+                fused.fused_forward(prob, q, k, v, out, lse)
+                b.record()
+                b.synchronize()
+                times.append(cp.cuda.get_elapsed_time(a, b))
+            ms = float(numpy.median(times))
+            spread = (max(times) - min(times)) / ms
+            ok = not bool(cp.isnan(out).any())
+            rows.append((wid, dname, tile, ms, f"spread {spread:.0%}{'' if ok else ' NaN!'}",
+                         prob.flops_forward()))
+        except Exception as e:
+            rows.append((wid, dname, tile, None, f"{type(e).__name__}: {str(e)[:200]}"))
+        del q, k, v, out, lse
+        cp.get_default_memory_pool().free_all_blocks()
+    print(f"{'id':<6}{'dtype':<9}{'tile':<12}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
+    for r in rows:
+        wid, dname, tile, ms, note = r[:5]
+        if ms is None:
+            print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<12}{'-':>8}  {note}")
+            continue
+        tflops = r[5] / ms / 1e9
+        peer = FLEX.get((wid, dname)) or SDPA.get(WORKLOADS[wid][3] if wid.startswith("SA") else 0)
+        ratio = f"{peer / ms:.2f}" if peer else "-"
+        print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<12}{ms:8.3f}{tflops:9.1f}"
+              f"{peer or 0:9.2f}{ratio:>8}  {note}")
+
+
+def small():
+    import cupy as cp
+    cp.cuda.set_allocator(None)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    import test_gpu_fused_fwd as t
+    rng = numpy.random.default_rng(7)
+    print(t.check_case(((13, 11), (5, 4), (1, 2), (2, 1), (False, True), 1, 32, t.F16, None), rng))
+    print(t.check_case(((700,), 257, 1, 1, False, 1, 64, t.F16, None), rng))
+
+
+if __name__ == "__main__":
+    {"warm": warm, "check": check, "time": time_all, "small": small}[sys.argv[1]]()

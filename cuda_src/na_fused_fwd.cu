@@ -1,0 +1,446 @@
+// Fused neighborhood-attention forward on tensor cores: out = softmax(scale * q k^T) v over each query's window, and lse (natural log), flash-style (online softmax, nothing in memory).
+// One CTA = a box of queries of one dilation group, head and batch; each warp owns a compact 16-query patch (the m16 rows of its mma) and walks only its patch's key halo, 16 keys at a time, gathering key rows from shared memory (ldmatrix or per-lane loads take any row).
+// Reads q, k, v (last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit); writes out and lse (float32).
+#include "natten/common.cuh"
+#include "natten/mma.cuh"
+#include "natten/fused_tile.cuh"
+
+namespace natten {
+namespace fused_fwd {
+
+template <typename T> struct Elem;
+template <> struct Elem<__half> { enum { tf32 = 0, per_chunk = 8 }; };
+template <> struct Elem<__nv_bfloat16> { enum { tf32 = 0, per_chunk = 8 }; };
+template <> struct Elem<float> { enum { tf32 = 1, per_chunk = 4 }; };
+
+// CTAs per SM the compiler must fit (caps registers at 64K / (threads * ctas)): head dim 32
+// fits 128 registers at 4 CTAs of 128 threads without spilling; larger head dims need more.
+__host__ __device__ constexpr int min_ctas(int threads, int dp) { return dp <= 32 ? 512 / threads : 1; }
+
+// Two adjacent elements of a row (the launcher guarantees a contiguous, aligned last dim).
+__device__ __forceinline__ void store2(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+
+// Sub-halo coordinates (a0, a1, a2) of flat index t of a warp's halo box of dims n.
+struct Split {
+  int n1n2, n2;
+  float inv12, inv2;
+  __device__ __forceinline__ void operator()(int t, int& a0, int& a1, int& a2) const {
+    a0 = fused::div_small(t, inv12);
+    const int r = t - a0 * n1n2;
+    a1 = fused::div_small(r, inv2);
+    a2 = r - a1 * n2;
+  }
+};
+
+}  // namespace fused_fwd
+}  // namespace natten
+
+using namespace natten;
+using namespace natten::fused_fwd;
+
+// T: element type; DP: padded head dim (32, 64, 128, 256); P*: warp patch (P0 P1 P2 = 16);
+// W*: warps per CTA along each axis. The CTA's query box is (W0 P0, W1 P1, W2 P2).
+template <typename T, int DP, int P0, int P1, int P2, int W0, int W1, int W2>
+__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP))
+na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             T* __restrict__ out, float* __restrict__ lse, const NAParams p, int chunk_keys,
+             int stages) {
+  static_assert(P0 * P1 * P2 == 16, "a warp patch holds 16 queries");
+  constexpr int NW = W0 * W1 * W2, NT = 32 * NW;
+  constexpr int EPC = Elem<T>::per_chunk;  // elements per 16-byte chunk
+  constexpr int CPR = DP / EPC;            // 16-byte chunks per shared-memory row
+  constexpr bool TF32 = Elem<T>::tf32;
+  constexpr bool Q_IN_REGS = DP * sizeof(T) <= 256;
+  constexpr int NPASS = DP > 128 ? 2 : 1, DO = DP / NPASS;
+  constexpr int TQ[3] = {W0 * P0, W1 * P1, W2 * P2};
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const q_s = reinterpret_cast<T*>(smem_raw);
+  T* const kv_s = q_s + NW * 16 * DP;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int head = (int)(blockIdx.x % (unsigned)p.heads);
+  const int batch = blockIdx.z;
+
+  // ---- CTA geometry: group, query box and key halo per axis (in-group indices) ----
+  Axis ax[3];
+  int grp[3], glen[3], q0[3], hs[3], hl[3];
+  {
+    unsigned id = blockIdx.x / (unsigned)p.heads;
+    int u[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      ax[a] = axis_of(p, a);
+      const int gmax = (ax[a].extent + ax[a].dilation - 1) / ax[a].dilation;
+      const int ntile = (gmax + TQ[a] - 1) / TQ[a];
+      const unsigned span = (unsigned)(ntile * ax[a].dilation);
+      u[a] = (int)(id % span);
+      id /= span;
+      grp[a] = u[a] / ntile;
+      q0[a] = (u[a] - grp[a] * ntile) * TQ[a];
+    }
+    bool empty = false;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      glen[a] = ax[a].group_len(grp[a]);
+      empty |= q0[a] >= glen[a];
+    }
+    if (empty) return;  // a shorter dilation group has one tile fewer
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      int e;
+      fused::halo_of(ax[a], glen[a], q0[a], min(q0[a] + TQ[a] - 1, glen[a] - 1), hs[a], e);
+      hl[a] = e - hs[a];
+    }
+  }
+  const int total = hl[0] * hl[1] * hl[2];
+  const int nchunks = (total + chunk_keys - 1) / chunk_keys;
+
+  // ---- warp geometry: patch, its key halo box inside the CTA halo, common box ----
+  const int wa[3] = {warp / (W1 * W2), (warp / W2) % W1, warp % W2};
+  const int PQ[3] = {P0, P1, P2};
+  int pq[3], wo[3], wn[3], clo[3], chi[3];
+  bool warp_active = true;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    pq[a] = q0[a] + wa[a] * PQ[a];
+    warp_active &= pq[a] < glen[a];
+    const int first = min(pq[a], glen[a] - 1), last = min(pq[a] + PQ[a] - 1, glen[a] - 1);
+    int s, e;
+    fused::halo_of(ax[a], glen[a], first, last, s, e);
+    wo[a] = s - hs[a];
+    wn[a] = e - s;
+    fused::common_of(ax[a], glen[a], first, last, clo[a], chi[a]);
+    clo[a] -= s;
+    chi[a] -= s;
+  }
+  Split split;
+  split.n2 = wn[2];
+  split.n1n2 = wn[1] * wn[2];
+  split.inv2 = 1.0f / (float)split.n2;
+  split.inv12 = 1.0f / (float)split.n1n2;
+  const int hl12 = hl[1] * hl[2];
+
+  // ---- the thread's two query rows (group, group + 8) ----
+  // They differ on one axis only (AX8, where the patch's row-major order steps by 8); on the
+  // others they share a window. Windows are kept relative to the warp halo as (lo, size).
+  constexpr int AX8 = P1 * P2 <= 8 ? 0 : (P2 <= 8 ? 1 : 2);
+  const int group = lane >> 2, quad = lane & 3;
+  int wlo[3], wsz[3], wlo8, wsz8;  // window of row group; AX8 window of row group + 8
+  int qc[3], qc8;                  // coordinates of row group; AX8 coordinate of group + 8
+  bool row_ok[2] = {true, true};
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int r = group + 8 * ri;
+    const int rc[3] = {r / (P1 * P2), (r / P2) % P1, r % P2};
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      const int ig = pq[a] + rc[a];
+      row_ok[ri] &= ig < glen[a];
+      if (ri == 1 && a != AX8) continue;
+      const int igc = min(ig, glen[a] - 1);
+      int s, e;
+      ax[a].window(igc, glen[a], s, e);
+      const int lo = s - (hs[a] + wo[a]), c = grp[a] + ax[a].dilation * igc;
+      if (ri == 0) { wlo[a] = lo; wsz[a] = e - s; qc[a] = c; }
+      else { wlo8 = lo; wsz8 = e - s; qc8 = c; }
+    }
+  }
+
+  const i64 hd = p.head_dim;
+  const i64 kbase = batch * p.k[0] + head * p.k[4];
+  const i64 vbase = batch * p.v[0] + head * p.v[4];
+  const T* const qw = q_s + warp * 16 * DP;
+
+  // ---- stage this warp's 16 query rows (zero-padded to DP) ----
+#pragma unroll
+  for (int i = lane; i < 16 * CPR; i += 32) {
+    const int r = i / CPR, c = i % CPR;
+    const int rc[3] = {r / (P1 * P2), (r / P2) % P1, r % P2};
+    int x[3];
+#pragma unroll
+    for (int a = 0; a < 3; ++a)
+      x[a] = grp[a] + ax[a].dilation * min(pq[a] + rc[a], glen[a] - 1);
+    const i64 off = offset6(p.q, batch, x[0], x[1], x[2], head, (i64)c * EPC);
+    const bool ok = (i64)c * EPC < hd;
+    tc::cp_async16(q_s + warp * 16 * DP + r * DP + fused::swizzle_chunk<CPR>(r, c) * EPC,
+                   ok ? q + off : q, ok);
+  }
+  tc::cp_async_commit();
+
+  // Stage chunk ch of the CTA halo (flat keys [ch * chunk_keys, ...)) into buffer ch % stages.
+  auto load_chunk = [&](int ch) {
+    T* const ks = kv_s + (ch % stages) * 2 * chunk_keys * DP;
+    T* const vs = ks + chunk_keys * DP;
+    const int f0 = ch * chunk_keys, nk = min(chunk_keys, total - f0);
+    for (int i = tid; i < nk * CPR; i += NT) {
+      const int r = i / CPR, c = i % CPR;
+      const int f = f0 + r;
+      const int x0 = f / hl12, rem = f - x0 * hl12;
+      const int x1 = rem / hl[2], x2 = rem - x1 * hl[2];
+      const i64 c0 = grp[0] + (i64)ax[0].dilation * (hs[0] + x0);
+      const i64 c1 = grp[1] + (i64)ax[1].dilation * (hs[1] + x1);
+      const i64 c2 = grp[2] + (i64)ax[2].dilation * (hs[2] + x2);
+      const bool ok = (i64)c * EPC < hd;
+      const int dst = r * DP + fused::swizzle_chunk<CPR>(r, c) * EPC;
+      const i64 e = (i64)c * EPC;
+      tc::cp_async16(ks + dst, ok ? k + kbase + c0 * p.k[1] + c1 * p.k[2] + c2 * p.k[3] + e : k, ok);
+      tc::cp_async16(vs + dst, ok ? v + vbase + c0 * p.v[1] + c1 * p.v[2] + c2 * p.v[3] + e : v, ok);
+    }
+  };
+
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  constexpr int QREGS = Q_IN_REGS ? (TF32 ? DP / 8 : DP / 16) : 1;
+  unsigned qf[QREGS][4];
+  const int kib = ((lane >> 3) & 1) * 8 + (lane & 7);  // key of the block this lane addresses
+  const int csel = lane >> 4;                          // chunk offset this lane addresses
+
+  // Q A-fragment of k-step kk (16 columns for 16-bit types, 8 for TF32).
+  auto q_frag = [&](int kk, unsigned (&a)[4]) {
+    if constexpr (TF32) {
+      const float* qr0 = reinterpret_cast<const float*>(qw) + group * DP;
+      const float* qr1 = qr0 + 8 * DP;
+      const int c0 = kk * 8 + quad, c1 = c0 + 4;
+      a[0] = tc::to_tf32(qr0[fused::swizzle_chunk<CPR>(group, c0 / 4) * 4 + c0 % 4]);
+      a[1] = tc::to_tf32(qr1[fused::swizzle_chunk<CPR>(group + 8, c0 / 4) * 4 + c0 % 4]);
+      a[2] = tc::to_tf32(qr0[fused::swizzle_chunk<CPR>(group, c1 / 4) * 4 + c1 % 4]);
+      a[3] = tc::to_tf32(qr1[fused::swizzle_chunk<CPR>(group + 8, c1 / 4) * 4 + c1 % 4]);
+    } else {
+      tc::ldmatrix_x4(a, qw + kib * DP + fused::swizzle_chunk<CPR>(kib, 2 * kk + csel) * EPC);
+    }
+  };
+
+  // Output columns [pass * DO, pass * DO + DO): one pass keeps all of them in registers up to
+  // DP 128; DP 256 takes two passes over the keys (recomputing the scores) to avoid spills.
+  for (int pass = 0; pass < NPASS; ++pass) {
+    float acc[DO / 8][4];
+#pragma unroll
+    for (int n = 0; n < DO / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+
+    load_chunk(0);
+    tc::cp_async_commit();
+
+    for (int ch = 0; ch < nchunks; ++ch) {
+      if (stages == 2 && ch + 1 < nchunks) {
+        load_chunk(ch + 1);
+        tc::cp_async_commit();
+        tc::cp_async_wait<1>();
+      } else {
+        tc::cp_async_wait<0>();
+      }
+      __syncthreads();
+      if constexpr (Q_IN_REGS) {
+        if (ch == 0) {
+#pragma unroll
+          for (int kk = 0; kk < QREGS; ++kk) q_frag(kk, qf[kk]);
+        }
+      }
+
+      const T* const ks = kv_s + (ch % stages) * 2 * chunk_keys * DP;
+      const T* const vs = ks + chunk_keys * DP;
+      const int f0 = ch * chunk_keys;
+      const int t_lo = fused::count_before(wo, wn, hl, f0);
+      const int t_hi = fused::count_before(wo, wn, hl, min(f0 + chunk_keys, total));
+
+      // Shared-memory row of the key at warp-halo flat index t (clamped into this chunk's run).
+      auto row_of = [&](int t) {
+        int a0, a1, a2;
+        split(min(t, t_hi - 1), a0, a1, a2);
+        return (a0 + wo[0]) * hl12 + (a1 + wo[1]) * hl[2] + (a2 + wo[2]) - f0;
+      };
+
+      for (int t0 = warp_active ? t_lo : t_hi; t0 < t_hi; t0 += 16) {
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+
+        // Is every key of this block inside every query's window (no masking needed)?
+        bool inside;
+        {
+          const int t = t0 + kib;
+          int a0, a1, a2;
+          split(min(t, t_hi - 1), a0, a1, a2);
+          inside = t < t_hi && a0 >= clo[0] && a0 < chi[0] && a1 >= clo[1] && a1 < chi[1] &&
+                   a2 >= clo[2] && a2 < chi[2];
+          inside = __all_sync(0xffffffffu, inside);
+        }
+
+        // ---- S = Q K^T ----
+        int vrow[4];  // TF32: rows of keys 2q, 2q+1, 2q+8, 2q+9 (the P columns this lane holds)
+        if constexpr (TF32) {
+          const float* const kf = reinterpret_cast<const float*>(ks);
+          const int kr0 = row_of(t0 + group), kr1 = row_of(t0 + group + 8);
+#pragma unroll
+          for (int kk = 0; kk < DP / 8; ++kk) {
+            unsigned a[4];
+            if constexpr (Q_IN_REGS) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
+            } else {
+              q_frag(kk, a);
+            }
+            const int c0 = kk * 8 + quad, c1 = c0 + 4;
+            unsigned b0[2], b1[2];
+            b0[0] = tc::to_tf32(kf[kr0 * DP + fused::swizzle_chunk<CPR>(kr0, c0 / 4) * 4 + c0 % 4]);
+            b0[1] = tc::to_tf32(kf[kr0 * DP + fused::swizzle_chunk<CPR>(kr0, c1 / 4) * 4 + c1 % 4]);
+            b1[0] = tc::to_tf32(kf[kr1 * DP + fused::swizzle_chunk<CPR>(kr1, c0 / 4) * 4 + c0 % 4]);
+            b1[1] = tc::to_tf32(kf[kr1 * DP + fused::swizzle_chunk<CPR>(kr1, c1 / 4) * 4 + c1 % 4]);
+            tc::mma1688_tf32(s[0], a, b0);
+            tc::mma1688_tf32(s[1], a, b1);
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) vrow[j] = row_of(t0 + 2 * quad + (j & 1) + 8 * (j >> 1));
+        } else {
+          const int krow = row_of(t0 + kib);
+          vrow[0] = krow;
+#pragma unroll
+          for (int kk = 0; kk < DP / 16; ++kk) {
+            unsigned a[4], b[4];
+            if constexpr (Q_IN_REGS) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
+            } else {
+              q_frag(kk, a);
+            }
+            tc::ldmatrix_x4(b, ks + krow * DP + fused::swizzle_chunk<CPR>(krow, 2 * kk + csel) * EPC);
+            const unsigned b0[2] = {b[0], b[2]}, b1[2] = {b[1], b[3]};
+            typename tc::MmaKind<T>::tag tag;
+            tc::mma16816(s[0], a, b0, tag);
+            tc::mma16816(s[1], a, b1, tag);
+          }
+        }
+
+        // ---- scale, mask: s[j][e] is (row group + 8 (e >> 1), key 8 j + 2 quad + (e & 1)) ----
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
+        if (!inside) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int t = t0 + 8 * j + 2 * quad;
+            int b[3];
+            split(min(t, t_hi - 1), b[0], b[1], b[2]);
+            int c[3] = {b[0], b[1], b[2] + 1};  // key t + 1
+            if (c[2] == wn[2]) {
+              c[2] = 0;
+              if (++c[1] == wn[1]) { c[1] = 0; ++c[0]; }
+            }
+            bool sh0 = t < t_hi, sh1 = t + 1 < t_hi;  // shared axes (both rows)
+#pragma unroll
+            for (int a = 0; a < 3; ++a) {
+              if (a == AX8) continue;
+              sh0 &= (unsigned)(b[a] - wlo[a]) < (unsigned)wsz[a];
+              sh1 &= (unsigned)(c[a] - wlo[a]) < (unsigned)wsz[a];
+            }
+            const bool r0k0 = sh0 && (unsigned)(b[AX8] - wlo[AX8]) < (unsigned)wsz[AX8];
+            const bool r0k1 = sh1 && (unsigned)(c[AX8] - wlo[AX8]) < (unsigned)wsz[AX8];
+            const bool r1k0 = sh0 && (unsigned)(b[AX8] - wlo8) < (unsigned)wsz8;
+            const bool r1k1 = sh1 && (unsigned)(c[AX8] - wlo8) < (unsigned)wsz8;
+            if (!r0k0) s[j][0] = NEG_INF;
+            if (!r0k1) s[j][1] = NEG_INF;
+            if (!r1k0) s[j][2] = NEG_INF;
+            if (!r1k1) s[j][3] = NEG_INF;
+          }
+        }
+
+        // ---- online softmax (rows group, group + 8) ----
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          float mx = fmaxf(fmaxf(s[0][2 * ri], s[0][2 * ri + 1]), fmaxf(s[1][2 * ri], s[1][2 * ri + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[ri], mx);
+          const float m_ref = m_new == NEG_INF ? 0.f : m_new;  // all masked so far: p = 0
+          const float alpha = exp2f(m_run[ri] - m_ref);
+          m_run[ri] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            s[j][2 * ri] = exp2f(s[j][2 * ri] - m_ref);
+            s[j][2 * ri + 1] = exp2f(s[j][2 * ri + 1] - m_ref);
+            sum += s[j][2 * ri] + s[j][2 * ri + 1];
+          }
+          l_run[ri] = l_run[ri] * alpha + sum;
+#pragma unroll
+          for (int n = 0; n < DO / 8; ++n) {
+            acc[n][2 * ri] *= alpha;
+            acc[n][2 * ri + 1] *= alpha;
+          }
+        }
+
+        // ---- O += P V ----
+        if constexpr (TF32) {
+          // k-slot quad <-> key 2 quad, k-slot quad + 4 <-> key 2 quad + 1 (both operands agree).
+          const float* const vf = reinterpret_cast<const float*>(vs);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const unsigned a[4] = {tc::to_tf32(s[j][0]), tc::to_tf32(s[j][2]),
+                                   tc::to_tf32(s[j][1]), tc::to_tf32(s[j][3])};
+            const int r0 = vrow[2 * j], r1 = vrow[2 * j + 1];
+#pragma unroll
+            for (int n = 0; n < DO / 8; ++n) {
+              const int col = pass * DO + n * 8 + group;
+              unsigned b[2];
+              b[0] = tc::to_tf32(vf[r0 * DP + fused::swizzle_chunk<CPR>(r0, col / 4) * 4 + col % 4]);
+              b[1] = tc::to_tf32(vf[r1 * DP + fused::swizzle_chunk<CPR>(r1, col / 4) * 4 + col % 4]);
+              tc::mma1688_tf32(acc[n], a, b);
+            }
+          }
+        } else {
+          typename tc::MmaKind<T>::tag tag;
+          const unsigned a[4] = {tc::pack2(s[0][0], s[0][1], tag), tc::pack2(s[0][2], s[0][3], tag),
+                                 tc::pack2(s[1][0], s[1][1], tag), tc::pack2(s[1][2], s[1][3], tag)};
+          const int vr = vrow[0];
+#pragma unroll
+          for (int n2 = 0; n2 < DO / 16; ++n2) {
+            unsigned b[4];
+            const int cc = pass * (DO / EPC) + 2 * n2 + csel;
+            tc::ldmatrix_x4_trans(b, vs + vr * DP + fused::swizzle_chunk<CPR>(vr, cc) * EPC);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            tc::mma16816(acc[2 * n2], a, b0, tag);
+            tc::mma16816(acc[2 * n2 + 1], a, b1, tag);
+          }
+        }
+      }
+      __syncthreads();  // every warp is done with this buffer before it is refilled
+      if (stages == 1 && ch + 1 < nchunks) {
+        load_chunk(ch + 1);
+        tc::cp_async_commit();
+      }
+    }
+
+    // ---- epilogue: normalize, store this pass's output columns, and lse ----
+    if (warp_active) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        float l = l_run[ri];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (!row_ok[ri]) continue;
+        int x[3] = {qc[0], qc[1], qc[2]};
+        if (ri == 1) x[AX8] = qc8;
+        const float inv = 1.f / l;
+        const i64 obase = offset6(p.o, batch, x[0], x[1], x[2], head, 0);
+#pragma unroll
+        for (int n = 0; n < DO / 8; ++n) {
+          const int col = pass * DO + n * 8 + 2 * quad;
+          if (col < hd) store2(out + obase + col, acc[n][2 * ri] * inv, acc[n][2 * ri + 1] * inv);
+        }
+        if (pass == 0 && quad == 0)
+          lse[offset6(p.lse, batch, x[0], x[1], x[2], head, 0)] =
+              (m_run[ri] + __log2f(l)) * 0.6931471805599453f;
+      }
+    }
+  }
+}

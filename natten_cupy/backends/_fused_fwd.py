@@ -1,0 +1,180 @@
+"""Fused forward on tensor cores (``cuda_src/na_fused_fwd.cu``): float16, bfloat16, and
+float32 as TF32 when the caller allows it.
+
+A CTA owns a box of queries of one dilation group; each warp a compact 16-query patch. The
+CTA stages its key halo in shared memory (streamed in double-buffered chunks when it does not
+fit) and each warp walks only its own patch's halo, 16 keys at a time, masking per element
+only in blocks that hold keys outside some query's window.
+
+Tile configurations are data (``CONFIGS``): per rank, the warp patch and the warps per CTA
+along each axis; ``DEFAULT`` picks one per (rank, head-dim bucket) and ``problem.tile`` (the
+CTA's query box, one entry per axis) overrides it.
+
+Predictions and measurements: ``bench/results/NOTES-fused-fwd.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy
+
+from .. import _window
+from .._compile import get_kernel
+from .._dtypes import FLOAT16, FLOAT32, HALF_TYPES, c_type
+from .._launch import launch
+from .._params import make_params
+
+SOURCE = "na_fused_fwd.cu"
+BUCKETS = (32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    patch: tuple   # queries per warp along (axis0, axis1, axis2); product 16
+    warps: tuple   # warps per CTA along (axis0, axis1, axis2)
+
+    @property
+    def box(self):
+        return tuple(p * w for p, w in zip(self.patch, self.warps))
+
+    @property
+    def num_warps(self):
+        return math.prod(self.warps)
+
+
+CONFIGS = {
+    1: (TileConfig((16, 1, 1), (4, 1, 1)), TileConfig((16, 1, 1), (8, 1, 1))),
+    2: (TileConfig((4, 4, 1), (2, 2, 1)), TileConfig((4, 4, 1), (4, 2, 1))),
+    3: (TileConfig((1, 4, 4), (2, 2, 1)), TileConfig((2, 2, 4), (2, 2, 1))),
+}
+DEFAULT = {(rank, dp): CONFIGS[rank][0] for rank in (1, 2, 3) for dp in BUCKETS}
+DEFAULT.update({(1, 32): CONFIGS[1][1], (1, 64): CONFIGS[1][1]})
+
+# Shared-memory budget of one CTA: whole halo in one buffer when it fits, else two chunks.
+SINGLE_BUDGET = 80 * 1024
+STREAM_BUDGET = 96 * 1024
+MAX_HALO = 1 << 22   # warp-halo flat indices are split with float reciprocals (exact below)
+
+
+def _bucket(head_dim):
+    for b in BUCKETS:
+        if head_dim <= b:
+            return b
+    return None
+
+
+def _config(problem):
+    """The TileConfig for ``problem``, or a str saying why there is none."""
+    dp = _bucket(problem.head_dim)
+    if problem.tile is None:
+        return DEFAULT[(problem.rank, dp)]
+    want = tuple(problem.tile) + (1,) * (3 - len(problem.tile))
+    for cfg in CONFIGS[problem.rank]:
+        if cfg.box == want:
+            return cfg
+    have = ", ".join(str(c.box[:problem.rank]) for c in CONFIGS[problem.rank])
+    return f"tile {problem.tile} is not a fused-forward tile for rank {problem.rank} ({have})"
+
+
+def refuse(problem):
+    if problem.dtype not in HALF_TYPES and not (problem.dtype == FLOAT32 and problem.allow_tf32):
+        return f"fused forward on tensor cores runs float16, bfloat16 and TF32, not {problem.dtype_name}"
+    if problem.head_dim % 8 or problem.head_dim > 256:
+        return f"head dim {problem.head_dim} is not a multiple of 8 up to 256"
+    cfg = _config(problem)
+    if isinstance(cfg, str):
+        return cfg
+    if math.prod(_halo_max(problem, cfg)) >= MAX_HALO:
+        return "key halo of one query tile exceeds 2^22 keys"
+    return None
+
+
+def _halo_max(problem, cfg):
+    """Largest key halo of a CTA's query box, per axis (exact, over every tile and group)."""
+    out = []
+    for a in range(problem.rank):
+        L, k, s, d, c = (problem.spatial[a], problem.kernel_size[a], problem.stride[a],
+                         problem.dilation[a], problem.is_causal[a])
+        t = cfg.box[a]
+        best = 1
+        for glen in {_window.group_size(L, d, g) for g in range(min(d, L))}:
+            first = numpy.arange(0, glen, t)
+            last = numpy.minimum(first + t - 1, glen - 1)
+            start, _ = _window.window_bounds(first, glen, k, s, c)
+            _, end = _window.window_bounds(last, glen, k, s, c)
+            best = max(best, int((end - start).max()))
+        out.append(best)
+    return tuple(out) + (1,) * (3 - problem.rank)
+
+
+def _name(dtype, dp, cfg):
+    p, w = cfg.patch, cfg.warps
+    return (f"na_fwd_fused<{c_type(dtype)}, {dp}, {p[0]}, {p[1]}, {p[2]}, "
+            f"{w[0]}, {w[1]}, {w[2]}>")
+
+
+def instantiations():
+    out = []
+    for dtype in HALF_TYPES + (FLOAT32,):
+        for rank, cfgs in CONFIGS.items():
+            for cfg in cfgs:
+                for dp in BUCKETS:
+                    out.append((SOURCE, _name(dtype, dp, cfg)))
+    return sorted(set(out))
+
+
+def _readable(x):
+    """Whether the kernel can read ``x`` as is: contiguous last dim, 16-byte aligned rows."""
+    per16 = 16 // x.dtype.itemsize
+    st = [s // x.dtype.itemsize for s in x.strides]
+    if x.shape[-1] > 1 and st[-1] != 1:
+        return False
+    if x.data.ptr % 16:
+        return False
+    return all(s % per16 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
+
+
+def _launch_shape(problem, cfg, dp):
+    """(chunk_keys, stages, shared-memory bytes) for this problem."""
+    import cupy
+    es = numpy.dtype(problem.dtype).itemsize
+    q_bytes = cfg.num_warps * 16 * dp * es
+    row_bytes = 2 * dp * es
+    halo = math.prod(_halo_max(problem, cfg))
+    if q_bytes + halo * row_bytes <= SINGLE_BUDGET:
+        chunk, stages = halo, 1
+    else:
+        chunk = max(16, (STREAM_BUDGET - q_bytes) // (2 * row_bytes) // 16 * 16)
+        chunk, stages = min(chunk, halo), 2
+    smem = q_bytes + stages * chunk * row_bytes
+    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    if smem > limit:
+        raise RuntimeError(f"fused forward needs {smem} bytes of shared memory, device has {limit}")
+    return chunk, stages, smem
+
+
+def forward(problem, q, k, v, out, lse):
+    import cupy
+    cfg = _config(problem)
+    dp = _bucket(problem.head_dim)
+    q, k, v = (x if _readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+    dst = out if _readable(out) else cupy.empty(out.shape, out.dtype)
+    chunk, stages, smem = _launch_shape(problem, cfg, dp)
+    params = make_params(problem, q=q, k=k, v=v, o=dst, lse=lse)
+    ctas = problem.heads
+    for a in range(3):
+        ext = problem.spatial[a] if a < problem.rank else 1
+        dil = problem.dilation[a] if a < problem.rank else 1
+        glen = -(-ext // dil)
+        ctas *= dil * -(-glen // cfg.box[a])
+    if ctas >= 2 ** 31 or problem.batch > 65535:
+        raise ValueError(f"problem too large for one fused-forward launch ({ctas} CTAs, "
+                         f"batch {problem.batch})")
+    fn = get_kernel(SOURCE, _name(problem.dtype, dp, cfg))
+    launch(fn, (ctas, 1, problem.batch), (32 * cfg.num_warps, 1, 1),
+           (q, k, v, dst, lse, params, numpy.int32(chunk), numpy.int32(stages)),
+           shared_mem=smem, name="na_fwd_fused", backend="fused", tile=cfg.box[:problem.rank])
+    if dst is not out:
+        out[...] = dst
