@@ -276,13 +276,17 @@ _FLEX = {}
 _MASK_MODS = {}
 
 
-def _compiled_flex():
+def _compiled_flex(device):
+    """torch.compile'd flex_attention (one per process, so compiled kernels are reused);
+    eager on the CPU, where the suite only smoke-tests its control flow."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if torch.device(device).type != "cuda":
+        return flex_attention
     if "fn" not in _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-        import torch._dynamo
+        import torch._dynamo as dynamo
         for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 64)
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 64)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["fn"]
 
@@ -387,13 +391,15 @@ class FlexPeer(_Peer):
 
     def setup(self, input_sets):
         dev = input_sets[0][0].device
+        if dev.type != "cuda":
+            raise Skip("FlexAttention's backward runs on CUDA only")
         self.shared = _shared_mask_mod(self.geom, dev)
         self._activate()
         self.block_mask = build_block_mask(self.geom, self.order, self.shared["mod"], dev)
         self.perm = torch.as_tensor(self.order.perm, device=dev)
         self.inverse = torch.as_tensor(self.order.inverse, device=dev)
         super().setup(input_sets)
-        self.fn = _compiled_flex()
+        self.fn = _compiled_flex(dev)
 
     def _activate(self):
         if self.shared["order"] is not self.order:
@@ -443,8 +449,12 @@ class SDPAMaskedPeer(_Peer):
 
     def attention(self, q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if not q.is_cuda:
+            return sdpa(q, k, v, attn_mask=self.mask)
+        # The math fallback would materialize H x N x N scores: allow the fused kernel only.
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            return sdpa(q, k, v, attn_mask=self.mask)
 
     def teardown(self):
         super().teardown()

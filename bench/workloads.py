@@ -94,6 +94,10 @@ WORKLOADS = {w.id: w for w in (
     # self-attention (SPEC section 1), so it sets our fused kernel against dense SDPA at the
     # shape of BENCH.md's "dense self-attention" line.
     Workload("SA", (16384,), (16384,), 16, 64, "window = whole sequence: dense self-attention"),
+    # Tiny problems for smoke tests of the suite itself (``--device cpu``), never in defaults.
+    Workload("T2", (16, 16), (5, 5), 2, 16, "smoke test", stride=(1, 2), dilation=(1, 2)),
+    Workload("T3", (4, 8, 8), (3, 3, 3), 2, 16, "smoke test", causal=(True, False, False)),
+    Workload("T1", (128,), (128,), 2, 16, "smoke test: self-attention"),
 )}
 DEFAULT_WORKLOADS = ("W2", "W3", "W3b", "W2b", "W1", "SA")
 

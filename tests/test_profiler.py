@@ -377,3 +377,31 @@ def test_profiler_kernels_add_up_naive():
     assert len(prof.records) >= 2
     assert all(r["backend"] == "naive" and r["ms"] > 0 for r in prof.records)
     assert abs(measured - prof.total_ms) <= 0.1 * measured, (measured, prof.total_ms)
+
+
+def test_suite_smoke_on_cpu(tmp_path):
+    """The suite's whole control flow on tiny problems (reference backend, CPU peers)."""
+    pytest.importorskip("torch")
+    import report
+    import suite
+    out = tmp_path / "smoke.json"
+    rc = suite.main(["--device", "cpu", "--workloads", "T2,T1", "--dtypes", "fp32",
+                     "--backends", "reference,naive", "--item-s", "1", "--budget-s", "60",
+                     "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    status = {(r["workload"], r["impl"]): r for r in data["results"]}
+    ours = status[("T2", "reference")]
+    assert ours["status"] == "ok" and ours["kind"] == "ours"
+    assert ours["fwd_ms"] > 0 and ours["fwdbwd_ms"] > 0 and ours["reps_fwd"] >= 3
+    assert ours["rel_err"] == {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    masked = status[("T2", "sdpa_masked")]
+    assert masked["status"] == "ok" and masked["checked_against"] == "reference"
+    assert masked["rel_err"]["out"] < 1e-4          # same mask, same math as our reference
+    assert status[("T2", "flex_flat")]["status"] == "skipped"     # CUDA only
+    assert status[("T1", "sdpa")]["status"] == "ok"
+    assert status[("T1", "sdpa")]["rel_err"]["out"] < 1e-4
+    assert data["meta"]["env"]["device"] == "cpu"
+    rows = report.summarize(data)
+    assert [(r["workload"], r["dtype"]) for r in rows] == [("T2", "fp32"), ("T1", "fp32")]
+    assert "T2" in report.markdown_table(data)
