@@ -222,6 +222,13 @@ def update_readme(data, readme, check=False):
     return True
 
 
+def _placeholder_block(readme):
+    """True when README has the markers and no table between them (no results yet)."""
+    text = open(readme).read() if os.path.exists(readme) else ""
+    m = re.search(re.escape(START) + r"(.*?)" + re.escape(END), text, re.S)
+    return bool(m) and "|" not in m.group(1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="?", default=DEFAULT_JSON)
@@ -231,6 +238,12 @@ def main(argv=None):
     p.add_argument("--readme", default=DEFAULT_README)
     p.add_argument("--png", default=None, help="chart path (default: next to the JSON)")
     args = p.parse_args(argv)
+    if not os.path.exists(args.json):
+        if args.check and _placeholder_block(args.readme):
+            print(f"no results at {args.json}, and README's block holds no table: consistent")
+            return 0
+        print(f"no results at {args.json}", file=sys.stderr)
+        return 1
     with open(args.json) as f:
         data = json.load(f)
     if args.check:
