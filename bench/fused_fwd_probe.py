@@ -1,7 +1,7 @@
 """Device probe of the fused tensor-core forward: compile, check, time, in one call.
 
     PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py warm     # compile every instantiation (parallel)
-    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py check    # tests' cases: errors per case
+    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py check [i n]  # tests' cases (i-th of n parts)
     PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py time     # BENCH.md workloads, ms and TFLOP/s
     PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py small    # one small case (for compute-sanitizer)
 
@@ -70,7 +70,7 @@ def warm():
         print("  FAILED", expr, err)
 
 
-def check():
+def check(part=0, parts=1):
     import cupy as cp
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "tests"))
@@ -80,6 +80,8 @@ def check():
     cases += [(((21, 18), (5, 7), 1, (2, 1), False, 3, 64, t.F16, None), lay)
               for lay in ("heads_first", "strided_last")]
     for i, (case, layout) in enumerate(cases):
+        if i % parts != part:
+            continue
         rng = numpy.random.default_rng(1000 + i)
         name = f"{len(case[0])}d {case[0]} k{case[1]} s{case[2]} d{case[3]} c{case[4]} D{case[6]} " \
                f"{numpy.dtype(case[7]).name} {case[8] or ''} {layout}"
@@ -187,4 +189,5 @@ def small():
 
 
 if __name__ == "__main__":
-    {"warm": warm, "check": check, "time": time_all, "small": small}[sys.argv[1]]()
+    {"warm": warm, "check": check, "time": time_all, "small": small}[sys.argv[1]](
+        *(int(a) for a in sys.argv[2:]))
