@@ -37,6 +37,25 @@ __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "
 
 # ---- torch tensors as NumPy / CuPy arrays -----------------------------------------------
 
+def _check_tensors(named):
+    """The checks the array API makes in ``Inputs.gather``, for torch: types, devices."""
+    present = [(n, x) for n, x in named if x is not None]
+    for n, x in present:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"{n} lives on device {x.device}; only CPU and CUDA tensors are "
+                            "supported")
+    kinds = {n: ("gpu" if x.is_cuda else "cpu") for n, x in present}
+    if len(set(kinds.values())) > 1:
+        where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
+        raise ValueError(f"all arrays must be on the same device, got {where}")
+    devices = {x.device for _, x in present}
+    if len(devices) > 1:
+        raise ValueError("all arrays must be on the same GPU, got devices "
+                         f"{sorted(d.index for d in devices)}")
+
+
 def _xp(device):
     """The array module that runs on ``device``: numpy (CPU) or cupy (CUDA)."""
     if device.type == "cpu":
@@ -91,6 +110,7 @@ def _fused_forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
                    deterministic: bool) -> tuple[Tensor, Tensor]:
     problem = _args.check_fused(len(kernel_size), q, k, v, kernel_size, stride, dilation,
                                 is_causal, scale, backend, allow_tf32, deterministic)
+    _check_tensors([("q", q), ("k", k), ("v", v)])
     be = ops.select_backend("fused_forward", problem, _xp(q.device), backend)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
@@ -113,6 +133,8 @@ def _fused_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     problem = _args.check_fused_backward(len(kernel_size), d_out, q, k, v, out, lse,
                                          kernel_size, stride, dilation, is_causal, scale,
                                          backend, allow_tf32, deterministic)
+    _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
+                    ("lse", lse)])
     be = ops.select_backend("fused_backward", problem, _xp(q.device), backend)
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     with _on_torch_stream(q.device):
@@ -147,6 +169,7 @@ def _qk(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int],
         dilation: list[int], is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
     problem = _args.check_qk(len(kernel_size), q, k, kernel_size, dilation, is_causal, rpb,
                              backend, allow_tf32)
+    _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
     be = ops.select_backend("qk", problem, _xp(q.device), backend)
     attn = torch.empty(q.shape[:-1] + (problem.num_neighbors,), dtype=q.dtype, device=q.device)
     with _on_torch_stream(q.device):
@@ -166,6 +189,7 @@ def _qk_backward(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
     """(dq, dk, d_rpb); d_rpb is an empty tensor of shape (0,) unless ``with_rpb``."""
     problem = _args.check_qk_backward(len(kernel_size), d_attn, q, k, kernel_size, dilation,
                                       is_causal, None, backend, allow_tf32)
+    _check_tensors([("d_attn", d_attn), ("q", q), ("k", k)])
     be = ops.select_backend("qk_backward", problem, _xp(q.device), backend)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -208,6 +232,7 @@ def _av(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int],
         is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
     problem = _args.check_av(len(kernel_size), attn, v, kernel_size, dilation, is_causal,
                              backend, allow_tf32)
+    _check_tensors([("attn", attn), ("v", v)])
     be = ops.select_backend("av", problem, _xp(v.device), backend)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     with _on_torch_stream(v.device):
@@ -226,6 +251,7 @@ def _av_backward(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[int],
                  allow_tf32: bool) -> tuple[Tensor, Tensor]:
     problem = _args.check_av_backward(len(kernel_size), d_out, attn, v, kernel_size, dilation,
                                       is_causal, backend, allow_tf32)
+    _check_tensors([("d_out", d_out), ("attn", attn), ("v", v)])
     be = ops.select_backend("av_backward", problem, _xp(v.device), backend)
     d_attn = torch.empty(attn.shape, dtype=attn.dtype, device=attn.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -255,22 +281,6 @@ _av.register_autograd(_av_grad, setup_context=_av_setup_context)
 
 
 # ---- public functions -------------------------------------------------------------------
-
-def _check_tensors(named):
-    """The torch-only checks the array API makes in ``Inputs.gather``: types and devices."""
-    present = [(n, x) for n, x in named if x is not None]
-    for n, x in present:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{n} must be a torch.Tensor, got {type(x).__name__}")
-    kinds = {n: ("gpu" if x.is_cuda else "cpu") for n, x in present}
-    if len(set(kinds.values())) > 1:
-        where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
-        raise ValueError(f"all arrays must be on the same device, got {where}")
-    devices = {x.device for _, x in present}
-    if len(devices) > 1:
-        raise ValueError("all arrays must be on the same GPU, got devices "
-                         f"{sorted(d.index for d in devices)}")
-
 
 def _validating():
     """Eager calls validate up front; under torch.compile the ops validate when they run."""
