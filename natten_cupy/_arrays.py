@@ -13,6 +13,8 @@ import contextlib
 
 import numpy
 
+from ._dtypes import BFLOAT16
+
 __all__ = ["Inputs"]
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
@@ -115,6 +117,9 @@ class Inputs:
             return None
         if self.family == "torch":
             import torch
+            if isinstance(x, numpy.ndarray) and x.dtype == BFLOAT16:
+                # NumPy's DLPack has no bfloat16: hand the bits over as int16.
+                return torch.from_dlpack(x.view(numpy.int16)).view(torch.bfloat16)
             return torch.from_dlpack(x)
         if self.family == "jax":
             import jax.numpy as jnp
@@ -125,6 +130,10 @@ class Inputs:
 def _as_numpy(x):
     if isinstance(x, numpy.ndarray):
         return x
+    if _family(x) == "torch" and str(x.dtype) == "torch.bfloat16":
+        # NumPy's DLPack import knows no bfloat16: share the bits as int16, view as ml_dtypes'.
+        import torch
+        return numpy.from_dlpack(x.view(torch.int16)).view(BFLOAT16)
     return numpy.from_dlpack(x)
 
 
