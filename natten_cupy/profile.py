@@ -188,7 +188,7 @@ def _describe(problem, args):
     for backward in ((False, True) if args.backprop else (False,)):
         f, fl = cost(problem, backward)
         tag = "backward" if backward else "forward"
-        rows.append((f"{tag} useful GFLOP / floor ms", f"{f / 1e9:.3f} / {fl:.4f}"))
+        rows.append((f"{tag} useful GFLOP / floor ms", f"{f / 1e9:.4g} / {fl:.4g}"))
     for r in rows:
         t.add_row(*r)
     return t

@@ -167,7 +167,7 @@ class Profiler:
         if flops is not None and ref > 0:
             t.add_row("useful TFLOP/s", "", "", "", "", f"{flops / ref / 1e9:.2f}", "")
         if floor_ms is not None and ref > 0:
-            t.add_row("floor ms (fraction reached)", "", "", "", "", f"{floor_ms:.4f}",
+            t.add_row("floor ms (fraction reached)", "", "", "", "", f"{floor_ms:.4g}",
                       f"{100 * floor_ms / ref:.1f}%")
         return t
 

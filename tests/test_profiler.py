@@ -405,3 +405,53 @@ def test_suite_smoke_on_cpu(tmp_path):
     rows = report.summarize(data)
     assert [(r["workload"], r["dtype"]) for r in rows] == [("T2", "fp32"), ("T1", "fp32")]
     assert "T2" in report.markdown_table(data)
+
+
+class _FakeCupy:
+    """Just enough of CuPy for the CLI's flow on NumPy arrays (reference backend, CPU)."""
+
+    @staticmethod
+    def get_array_module(*arrays):
+        return numpy
+
+    class random:
+        class RandomState:
+            def __init__(self, seed):
+                self.rs = numpy.random.RandomState(seed)
+
+            def standard_normal(self, shape, dtype=numpy.float64):
+                return self.rs.standard_normal(shape).astype(dtype)
+
+    class cuda:
+        class Event:
+            def record(self):
+                import time
+                self.t = time.perf_counter()
+
+            def synchronize(self):
+                pass
+
+        @staticmethod
+        def get_elapsed_time(a, b):
+            return (b.t - a.t) * 1e3
+
+        @staticmethod
+        def get_current_stream():
+            class _S:
+                def synchronize(self):
+                    pass
+            return _S()
+
+
+@pytest.mark.parametrize("extra", [["--backprop"], ["--backprop", "--unfused"],
+                                   ["--dtype", "fp64", "-c", "true", "false"]])
+def test_cli_profile_flow_on_cpu(monkeypatch, capsys, extra):
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)
+    monkeypatch.setenv("COLUMNS", "200")
+    rc = profile_cli.main(["-i", "12", "10", "-k", "5", "-n", "2", "-d", "8", "--backend",
+                           "reference", "--warmup-steps", "1", "--dtype", "fp32"] + extra)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "forward: kernels" in out and "measured around the call" in out
+    assert ("backward: kernels" in out) == ("--backprop" in extra)
+    assert "kernels sum to" in out
