@@ -1,0 +1,243 @@
+"""Exact-float32 fused neighborhood attention (``cuda_src/na_fused_fp32.cu``): FFMA only, no TF32.
+
+The kernels see every problem as 3-D (inert axes padded at the front, so axis 2 is the
+innermost real axis). A CTA of 128 threads owns a box of rows of one (batch, head, dilation
+group): queries for the forward and dQ, keys for dK/dV. Lanes form groups of G; a group owns a
+micro-tile of 4 rows (1 x 4 in 1-D, 2 x 2 on the two inner axes in 2-D and 3-D) and walks only
+the union of its rows' windows (inverse windows for dK/dV), so little work goes to masked
+pairs; the other operand streams through shared memory in slabs of the CTA's halo.
+
+Backward: delta = rowsum(dO * O), then dQ (query-parallel) and dK/dV (key-parallel, P
+recomputed from lse); no atomics, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy
+
+from .. import _window
+from .._compile import get_kernel
+from .._dtypes import FLOAT32
+from .._launch import launch
+from .._params import make_params
+
+SOURCE = "na_fused_fp32.cu"
+THREADS = 128
+FWD_COLUMNS = 16       # head-dim columns per lane, forward
+BWD_COLUMNS = 8        # head-dim columns per lane, backward
+# Micro-tile of a lane group on (axis1, axis2) of the padded problem: forward per rank; the
+# backward holds more per row (q, dO, dQ or k, v, dK, dV) and takes 2 rows.
+MICRO_FWD = {1: (1, 4), 2: (2, 2), 3: (2, 2)}
+MICRO_BWD = (1, 2)
+SMEM_BUDGET = 72 * 1024
+MAX_GRID = 65535       # heads and batch ride on grid y and z
+
+PLAN_DTYPE = numpy.dtype([("cta", numpy.int32, (3,)), ("slab", numpy.int32, (3,)),
+                          ("tiles", numpy.int32, (3,)), ("pad_", numpy.int32)], align=True)
+
+
+def refuse(problem):
+    if problem.dtype != FLOAT32:
+        return f"exact-float32 kernels take float32 only, got {problem.dtype_name}"
+    D = problem.head_dim
+    if D % 4 or D > 256:
+        return f"head dim must be a multiple of 4 up to 256 for exact float32, got {D}"
+    if problem.heads > MAX_GRID or problem.batch > MAX_GRID:
+        return (f"batch and heads must be at most {MAX_GRID}, got batch {problem.batch}, "
+                f"heads {problem.heads}")
+    return None
+
+
+def _lanes(head_dim, columns):
+    g = 1
+    while g * columns < head_dim:
+        g *= 2
+    return g
+
+
+def _row_floats(lanes, columns):
+    """Shared-memory row of one cell: padded head dim plus the bank pad (RowPad in the .cu)."""
+    return lanes * columns + (8 if lanes == 4 else 4)
+
+
+def _name(kernel, lanes, micro):
+    return f"{kernel}<{lanes}, {micro[0]}, {micro[1]}>"
+
+
+def instantiations():
+    out = [(SOURCE, "na_bwd_delta_fp32")]
+    for micro in sorted(set(MICRO_FWD.values())):
+        for lanes in (1, 2, 4, 8, 16):
+            out.append((SOURCE, _name("na_fwd_fp32", lanes, micro)))
+    for lanes in (1, 2, 4, 8, 16, 32):
+        out.append((SOURCE, _name("na_bwd_dq_fp32", lanes, MICRO_BWD)))
+        out.append((SOURCE, _name("na_bwd_dkv_fp32", lanes, MICRO_BWD)))
+    return out
+
+
+# ---- geometry --------------------------------------------------------------------------
+
+def _padded(problem):
+    """The same problem as 3-D, inert axes (extent 1, kernel 1) in front."""
+    pad = 3 - problem.rank
+    one = (1,) * pad
+    return dataclasses.replace(
+        problem, rank=3, spatial=one + tuple(problem.spatial),
+        kernel_size=one + tuple(problem.kernel_size), stride=one + tuple(problem.stride),
+        dilation=one + tuple(problem.dilation),
+        is_causal=(False,) * pad + tuple(problem.is_causal))
+
+
+def _view3(x, pad):
+    """``x`` with ``pad`` unit axes after the batch axis (a view, never a copy)."""
+    return x[(slice(None),) + (None,) * pad]
+
+
+def _halo_max(L, k, s, d, c, rows, inverse):
+    """Largest span on one axis of the windows (inverse windows) of a CTA's ``rows`` rows."""
+    longest = -(-L // d)
+    firsts = numpy.arange(0, longest, rows, dtype=numpy.int64)
+    best = 1
+    for g in range(d):
+        glen = _window.group_size(L, d, g)
+        first = numpy.minimum(firsts, glen - 1)
+        last = numpy.minimum(firsts + rows - 1, glen - 1)
+        if inverse:
+            lo, _ = _window.inverse_bounds(first, glen, k, s, c)
+            _, hi = _window.inverse_bounds(last, glen, k, s, c)
+        else:
+            lo, _ = _window.window_bounds(first, glen, k, s, c)
+            _, hi = _window.window_bounds(last, glen, k, s, c)
+        best = max(best, int((hi - lo).max()))
+    return best
+
+
+def _choose_cta(p3, micro, groups):
+    """Micro-tiles per CTA along each axis (product ``groups``): doubles the axis that keeps
+    the halo per row smallest while the box still fits inside the axis."""
+    longest = [-(-L // d) for L, d in zip(p3.spatial, p3.dilation)]
+    cta = [1, 1, 1]
+
+    def cost(c):
+        rows = [c[a] * micro[a] for a in range(3)]
+        halo = math.prod(min(r + k + s - 2, n) for r, k, s, n in
+                         zip(rows, p3.kernel_size, p3.stride, longest))
+        return halo / math.prod(min(r, n) for r, n in zip(rows, longest))
+
+    while math.prod(cta) < groups:
+        open_axes = [a for a in (2, 1, 0) if cta[a] * micro[a] < longest[a]] or [2]
+        best = min(open_axes, key=lambda a: cost([c * (2 if b == a else 1)
+                                                  for b, c in enumerate(cta)]))
+        cta[best] *= 2
+    return tuple(cta)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(p3, micro_2d, lanes, inverse, cell_bytes):
+    """(plan scalar, shared-memory bytes, grid) of one kernel for padded problem ``p3``."""
+    micro = (1,) + micro_2d
+    cta = _choose_cta(p3, micro, THREADS // lanes)
+    rows = [cta[a] * micro[a] for a in range(3)]
+    halo = [_halo_max(L, k, s, d, c, r, inverse) for L, k, s, d, c, r in
+            zip(p3.spatial, p3.kernel_size, p3.stride, p3.dilation, p3.is_causal, rows)]
+    cells = max(1, SMEM_BUDGET // cell_bytes)
+    slab = [1, 1, min(halo[2], cells)]
+    if slab[2] == halo[2]:
+        slab[1] = min(halo[1], cells // slab[2])
+        if slab[1] == halo[1]:
+            slab[0] = min(halo[0], cells // (slab[2] * slab[1]))
+    tiles = [-(-(-(-L // d)) // r) for L, d, r in zip(p3.spatial, p3.dilation, rows)]
+    plan = numpy.zeros((), dtype=PLAN_DTYPE)
+    plan["cta"] = cta
+    plan["slab"] = slab
+    plan["tiles"] = tiles
+    grid_x = math.prod(tiles) * math.prod(p3.dilation)
+    if grid_x >= 2 ** 31:
+        raise ValueError(f"problem too large for one launch ({grid_x} CTAs)")
+    grid = (grid_x, p3.heads, p3.batch)
+    return plan[()], math.prod(slab) * cell_bytes, grid
+
+
+# ---- arrays ----------------------------------------------------------------------------
+
+def _vector_ok(x):
+    """Whether the kernels can read/write ``x`` with 16-byte accesses as it is."""
+    if x.strides[-1] != 4 or x.data.ptr % 16:
+        return False
+    return all(n == 1 or s % 16 == 0 for n, s in zip(x.shape[:-1], x.strides[:-1]))
+
+
+def _readable(x):
+    import cupy
+    return x if _vector_ok(x) else cupy.ascontiguousarray(x)
+
+
+def _writable(x):
+    """(array the kernel writes, caller's array to copy it into afterwards or None)."""
+    import cupy
+    if _vector_ok(x):
+        return x, None
+    return cupy.empty(x.shape, dtype=x.dtype), x
+
+
+def _finish(pairs):
+    for tmp, dst in pairs:
+        if dst is not None:
+            dst[...] = tmp
+
+
+# ---- launches --------------------------------------------------------------------------
+
+def forward(problem, q, k, v, out, lse):
+    p3 = _padded(problem)
+    pad = 3 - problem.rank
+    q, k, v = (_readable(x) for x in (q, k, v))
+    out_w = _writable(out)
+    q3, k3, v3, o3 = (_view3(x, pad) for x in (q, k, v, out_w[0]))
+    l3 = _view3(lse, pad)
+    params = make_params(p3, q=q3, k=k3, v=v3, o=o3, lse=l3)
+    lanes = _lanes(problem.head_dim, FWD_COLUMNS)
+    micro = MICRO_FWD[problem.rank]
+    row = _row_floats(lanes, FWD_COLUMNS)
+    plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
+    fn = get_kernel(SOURCE, _name("na_fwd_fp32", lanes, micro))
+    launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, o3, l3, params, plan), shared_mem=smem,
+           name="na_fwd_fp32", backend="fused", tile=tuple(plan["cta"]))
+    _finish([out_w])
+
+
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+    import cupy
+    p3 = _padded(problem)
+    pad = 3 - problem.rank
+    q, k, v, out, d_out = (_readable(x) for x in (q, k, v, out, d_out))
+    writes = [_writable(x) for x in (dq, dk, dv)]
+    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    q3, k3, v3, o3, do3 = (_view3(x, pad) for x in (q, k, v, out, d_out))
+    dq3, dk3, dv3 = (_view3(w[0], pad) for w in writes)
+    l3, de3 = _view3(lse, pad), _view3(delta, pad)
+    params = make_params(p3, q=q3, k=k3, v=v3, o=o3, d_o=do3, dq=dq3, dk=dk3, dv=dv3,
+                         lse=l3, delta=de3)
+
+    rows = problem.batch * problem.num_tokens * problem.heads
+    fn = get_kernel(SOURCE, "na_bwd_delta_fp32")
+    launch(fn, (-(-rows * 8 // THREADS), 1, 1), (THREADS, 1, 1), (o3, do3, de3, params),
+           name="na_bwd_delta_fp32", backend="fused")
+
+    lanes = _lanes(problem.head_dim, BWD_COLUMNS)
+    micro = MICRO_BWD
+    row = _row_floats(lanes, BWD_COLUMNS)
+    plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
+    fn = get_kernel(SOURCE, _name("na_bwd_dq_fp32", lanes, micro))
+    launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dq3, params, plan),
+           shared_mem=smem, name="na_bwd_dq_fp32", backend="fused", tile=tuple(plan["cta"]))
+
+    plan, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
+    fn = get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro))
+    launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dk3, dv3, params, plan),
+           shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused", tile=tuple(plan["cta"]))
+    _finish(writes)
