@@ -277,10 +277,11 @@ def test_module_options_and_errors():
 
 # ---- torch.library / torch.compile ---------------------------------------------------------
 
-def _op_samples(rng):
-    q, k, v = _qkv(rng, (5, 7), requires_grad=True)
-    rpb = _tensor(rng, (2, 5, 5), requires_grad=True)
-    attn = _tensor(rng, (1, 5, 7, 2, 9), requires_grad=True)
+def _op_samples(rng, dim=3, **kw):
+    """One call of every custom op; ``kw`` (device, dtype) goes to the tensors."""
+    q, k, v = _qkv(rng, (5, 7), dim=dim, requires_grad=True, **kw)
+    rpb = _tensor(rng, (2, 5, 5), requires_grad=True, **kw)
+    attn = _tensor(rng, (1, 5, 7, 2, 9), requires_grad=True, **kw)
     lists = ([3, 3], [1, 1], [1, 1], [False, True])
     out, lse = torch.ops.natten_cupy.na_fused_forward(q, k, v, *lists, None, "auto", False,
                                                       False)
@@ -304,18 +305,14 @@ def test_opcheck(rng):
         torch.library.opcheck(op, args)
 
 
-def test_torch_compile_fullgraph(rng):
-    try:
-        import torch._inductor  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the install
-        pytest.skip(f"torch.compile unavailable: {e}")
-
+def _compiled_matches_eager(rng, dim=3, **kw):
+    """torch.compile(fullgraph=True) of fused and unfused calls: same values and gradients."""
     def f(q, k, v, rpb):
         attn = torch.softmax(nt.na2d_qk(q, k, 3, rpb=rpb, dilation=(1, 2)), -1)
         return nt.na2d(q, k, v, 3, is_causal=(True, False)) * 2 + nt.na2d_av(attn, v, 3,
                                                                              dilation=(1, 2))
-    q, k, v = _qkv(rng, (5, 7), requires_grad=True)
-    rpb = _tensor(rng, (2, 5, 5), requires_grad=True)
+    q, k, v = _qkv(rng, (5, 7), dim=dim, requires_grad=True, **kw)
+    rpb = _tensor(rng, (2, 5, 5), requires_grad=True, **kw)
     eager = f(q, k, v, rpb)
     want = torch.autograd.grad(eager.square().sum(), (q, k, v, rpb))
     compiled = torch.compile(f, fullgraph=True)
@@ -324,6 +321,14 @@ def test_torch_compile_fullgraph(rng):
     torch.testing.assert_close(out, eager)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_torch_compile_fullgraph(rng):
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        pytest.skip(f"torch.compile unavailable: {e}")
+    _compiled_matches_eager(rng)
 
 
 # ---- bad input: the same errors as the array API -------------------------------------------
@@ -566,6 +571,14 @@ def test_gpu_unfused_matches_cpu(rng, dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float().cpu(), w.detach(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_and_compile(rng):
+    """The custom ops on CUDA tensors (fused and tiled backends in float32, head dim 32)."""
+    for op, args in _op_samples(rng, dim=32, device="cuda", dtype=torch.float32):
+        torch.library.opcheck(op, args)
+    _compiled_matches_eager(rng, dim=32, device="cuda", dtype=torch.float32)
 
 
 @pytest.mark.gpu
