@@ -260,3 +260,94 @@ def test_reference_runs_every_case_kind():
         gpu_cases.compare(case, truth, truth, truth)
         if case.dtype != "float64":
             gpu_cases.compare(case, yard, truth, yard)
+
+
+# ---- the naive backend's launcher, without a GPU (CPU) -------------------------------------
+
+def test_naive_instantiations_and_grids():
+    from natten_cupy.backends import naive
+    inst = naive.instantiations()
+    assert len(inst) == len(set(inst)) == len(naive.KERNELS) * 4 * 3
+    assert all(src == naive.SOURCE for src, _ in inst)
+    assert ("na_naive.cu", "na_fwd_naive<__nv_bfloat16, 3>") in inst
+    assert naive.grid_for(1) == (1,)
+    assert naive.grid_for(naive.BLOCK + 1) == (2,)
+    assert naive.grid_for(2 ** 40) == (naive.MAX_BLOCKS,)  # kernels grid-stride past it
+    assert naive.MAX_BLOCKS < 2 ** 31
+
+
+def test_naive_launch_plan(monkeypatch):
+    """Each op launches the kernels it should, with its arrays, a params struct whose strides
+    are those of the (permuted) arrays, and enough threads; checked on NumPy, no GPU."""
+    from natten_cupy._params import element_strides
+    from natten_cupy.backends import naive
+    launched = []
+    monkeypatch.setattr(naive, "get_kernel", lambda source, expr: expr)
+    monkeypatch.setattr(naive, "launch", lambda fn, grid, block, args, **kw:
+                        launched.append((fn, grid, block, args, kw)))
+    for kind in gpu_cases.KINDS:
+        case = Case(kind, 2, "float16", (9, 11), (5, 4), (2, 1) if kind == "fused" else (1, 1),
+                    (1, 2), (True, False), 40, permuted=True)
+        x = {n: _numpy_permuted(a, case) for n, a in gpu_cases.make_inputs(case).items()}
+        monkeypatch.setattr(gpu_cases, "poisoned", lambda xp, shape, dtype, c:
+                            _numpy_permuted(numpy.full(shape, numpy.nan, dtype), c))
+        launched.clear()
+        y = gpu_cases.run(case, naive, x, numpy)
+        names = [fn.split("<")[0] for fn, *_ in launched]
+        want = {"fused": ["na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive",
+                          "na_bwd_dkdv_naive"],
+                "qk": ["na_qk_naive"], "qk_rpb": ["na_qk_naive"], "av": ["na_av_naive"],
+                "qk_backward": ["na_qk_bwd_dq_naive", "na_qk_bwd_dk_naive"],
+                "qk_backward_rpb": ["na_qk_bwd_dq_naive", "na_qk_bwd_dk_naive",
+                                    "na_qk_bwd_rpb_naive"],
+                "av_backward": ["na_av_bwd_dattn_naive", "na_av_bwd_dv_naive"]}[kind]
+        assert names == want, kind
+        rows = case.batch * 99 * case.heads
+        for fn, grid, block, args, kw in launched:
+            assert fn.endswith("<__half, 2>") and kw == dict(name=fn, backend="naive")
+            assert block == (naive.BLOCK,)
+            params = args[-1]
+            assert isinstance(params, numpy.void)
+            assert list(params["extent"]) == [9, 11, 1] and list(params["kernel"]) == [5, 4, 1]
+            assert list(params["dilation"]) == [1, 2, 1] and list(params["causal"]) == [1, 0, 0]
+            for name, field in (("q", "q"), ("k", "k"), ("v", "v"), ("d_out", "d_o"),
+                                ("attn", "attn"), ("d_attn", "d_attn")):
+                if name in x and any(a is x[name] for a in args):  # strides of the view
+                    st = element_strides(x[name])
+                    assert list(params[field]) == [st[0], st[1], st[2], 0, st[3], st[4]], name
+            for name, field in (("out", "o"), ("lse", "lse"), ("dq", "dq"), ("dk", "dk"),
+                                ("dv", "dv"), ("attn", "attn"), ("d_attn", "d_attn"),
+                                ("d_rpb", "d_rpb")):
+                if name in y and any(a is y[name] for a in args):
+                    st = element_strides(y[name])
+                    if name == "d_rpb":    # [H, 2k_0 - 1, 2k_1 - 1]
+                        want = [st[0], st[1], st[2], 0, 0, 0]
+                    elif name == "lse":    # [B, X, Y, H]
+                        want = [st[0], st[1], st[2], 0, st[3], 0]
+                    else:
+                        want = [st[0], st[1], st[2], 0, st[3], st[4]]
+                    assert list(params[field]) == want, name
+            if "q" in x:
+                st = element_strides(x["q"])
+                assert st[4] == 1 and st[3] == 9 * 11 * 40  # head-major buffer, permuted view
+            per_thread = {"na_qk_naive": 20, "na_av_bwd_dattn_naive": 20,
+                          "na_qk_bwd_rpb_naive": None}.get(fn.split("<")[0], 40)
+            if per_thread is None:
+                threads = case.heads * 9 * 7 * naive.WARP
+            elif fn.startswith(("na_fwd", "na_bwd_dq", "na_bwd_dkdv")):
+                threads = rows * 2  # two 32-wide chunks of a 40-wide head dim
+            elif fn.startswith("na_bwd_delta"):
+                threads = rows
+            else:
+                threads = rows * per_thread
+            assert grid == (-(-threads // naive.BLOCK),), fn
+        if kind in ("qk", "qk_rpb"):
+            rpb_arg = launched[0][3][2]
+            assert rpb_arg is (x["rpb"] if case.rpb else naive._NULL)
+
+
+def _numpy_permuted(x, case):
+    if x.ndim >= case.rank + 2 and x.shape[0] == case.batch:
+        buffer_shape, order = gpu_cases._head_major(x.shape, case.rank)
+        return numpy.ascontiguousarray(x.transpose(numpy.argsort(order))).transpose(order)
+    return x
