@@ -42,6 +42,7 @@ __device__ __forceinline__ bool setup_warp(const NAParams& p, bool inverse, int 
   int pa[3], npg[3];
   for (int a = 2; a >= 0; --a) {
     G.ax[a] = axis_of(p, a);
+    G.ax[a].stride = 1;  // unfused ops run stride 1 (tiled.refuse): a constant the compiler folds
     const int glen0 = G.ax[a].group_len(0);  // the longest group
     npg[a] = (glen0 + G.pw[a] - 1) / G.pw[a];
     const i64 per = (i64)npg[a] * G.ax[a].dilation;
@@ -92,6 +93,32 @@ __device__ __forceinline__ void halo_col(const Geometry& G, int c, int (&y)[3]) 
   y[0] = G.hs[0] + c / G.hw[1];
 }
 
+// In-group coordinates of one halo column, moved along the halo without divisions: a step
+// of `n` columns is its mixed-radix digits over (hw0, hw1, hw2), added with carries.
+struct HaloPos {
+  int y[3];
+};
+
+__device__ __forceinline__ void step_digits(const Geometry& G, int n, int (&st)[3]) {
+  st[2] = n % G.hw[2];
+  n /= G.hw[2];
+  st[1] = n % G.hw[1];
+  st[0] = n / G.hw[1];
+}
+
+// Each digit of st is below its radix and y[1], y[2] are in range, so one carry suffices.
+// Past the last column y[0] leaves the halo; callers mask those columns.
+__device__ __forceinline__ HaloPos advanced(const Geometry& G, const HaloPos& p,
+                                            const int (&st)[3]) {
+  HaloPos r;
+  const int y2 = p.y[2] + st[2], c2 = y2 >= G.hs[2] + G.hw[2];
+  r.y[2] = c2 ? y2 - G.hw[2] : y2;
+  const int y1 = p.y[1] + st[1] + c2, c1 = y1 >= G.hs[1] + G.hw[1];
+  r.y[1] = c1 ? y1 - G.hw[1] : y1;
+  r.y[0] = p.y[0] + st[0] + c1;
+  return r;
+}
+
 // Offset of the (batch, head) row at in-group index x of tensor with strides st.
 __device__ __forceinline__ i64 row_offset(const Geometry& G, const i64* st, const int (&x)[3]) {
   return offset6(st, G.b, G.g[0] + (i64)G.ax[0].dilation * x[0],
@@ -122,34 +149,40 @@ __device__ __forceinline__ int slot_of(const Geometry& G, const int (&s)[3], con
 // consecutive elements 8q..8q+7 of a chunk with one 16-byte access, for its A rows and its
 // B column alike; the mma's logical k index is a permutation of the physical head-dim index,
 // the same for A and B, so the dot products are unchanged.
-template <typename T> struct Elem;
+// Exact float32 (EXACT) keeps the same lanes and loads but multiplies with FMAs: a lane holds
+// plain floats of its 8 elements, and quad lanes add their partial sums with shuffles.
+template <typename T, bool EXACT> struct Elem;
 
-template <> struct Elem<__half> {
+template <> struct Elem<__half, false> {
   typedef tc::F16Tag Tag;
   static constexpr int kRegs8 = 4;  // registers holding 8 elements
 };
-template <> struct Elem<__nv_bfloat16> {
+template <> struct Elem<__nv_bfloat16, false> {
   typedef tc::BF16Tag Tag;
   static constexpr int kRegs8 = 4;
 };
-template <> struct Elem<float> {  // TF32 tensor cores
+template <> struct Elem<float, false> {  // TF32 tensor cores
+  static constexpr int kRegs8 = 8;
+};
+template <> struct Elem<float, true> {   // exact float32 FMAs (registers hold float bits)
   static constexpr int kRegs8 = 8;
 };
 
 template <typename T> struct IsF32 { static constexpr bool value = false; };
 template <> struct IsF32<float> { static constexpr bool value = true; };
 
-template <typename T>
-__device__ __forceinline__ void load8(unsigned (&r)[Elem<T>::kRegs8], const T* ptr, bool ok) {
+template <typename T, bool EXACT>
+__device__ __forceinline__ void load8(unsigned (&r)[Elem<T, EXACT>::kRegs8], const T* ptr,
+                                      bool ok) {
   if constexpr (IsF32<T>::value) {
     float4 u = make_float4(0.f, 0.f, 0.f, 0.f), v = u;
     if (ok) {
       u = __ldg(reinterpret_cast<const float4*>(ptr));
       v = __ldg(reinterpret_cast<const float4*>(ptr) + 1);
     }
-    r[0] = tc::to_tf32(u.x); r[1] = tc::to_tf32(u.y); r[2] = tc::to_tf32(u.z);
-    r[3] = tc::to_tf32(u.w); r[4] = tc::to_tf32(v.x); r[5] = tc::to_tf32(v.y);
-    r[6] = tc::to_tf32(v.z); r[7] = tc::to_tf32(v.w);
+    const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = EXACT ? __float_as_uint(f[i]) : tc::to_tf32(f[i]);
   } else {
     uint4 u = make_uint4(0u, 0u, 0u, 0u);
     if (ok) u = __ldg(reinterpret_cast<const uint4*>(ptr));
@@ -160,9 +193,10 @@ __device__ __forceinline__ void load8(unsigned (&r)[Elem<T>::kRegs8], const T* p
 // acc (16 rows x 8 columns) += A rows (group, group + 8) . B column (group), over the
 // 32-element chunk each lane loaded with load8 (see the permutation above).
 template <typename T>
-__device__ __forceinline__ void mma_chunk32(float (&acc)[4], const unsigned (&a0)[Elem<T>::kRegs8],
-                                            const unsigned (&a1)[Elem<T>::kRegs8],
-                                            const unsigned (&b)[Elem<T>::kRegs8]) {
+__device__ __forceinline__ void mma_chunk32(float (&acc)[4],
+                                            const unsigned (&a0)[Elem<T, false>::kRegs8],
+                                            const unsigned (&a1)[Elem<T, false>::kRegs8],
+                                            const unsigned (&b)[Elem<T, false>::kRegs8]) {
   if constexpr (IsF32<T>::value) {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
@@ -175,9 +209,40 @@ __device__ __forceinline__ void mma_chunk32(float (&acc)[4], const unsigned (&a0
     for (int s = 0; s < 2; ++s) {
       const unsigned a[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
       const unsigned bb[2] = {b[2 * s], b[2 * s + 1]};
-      tc::mma16816(acc, a, bb, typename Elem<T>::Tag());
+      tc::mma16816(acc, a, bb, typename Elem<T, false>::Tag());
     }
   }
+}
+
+// Exact float32: dot of the lane's 8 elements of a (as float bits) with 8 floats of b.
+__device__ __forceinline__ float dot8(const unsigned (&a)[8], const unsigned (&b)[8], float acc) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc = fmaf(__uint_as_float(a[i]), __uint_as_float(b[i]), acc);
+  return acc;
+}
+
+// Exact float32: part[ri][j] is this lane's partial sum of row group + 8 * ri, column j
+// (0..7). Adds the four quad lanes' partials (reduce-scatter over two shuffle rounds) and
+// leaves acc in the mma C layout: acc[2 * ri + h] = row group + 8 * ri, column 2 * quad + h.
+__device__ __forceinline__ void quad_reduce(const float (&part)[2][8], float (&acc)[4], int quad) {
+  float half[2][4];
+  const bool hi2 = quad & 2, hi1 = quad & 1;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float send = hi2 ? part[ri][i] : part[ri][i + 4];
+      const float keep = hi2 ? part[ri][i + 4] : part[ri][i];
+      half[ri][i] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float send = hi1 ? half[ri][i] : half[ri][i + 2];
+      const float keep = hi1 ? half[ri][i + 2] : half[ri][i];
+      acc[2 * ri + i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+    }
 }
 
 // Store 8 consecutive accumulators as elements of T (16-byte aligned destination).
@@ -187,7 +252,7 @@ __device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
     reinterpret_cast<float4*>(ptr)[0] = make_float4(v[0], v[1], v[2], v[3]);
     reinterpret_cast<float4*>(ptr)[1] = make_float4(v[4], v[5], v[6], v[7]);
   } else {
-    typename Elem<T>::Tag tag;
+    typename Elem<T, false>::Tag tag;
     *reinterpret_cast<uint4*>(ptr) = make_uint4(tc::pack2(v[0], v[1], tag), tc::pack2(v[2], v[3], tag),
                                                 tc::pack2(v[4], v[5], tag), tc::pack2(v[6], v[7], tag));
   }
@@ -198,18 +263,21 @@ __device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
 // fill = 0, no rpb. Strides: A in p.q, B in p.k, out in p.attn, rpb in p.rpb.
 // Each lane keeps its two rows' A fragments in registers (DC chunks of 32 head-dim
 // elements) and walks the halo 8 keys at a time; a score is written only to its slot.
-template <typename T, int DC>
-__global__ void __launch_bounds__(kWarps * 32)
+// EXACT (float32 only): every lane multiplies its 8 elements of all 8 keys of the block
+// (key addresses come from the lanes that own them) and the quad adds up (quad_reduce).
+template <typename T, int DC, bool EXACT>
+__global__ void __launch_bounds__(kWarps * 32, 1)
 na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T* __restrict__ rpb,
                 T* __restrict__ out, float fill, NAParams p) {
-  constexpr int R = Elem<T>::kRegs8;
+  constexpr int R = Elem<T, EXACT>::kRegs8;
   Geometry G;
   if (!setup_warp(p, false, 1, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int D = (int)p.head_dim;
 
-  // Large head dims reload A per key block (from L1) instead of holding it in registers.
-  constexpr int HELD = (2 * DC * R <= 32) ? DC : 1;
+  // Large head dims reload A per key block (from L1) instead of holding it in registers;
+  // so does EXACT, whose chunk loop stays rolled to bound the loads in flight.
+  constexpr int HELD = (2 * DC * R <= 32 && (!EXACT || DC == 1)) ? DC : 1;
   bool rok[2];
   int rx[2][3], ws[2][3], we[2][3];
   i64 out_row[2];
@@ -223,39 +291,70 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
     arow[ri] = a_in + row_offset(G, p.q, rx[ri]) + 8 * quad;
     if (HELD == DC) {
 #pragma unroll
-      for (int c = 0; c < HELD; ++c) load8<T>(afrag[ri][c], arow[ri] + 32 * c, 32 * c + 8 * quad < D);
+      for (int c = 0; c < HELD; ++c)
+        load8<T, EXACT>(afrag[ri][c], arow[ri] + 32 * c, 32 * c + 8 * quad < D);
     }
   }
   const i64 rpb_head = (i64)G.h * p.rpb[0];
 
-  for (int base = 0; base < G.cols; base += 8) {
+  int step8[3], step1[3];
+  step_digits(G, 8, step8);
+  step_digits(G, 1, step1);
+  HaloPos bpos, epos;  // columns base + grp (B operand) and base + 2 * quad (results)
+  halo_col(G, grp, bpos.y);
+  halo_col(G, 2 * quad, epos.y);
+  for (int base = 0; base < G.cols;
+       base += 8, bpos = advanced(G, bpos, step8), epos = advanced(G, epos, step8)) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    {
-      const int c = base + grp;
-      int y[3];
-      halo_col(G, min(c, G.cols - 1), y);
-      const T* brow = b_in + row_offset(G, p.k, y);
+    const T* brow = b_in + row_offset(G, p.k, bpos.y) + 8 * quad;
+    if constexpr (EXACT) {
+      float part[2][8];
+      const T* bj[8];  // key j of the block, from the lanes that walk it
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        part[0][j] = part[1][j] = 0.f;
+        bj[j] = reinterpret_cast<const T*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(brow), 4 * j + quad));
+      }
+#pragma unroll 1
+      for (int ch = 0; ch < DC; ++ch) {
+        const int d0 = 32 * ch + 8 * quad;
+        if (HELD != DC) {
+          load8<T, EXACT>(afrag[0][0], arow[0] + 32 * ch, d0 < D);
+          load8<T, EXACT>(afrag[1][0], arow[1] + 32 * ch, d0 < D);
+        }
+        const int hc = HELD == DC ? ch : 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          unsigned bfrag[R];
+          load8<T, EXACT>(bfrag, bj[j] + 32 * ch, base + j < G.cols && d0 < D);
+          part[0][j] = dot8(afrag[0][hc], bfrag, part[0][j]);
+          part[1][j] = dot8(afrag[1][hc], bfrag, part[1][j]);
+        }
+      }
+      quad_reduce(part, acc, quad);
+    } else {
 #pragma unroll
       for (int ch = 0; ch < DC; ++ch) {
         const int d0 = 32 * ch + 8 * quad;
         unsigned bfrag[R];
-        load8<T>(bfrag, brow + d0, c < G.cols && d0 < D);
+        load8<T, EXACT>(bfrag, brow + 32 * ch, base + grp < G.cols && d0 < D);
         if (HELD == DC) {
           mma_chunk32<T>(acc, afrag[0][ch], afrag[1][ch], bfrag);
         } else {
-          load8<T>(afrag[0][0], arow[0] + 32 * ch, d0 < D);
-          load8<T>(afrag[1][0], arow[1] + 32 * ch, d0 < D);
+          load8<T, EXACT>(afrag[0][0], arow[0] + 32 * ch, d0 < D);
+          load8<T, EXACT>(afrag[1][0], arow[1] + 32 * ch, d0 < D);
           mma_chunk32<T>(acc, afrag[0][0], afrag[1][0], bfrag);
         }
       }
     }
     // acc[e]: row grp + 8 * (e / 2), column base + 2 * quad + e % 2.
+    const HaloPos enext = advanced(G, epos, step1);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int ri = e / 2, c = base + 2 * quad + (e & 1);
-      if (!rok[ri] || c >= G.cols) continue;
-      int y[3];
-      halo_col(G, c, y);
+      const int ri = e / 2;
+      if (!rok[ri] || base + 2 * quad + (e & 1) >= G.cols) continue;
+      const int(&y)[3] = ((e & 1) ? enext : epos).y;
       const int slot = slot_of(G, ws[ri], we[ri], y);
       if (slot < 0) continue;
       float v = acc[e];
@@ -298,8 +397,11 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
 // Each warp covers one slice of 8 * NT head-dim elements: logical n-column m of n-tile t is
 // physical element NT * m + t of the slice, so a lane loads NT consecutive elements of each of
 // its four columns and ends holding 2 * NT consecutive outputs of each of its two rows.
-template <typename T, int NT, bool INVERSE>
-__global__ void __launch_bounds__(kWarps * 32)
+// EXACT (float32 only): lanes find the same weights, then take turns (one quad lane per
+// round) to share their four columns' weights and X addresses with their quad, and every
+// lane runs FMAs over the 2 * NT elements it stores.
+template <typename T, int NT, bool INVERSE, bool EXACT>
+__global__ void __launch_bounds__(kWarps * 32, 1)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
                   NAParams p) {
   constexpr bool F32 = IsF32<T>::value;
@@ -323,8 +425,13 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
   }
   // The four columns of each 16-column step a lane feeds the mma (A's k index and B's rows).
   int cofs[4];
-  if (F32) { cofs[0] = quad; cofs[1] = quad + 4; cofs[2] = quad + 8; cofs[3] = quad + 12; }
+  if (F32 && !EXACT) { cofs[0] = quad; cofs[1] = quad + 4; cofs[2] = quad + 8; cofs[3] = quad + 12; }
   else { cofs[0] = 2 * quad; cofs[1] = 2 * quad + 1; cofs[2] = 2 * quad + 8; cofs[3] = 2 * quad + 9; }
+  int step16[3];
+  step_digits(G, 16, step16);
+  HaloPos pos[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) halo_col(G, cofs[j], pos[j].y);
 
   float acc[NT][4];
 #pragma unroll
@@ -336,29 +443,31 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
   for (int base = 0; base < G.cols; base += 16) {
     unsigned xw[4][XW];
     float wv[2][4];
+    const T* xrow[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int c = base + cofs[j];
-      const bool cok = c < G.cols;
-      int y[3];
-      halo_col(G, cok ? c : 0, y);
-      const T* xrow = x_in + row_offset(G, p.v, y) + dbase + NT * grp;
+      const bool cok = base + cofs[j] < G.cols;
+      const int (&y)[3] = pos[j].y;
+      xrow[j] = x_in + row_offset(G, p.v, y) + dbase;
+      if constexpr (!EXACT) {
 #pragma unroll
-      for (int u = 0; u < NT / U; ++u) {
-        const bool ok = cok && dbase + NT * grp + U * u < D;
-        if constexpr (F32) {
-          float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (ok) f = __ldg(reinterpret_cast<const float4*>(xrow + U * u));
-          xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
-          xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
-        } else if constexpr (U == 8) {
-          uint4 f = make_uint4(0u, 0u, 0u, 0u);
-          if (ok) f = __ldg(reinterpret_cast<const uint4*>(xrow + U * u));
-          xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
-        } else {
-          uint2 f = make_uint2(0u, 0u);
-          if (ok) f = __ldg(reinterpret_cast<const uint2*>(xrow + U * u));
-          xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
+        for (int u = 0; u < NT / U; ++u) {
+          const int d = NT * grp + U * u;
+          const bool ok = cok && dbase + d < D;
+          if constexpr (F32) {
+            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ok) f = __ldg(reinterpret_cast<const float4*>(xrow[j] + d));
+            xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
+            xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
+          } else if constexpr (U == 8) {
+            uint4 f = make_uint4(0u, 0u, 0u, 0u);
+            if (ok) f = __ldg(reinterpret_cast<const uint4*>(xrow[j] + d));
+            xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
+          } else {
+            uint2 f = make_uint2(0u, 0u);
+            if (ok) f = __ldg(reinterpret_cast<const uint2*>(xrow[j] + d));
+            xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
+          }
         }
       }
       // Weights of this column for the lane's two rows.
@@ -379,7 +488,41 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
         }
       }
     }
-    if constexpr (F32) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pos[j] = advanced(G, pos[j], step16);
+
+    if constexpr (EXACT) {
+      // Round r: quad lane r's four columns. This lane's outputs: slice elements
+      // 2 * NT * quad + el, el < 2 * NT, kept in acc as the epilogue reads them.
+      const int d0 = 2 * NT * quad;
+#pragma unroll 1
+      for (int r = 0; r < 4; ++r) {
+        const int src = 4 * grp + r;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float w0 = __shfl_sync(0xffffffffu, wv[0][j], src);
+          const float w1 = __shfl_sync(0xffffffffu, wv[1][j], src);
+          const T* xr = reinterpret_cast<const T*>(__shfl_sync(
+              0xffffffffu, reinterpret_cast<unsigned long long>(xrow[j]), src));
+          const bool cok = base + (j < 2 ? 2 * r + j : 2 * r + 6 + j) < G.cols;
+#pragma unroll
+          for (int u = 0; u < 2 * NT / 4; ++u) {
+            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (cok && dbase + d0 + 4 * u < D)
+              f = __ldg(reinterpret_cast<const float4*>(xr + d0 + 4 * u));
+            const float xv[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              const int el = 4 * u + m;
+              float& a0 = el < NT ? acc[el][0] : acc[el - NT][1];
+              float& a1 = el < NT ? acc[el][2] : acc[el - NT][3];
+              a0 = fmaf(w0, xv[m], a0);
+              a1 = fmaf(w1, xv[m], a1);
+            }
+          }
+        }
+      }
+    } else if constexpr (F32) {
       const unsigned a0[4] = {tc::to_tf32(wv[0][0]), tc::to_tf32(wv[1][0]), tc::to_tf32(wv[0][1]),
                               tc::to_tf32(wv[1][1])};
       const unsigned a1[4] = {tc::to_tf32(wv[0][2]), tc::to_tf32(wv[1][2]), tc::to_tf32(wv[0][3]),
@@ -392,7 +535,7 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
         tc::mma1688_tf32(acc[t], a1, b1);
       }
     } else {
-      typename Elem<T>::Tag tag;
+      typename Elem<T, false>::Tag tag;
       const unsigned a[4] = {tc::pack2(wv[0][0], wv[0][1], tag), tc::pack2(wv[1][0], wv[1][1], tag),
                              tc::pack2(wv[0][2], wv[0][3], tag), tc::pack2(wv[1][2], wv[1][3], tag)};
 #pragma unroll
@@ -444,7 +587,10 @@ na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, long 
 
   Axis ax[3];
   int rs[3];  // strides of the flattened offset index over the (2k - 1)-wide axes
-  for (int a = 0; a < 3; ++a) ax[a] = axis_of(p, a);
+  for (int a = 0; a < 3; ++a) {
+    ax[a] = axis_of(p, a);
+    ax[a].stride = 1;
+  }
   rs[2] = 1;
   rs[1] = 2 * ax[2].kernel - 1;
   rs[0] = rs[1] * (2 * ax[1].kernel - 1);

@@ -14,11 +14,11 @@ import pytest
 import gpu_cases
 from gpu_cases import Case
 from natten_cupy import _args
-from natten_cupy._dtypes import FLOAT32, FLOAT64
+from natten_cupy._dtypes import FLOAT64
 from natten_cupy.backends import get_backend, tiled
 
 KINDS = ("qk", "qk_rpb", "av", "qk_backward", "qk_backward_rpb", "av_backward")
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = (("float16", False), ("bfloat16", False), ("float32", True), ("float32", False))
 HEAD_DIMS = (32, 64, 128, 40, 72)
 
 # (spatial, kernel, dilation, causal): stride is 1 for the unfused ops.
@@ -43,19 +43,19 @@ def _cases():
     n = 0
     for kind in KINDS:
         for rank in (1, 2, 3):
-            for di, dtype in enumerate(DTYPES):
+            for di, (dtype, tf32) in enumerate(DTYPES):
                 spatial, kernel, dilation, causal = GEOMETRIES[rank][(n + di) % 4]
-                tf32 = dtype == "float32"
                 cases.append(Case(kind, rank, dtype, spatial, kernel, (1,) * rank, dilation,
                                   causal, HEAD_DIMS[n % len(HEAD_DIMS)], batch=2, heads=3,
                                   permuted=n % 2 == 1, tf32=tf32))
                 n += 1
     # Large head dims (several slices of the weighted kernels, A reloaded by the scores one).
     for kind in ("qk_rpb", "av", "qk_backward", "av_backward"):
-        for head_dim, dtype in ((136, "float16"), (256, "bfloat16"), (256, "float32")):
+        for head_dim, dtype, tf32 in ((136, "float16", False), (256, "bfloat16", False),
+                                      (256, "float32", True), (136, "float32", False)):
             spatial, kernel, dilation, causal = GEOMETRIES[2][n % 4]
             cases.append(Case(kind, 2, dtype, spatial, kernel, (1, 1), dilation, causal,
-                              head_dim, batch=1, heads=2, tf32=dtype == "float32"))
+                              head_dim, batch=1, heads=2, tf32=tf32))
             n += 1
     return cases
 
@@ -75,8 +75,9 @@ def _device_inputs(cupy, shape, dtype, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ("float16", "float32"))
-def test_strided_operands_and_outputs_match_contiguous(dtype):
+@pytest.mark.parametrize("dtype,tf32", [("float16", False), ("float32", True),
+                                        ("float32", False)])
+def test_strided_operands_and_outputs_match_contiguous(dtype, tf32):
     """Head dims read with a stride and outputs that are strided views go through copies
     and give the same bits as contiguous arrays."""
     import cupy
@@ -94,7 +95,7 @@ def test_strided_operands_and_outputs_match_contiguous(dtype):
         return buf[..., ::2]
 
     q, k, v, d_out = (_device_inputs(cupy, shape, dt, rng) for _ in range(4))
-    problem = _args.check_qk(2, q, k, ks, dil, causal, None, "tiled", allow_tf32=True)
+    problem = _args.check_qk(2, q, k, ks, dil, causal, None, "tiled", allow_tf32=tf32)
     K = problem.num_neighbors
 
     attn = cupy.empty((B, X, Y, H, K), dt)
@@ -155,9 +156,9 @@ def test_refusals():
     be = tiled
     assert be.refuse("qk", _problem(numpy.float16)) is None
     assert be.refuse("av_backward", _problem(numpy.float32, allow_tf32=True)) is None
+    assert be.refuse("qk_backward", _problem(numpy.float32)) is None
     assert "unfused" in be.refuse("fused_forward", _problem(numpy.float16))
     assert "float64" in be.refuse("qk", _problem(FLOAT64))
-    assert "exact float32" in be.refuse("qk", _problem(FLOAT32))
     assert "multiple of 8" in be.refuse("av", _problem(numpy.float16, head_dim=36))
     assert "multiple of 8" in be.refuse("av", _problem(numpy.float16, head_dim=264))
 
@@ -166,8 +167,9 @@ def test_instantiations_cover_every_config():
     exprs = {e for _, e in tiled.instantiations()}
     for dtype in tiled.DTYPES:
         for head_dim in range(8, 257, 8):
-            p = _problem(dtype, head_dim, allow_tf32=True)
-            assert tiled._scores_expr(p) in exprs
-            assert tiled._weighted_expr(p, True) in exprs
-            assert tiled._weighted_expr(p, False) in exprs
+            for tf32 in (False, True):
+                p = _problem(dtype, head_dim, allow_tf32=tf32)
+                assert tiled._scores_expr(p) in exprs
+                assert tiled._weighted_expr(p, True) in exprs
+                assert tiled._weighted_expr(p, False) in exprs
         assert tiled._rpb_expr(p) in exprs

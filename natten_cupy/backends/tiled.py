@@ -12,7 +12,8 @@ columns its rows reach with ``mma.sync``. Four ops reduce to two kernels and a r
   offset) and CTA (not bitwise deterministic).
 
 float16/bfloat16 run on f16/bf16 tensor cores, float32 on TF32 tensor cores when the caller
-allows TF32 (exact float32 runs on the naive backend). Head dims: multiples of 8 up to 256.
+allows TF32, otherwise in exact float32 with FMAs on the same tiles (``EXACT`` kernels).
+Head dims: multiples of 8 up to 256.
 q/k/v-like tensors are read and written with 16-byte accesses along the head dim: a tensor
 whose head dim is not contiguous, or whose other strides break that alignment, goes through
 a contiguous copy. attn, d_attn, rpb and d_rpb are accessed element-wise with any strides.
@@ -52,8 +53,6 @@ def refuse(op, problem):
         return "the tiled backend runs only the unfused ops (qk, av and their backward)"
     if problem.dtype not in DTYPES:
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32)"
-    if problem.dtype == FLOAT32 and not problem.allow_tf32:
-        return "exact float32 is not implemented here (pass allow_tf32=True for TF32)"
     d = problem.head_dim
     if d % 8 or d > MAX_HEAD_DIM:
         return f"head dim {d} is not a multiple of 8 up to {MAX_HEAD_DIM}"
@@ -70,6 +69,15 @@ def refuse(op, problem):
 
 def _is_f32(problem):
     return problem.dtype == FLOAT32
+
+
+def _exact(problem):
+    """Exact float32 (FMA) kernels: float32 without TF32."""
+    return _is_f32(problem) and not problem.allow_tf32
+
+
+def _cbool(flag):
+    return "true" if flag else "false"
 
 
 def score_chunks(problem):
@@ -138,13 +146,13 @@ class _Output:
 # ---- kernels -----------------------------------------------------------------------------
 
 def _scores_expr(problem):
-    return f"natten::tiled::na_tiled_scores<{c_type(problem.dtype)}, {score_chunks(problem)}>"
+    return (f"natten::tiled::na_tiled_scores<{c_type(problem.dtype)}, {score_chunks(problem)}, "
+            f"{_cbool(_exact(problem))}>")
 
 
 def _weighted_expr(problem, inverse):
-    inv = "true" if inverse else "false"
     return (f"natten::tiled::na_tiled_weighted<{c_type(problem.dtype)}, "
-            f"{slice_tiles(problem)}, {inv}>")
+            f"{slice_tiles(problem)}, {_cbool(inverse)}, {_cbool(_exact(problem))}>")
 
 
 def _rpb_expr(problem):
@@ -223,9 +231,13 @@ def instantiations():
     out = []
     for dtype in DTYPES:
         ct = c_type(dtype)
-        out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}>") for dc in SCORE_CHUNKS]
-        for nt in SLICE_TILES[dtype == FLOAT32]:
-            for inv in ("false", "true"):
-                out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, {inv}>"))
+        for exact in ((False, True) if dtype == FLOAT32 else (False,)):
+            ex = _cbool(exact)
+            out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}, {ex}>")
+                    for dc in SCORE_CHUNKS]
+            for nt in SLICE_TILES[dtype == FLOAT32]:
+                for inv in (False, True):
+                    out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, "
+                                        f"{_cbool(inv)}, {ex}>"))
         out.append((SOURCE, f"natten::tiled::na_tiled_rpb_grad<{ct}>"))
     return out
