@@ -22,7 +22,7 @@ import math
 import numpy
 
 from .. import _window
-from .._dtypes import DTYPE_NAMES, accumulator_dtype, canonical_dtype
+from .._dtypes import DTYPE_NAMES, accumulator_dtype
 
 try:
     import cupy
@@ -148,6 +148,13 @@ def _chunks(xp, problem, width, live):
         yield lo, min(lo + n, N)
 
 
+def _by_slot(xp, af):
+    """Weights ``[B, N, H, K]`` as ``[B, N*K, H]``: row ``i*K + t`` is slot t of query i, so
+    the inverse pass gathers (query, slot) pairs with one flat index."""
+    B, N, H, K = af.shape
+    return xp.ascontiguousarray(af.transpose(0, 1, 3, 2)).reshape(B, N * K, H)
+
+
 def _masked(xp, valid, x, fill):
     """``x`` ``[n, H, w]`` where ``valid`` ``[n, w]`` holds, ``fill`` elsewhere."""
     return xp.where(valid[:, None, :], x, fill)
@@ -257,14 +264,14 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
     qf, kf = (_work(xp, x, problem, (H, D)) for x in (q, k))
     daf = _work(xp, d_attn, problem, (H, K))
     tables = _Tables(problem, xp, inverse=True)
-    rpb_size = math.prod(2 * k - 1 for k in problem.kernel_size)
+    rpb_size = math.prod(2 * kk - 1 for kk in problem.kernel_size)
     rpb_acc = None if d_rpb is None else xp.zeros(H * rpb_size, dtype=numpy.float64)
     heads = xp.arange(H)[None, :, None] * rpb_size
 
     g = xp.empty_like(qf)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, rel = tables.forward(lo, hi)
-        da = _masked(xp, valid, daf[:, lo:hi], 0)  # masks [B, n, H, K] alike
+        da = _masked(xp, valid, daf[:, lo:hi], 0)  # valid [n, 1, K] broadcasts over B, H
         for b in range(B):
             g[b, lo:hi] = _weighted(da[b], kf[b][keys])
         if rpb_acc is not None:
@@ -273,10 +280,13 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
                                    minlength=H * rpb_size)
     _store(dq, g)
 
+    da_slots = _by_slot(xp, daf)
+    del daf
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 1):
         qidx, slots, valid = tables.inverse(lo, hi)
+        pairs = qidx * K + slots
         for b in range(B):
-            dag = daf[b][qidx, :, slots].transpose(0, 2, 1)
+            dag = da_slots[b][pairs].transpose(0, 2, 1)
             g[b, lo:hi] = _weighted(_masked(xp, valid, dag, 0), qf[b][qidx])
     _store(dk, g)
     if d_rpb is not None:
@@ -298,9 +308,12 @@ def av_backward(problem, d_out, attn, v, d_attn, dv):
     _store(d_attn, da)
 
     g = xp.empty_like(vf)
+    a_slots = _by_slot(xp, af)
+    del af
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 1):
         qidx, slots, valid = tables.inverse(lo, hi)
+        pairs = qidx * K + slots
         for b in range(B):
-            ag = _masked(xp, valid, af[b][qidx, :, slots].transpose(0, 2, 1), 0)
+            ag = _masked(xp, valid, a_slots[b][pairs].transpose(0, 2, 1), 0)
             g[b, lo:hi] = _weighted(ag, dof[b][qidx])
     _store(dv, g)
