@@ -89,15 +89,16 @@ def test_torch_cpu_in_torch_out(dtype):
         assert torch.equal(t, saved[n]), n
 
 
-def test_torch_permuted_inputs():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_torch_permuted_inputs(dtype):
     """A [B, H, X, Y, D] tensor permuted to [B, X, Y, H, D] is read as is."""
     gen = torch.Generator().manual_seed(0)
-    heads_first = [torch.randn(2, 3, 7, 5, 4, generator=gen) for _ in range(3)]
+    heads_first = [torch.randn(2, 3, 7, 5, 4, generator=gen).to(dtype) for _ in range(3)]
     q, k, v = (t.permute(0, 2, 3, 1, 4) for t in heads_first)
     assert not q.is_contiguous()
     got = natten_cupy.na2d(q, k, v, KERNEL, dilation=(2, 1))
     want = natten_cupy.na2d(*(t.contiguous() for t in (q, k, v)), KERNEL, dilation=(2, 1))
-    assert torch.equal(got, want)
+    assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_results_do_not_alias_inputs():
