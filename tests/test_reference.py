@@ -402,3 +402,23 @@ def test_backend_interface():
     assert reference.instantiations() == []
     for op in ("fused_forward", "fused_backward", "qk", "av", "qk_backward", "av_backward"):
         assert callable(getattr(reference, op))
+
+
+def test_chunks_bound_memory_on_large_problems():
+    """W2 (1024 x 1024, kernel 9 x 9, 8 heads, D 32): every chunk's gathered operands fit in
+    CHUNK_BYTES, for the forward (width K) and the inverse passes (width M, two live)."""
+    from natten_cupy._args import NAProblem
+    p = NAProblem(rank=2, batch=1, spatial=(1024, 1024), heads=8, head_dim=32,
+                  kernel_size=(9, 9), stride=(1, 1), dilation=(1, 1), is_causal=(False, False),
+                  scale=32 ** -0.5, dtype=numpy.dtype(numpy.float32))
+    tables = reference._Tables(p, numpy, inverse=True)
+    assert tables.inverse_width == 81
+    for width, live in ((p.num_neighbors, 1), (tables.inverse_width, 2)):
+        chunks = list(reference._chunks(numpy, p, width, live))
+        assert chunks[0][0] == 0 and chunks[-1][1] == p.num_tokens
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        rows = max(hi - lo for lo, hi in chunks)
+        assert live * rows * width * 8 * 32 * 4 <= reference.CHUNK_BYTES["numpy"]
+        keys, valid, rel = tables.forward(*chunks[len(chunks) // 2])
+        assert keys.shape == (rows, 81) and valid.all()
+        assert rel.min() >= 0 and rel.max() < 17 * 17
