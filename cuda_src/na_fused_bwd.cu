@@ -45,6 +45,9 @@ __global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
 
 namespace {
 
+constexpr int kWarps = 4;  // warps per CTA (the launcher's tiles hold 4 warp patches)
+constexpr int kNB = 32;    // gathered rows per warp step
+
 // One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
 // queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
 // (q, d_o), gathered rows keys (k, v), output dq (scaled).
@@ -57,57 +60,63 @@ __device__ __forceinline__ void bwd_pass(
     const T* __restrict__ gat1, const float* __restrict__ lse, const float* __restrict__ delta,
     T* __restrict__ out0, T* __restrict__ out1, const NAParams& p, const i64* so0,
     const i64* so1, const i64* sg0, const i64* sg1, const i64* sw0, const i64* sw1,
-    const int (&tile)[3], const int (&patch)[3], const int slab_rows, const int bh0) {
+    const int4* __restrict__ tab, const int (&tab_off)[3], const int (&tile)[3],
+    const int (&patch)[3], const int slab_rows, const int bh0) {
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
   constexpr int CH = Dp / 8;       // 16-byte pieces per row
   constexpr int NACC1 = OwnerIsKey ? DC / 8 : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int nwarps = blockDim.x >> 5;
   const int group = lane >> 2, quad = lane & 3, m = lane >> 3;
   const int D = (int)p.head_dim;
 
   // ---- which tile, dilation group, head-dim chunk, batch and head ----
-  Axis ax[3];
-  int glen[3], gi[3], tix[3], org[3], last[3];
+  bwd::AxisTable ax[3];
+  int glen[3], tix[3], org[3], last[3];
   i64 bx = blockIdx.x;
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
-    ax[a] = axis_of(p, a);
-    const int ntile = ((ax[a].extent + ax[a].dilation - 1) / ax[a].dilation + tile[a] - 1) / tile[a];
+    const int L = (int)p.extent[a], d = (int)p.dilation[a];
+    const int ntile = ((L + d - 1) / d + tile[a] - 1) / tile[a];
     tix[a] = (int)(bx % ntile);
     bx /= ntile;
   }
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
-    gi[a] = (int)(bx % ax[a].dilation);
-    bx /= ax[a].dilation;
+    const int L = (int)p.extent[a], d = (int)p.dilation[a];
+    const int g = (int)(bx % d);
+    bx /= d;
+    ax[a].base = tab_off[a] + g;
+    ax[a].d = d;
+    glen[a] = (L - g + d - 1) / d;
   }
   const int col0 = (int)bx * DC;
-  const i64 bh = bh0 + blockIdx.y;
-  const i64 b = bh / p.heads, h = bh % p.heads;
+  const int bh = bh0 + (int)blockIdx.y;  // batch * heads < 2^31 (launcher)
+  const int b = bh / (int)p.heads, h = bh % (int)p.heads;
 #pragma unroll
   for (int a = 0; a < 3; ++a) {
-    glen[a] = ax[a].group_len(gi[a]);
     org[a] = tix[a] * tile[a];
     if (org[a] >= glen[a]) return;  // whole CTA: this group is shorter than the grid
     last[a] = min(org[a] + tile[a] - 1, glen[a] - 1);
   }
+  // Full-axis coordinate of in-group index c (base - offset = dilation group).
+  auto full = [&](int a, int c) { return (i64)(ax[a].base - tab_off[a] + ax[a].d * c); };
 
   // ---- shared memory ----
   extern __shared__ __align__(16) unsigned char smem[];
   T* own_s0 = reinterpret_cast<T*>(smem);
-  T* own_s1 = own_s0 + nwarps * 16 * RS;
-  T* gat_s0 = own_s1 + nwarps * 16 * RS;
+  T* own_s1 = own_s0 + kWarps * 16 * RS;
+  T* gat_s0 = own_s1 + kWarps * 16 * RS;
   T* gat_s1 = gat_s0 + slab_rows * RS;
   bwd::RowDesc* desc = reinterpret_cast<bwd::RowDesc*>(gat_s1 + slab_rows * RS);
-  float* lse_s = reinterpret_cast<float*>(desc + nwarps * 16);  // owners are keys only
+  float* lse_s = reinterpret_cast<float*>(desc + kWarps * kNB);  // owners are keys only
   float* dlt_s = lse_s + slab_rows;
 
   // ---- this warp's patch ----
   int wpos[3];
   {
     int w = warp;
+#pragma unroll
     for (int a = 2; a >= 0; --a) {
       const int nw = tile[a] / patch[a];
       wpos[a] = org[a] + (w % nw) * patch[a];
@@ -120,7 +129,6 @@ __device__ __forceinline__ void bwd_pass(
     c[0] = wpos[0] + r / (patch[1] * patch[2]);
     return c[0] < glen[0] && c[1] < glen[1] && c[2] < glen[2];
   };
-  auto full = [&](int a, int c) { return (i64)(gi[a] + ax[a].dilation * c); };
 
   // Stage the owner rows (zeros where out of range or past the head dim).
   for (int idx = lane; idx < 16 * CH; idx += 32) {
@@ -137,49 +145,44 @@ __device__ __forceinline__ void bwd_pass(
   }
   tc::cp_async_commit();
 
-  // Owner intervals of this lane's two accumulator rows (group, group + 8), and for query
-  // owners their lse (log2 units) and delta.
-  int own_iv[2][3][2];
-  bool own_ok[2];
-  i64 own_off[2][2];
+  // Query owners: lse (log2 units) and delta of this lane's two accumulator rows.
   float row_l2[2] = {0.f, 0.f}, row_dl[2] = {0.f, 0.f};
+  if (!OwnerIsKey) {
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    int c[3];
-    own_ok[hh] = owner_coords(group + 8 * hh, c);
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-      if (own_ok[hh]) {
-        bwd::owner_interval<OwnerIsKey>(ax[a], glen[a], c[a], own_iv[hh][a][0], own_iv[hh][a][1]);
-      } else {
-        own_iv[hh][a][0] = own_iv[hh][a][1] = 0;
+    for (int hh = 0; hh < 2; ++hh) {
+      int c[3];
+      if (owner_coords(group + 8 * hh, c)) {
+        const i64 f0 = full(0, c[0]), f1 = full(1, c[1]), f2 = full(2, c[2]);
+        row_l2[hh] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
+        row_dl[hh] = delta[offset6(p.delta, b, f0, f1, f2, h, 0)];
       }
     }
-    const i64 f0 = full(0, c[0]), f1 = full(1, c[1]), f2 = full(2, c[2]);
-    own_off[hh][0] = offset6(sw0, b, f0, f1, f2, h, 0);
-    own_off[hh][1] = offset6(sw1, b, f0, f1, f2, h, 0);
-    if (!OwnerIsKey && own_ok[hh]) {
-      row_l2[hh] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
-      row_dl[hh] = delta[offset6(p.delta, b, f0, f1, f2, h, 0)];
-    }
+  }
+  // Owner-row bit patterns of the patch per axis (see bwd::axis_rows).
+  int inner[3];
+  unsigned rep[3];
+  inner[2] = 1;
+  inner[1] = patch[2];
+  inner[0] = patch[1] * patch[2];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    rep[a] = 0u;
+    for (int i = 0; i < 16; i += inner[a] * patch[a]) rep[a] |= 1u << i;
   }
 
   // Rows this warp's patch reaches (empty if the patch lies past the group's end) and the
   // CTA's union of them.
   int wlo[3], whi[3], clo[3], chi[3];
   {
-    bool any = true;
-#pragma unroll
-    for (int a = 0; a < 3; ++a) any = any && wpos[a] < glen[a];
+    const bool any = wpos[0] < glen[0] && wpos[1] < glen[1] && wpos[2] < glen[2];
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
+      wlo[a] = whi[a] = 0;
       if (any) {
-        bwd::reach<OwnerIsKey>(ax[a], glen[a], wpos[a], min(wpos[a] + patch[a] - 1, glen[a] - 1),
+        bwd::reach<OwnerIsKey>(tab, ax[a], wpos[a], min(wpos[a] + patch[a] - 1, glen[a] - 1),
                                wlo[a], whi[a]);
-      } else {
-        wlo[a] = whi[a] = 0;
       }
-      bwd::reach<OwnerIsKey>(ax[a], glen[a], org[a], last[a], clo[a], chi[a]);
+      bwd::reach<OwnerIsKey>(tab, ax[a], org[a], last[a], clo[a], chi[a]);
     }
   }
 
@@ -194,9 +197,13 @@ __device__ __forceinline__ void bwd_pass(
     for (int t = 0; t < 4; ++t) acc1[j][t] = 0.f;
 
   const float sl2 = p.scale * bwd::kLog2e;
-  const T* own_a0 = own_s0 + (warp * 16 + (m & 1) * 8 + (lane & 7)) * RS + (m >> 1) * 8;
-  const T* own_a1 = own_s1 + (warp * 16 + (m & 1) * 8 + (lane & 7)) * RS + (m >> 1) * 8;
-  bwd::RowDesc* wdesc = desc + warp * 16;
+  constexpr unsigned RB = RS * sizeof(T);  // row stride in bytes
+  const unsigned own_a0 = tc::smem_addr(own_s0) +
+                          (warp * 16 + (m & 1) * 8 + (lane & 7)) * RB + (m >> 1) * 16;
+  const unsigned own_shift = kWarps * 16 * RB;  // own_s1 - own_s0
+  const unsigned gat_base = tc::smem_addr(gat_s0);
+  const unsigned gat_shift = slab_rows * RB;    // gat_s1 - gat_s0
+  bwd::RowDesc* wdesc = desc + warp * kNB;
 
   // Slabs: sub-boxes of the CTA's union holding at most slab_rows rows, innermost axis first.
   int n[3];
@@ -237,109 +244,132 @@ __device__ __forceinline__ void bwd_pass(
     const int k0 = max(min(whi[0], e0) - lo0, 0), k1 = max(min(whi[1], e1) - lo1, 0),
               k2 = max(min(whi[2], e2) - lo2, 0);
     const int count = k0 * k1 * k2;
-    for (int base = 0; base < count; base += 16) {
-      if (lane < 16) {
+#pragma unroll 1
+    for (int base = 0; base < count; base += kNB) {
+      {
+        // Lane builds the descriptor of gathered row base + lane. Its interval per axis:
+        // the query's window (owners are keys) or the key's inverse range (owners are
+        // queries); owner rows inside it on every axis attend.
         bwd::RowDesc d;
+        d.row = 0;
+        d.mask = 0u;
+        d.l2 = d.dl = 0.f;
         const int t = base + lane;
         if (t < count) {
-          const int c0 = lo0 + t / (k1 * k2), c1 = lo1 + (t / k2) % k1, c2 = lo2 + t % k2;
-          d.row = ((c0 - s0) * m1 + (c1 - s1)) * m2 + (c2 - s2);
-          bwd::owner_interval<!OwnerIsKey>(ax[0], glen[0], c0, d.lo0, d.hi0);
-          bwd::owner_interval<!OwnerIsKey>(ax[1], glen[1], c1, d.lo1, d.hi1);
-          bwd::owner_interval<!OwnerIsKey>(ax[2], glen[2], c2, d.lo2, d.hi2);
-        } else {
-          d.row = 0;
-          d.lo0 = d.hi0 = d.lo1 = d.hi1 = d.lo2 = d.hi2 = 0;
+          const int c[3] = {lo0 + t / (k1 * k2), lo1 + (t / k2) % k1, lo2 + t % k2};
+          d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
+          d.mask = 0xffffu;
+#pragma unroll
+          for (int a = 0; a < 3; ++a) {
+            const int4 e = ax[a].at(tab, c[a]);
+            d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
+                                     patch[a], inner[a], rep[a]);
+          }
+          if (OwnerIsKey) {
+            d.l2 = lse_s[d.row];
+            d.dl = dlt_s[d.row];
+          }
         }
-        d.pad_ = 0;
         wdesc[lane] = d;
       }
       __syncwarp();
-      const int row_a = wdesc[(m >> 1) * 8 + (lane & 7)].row;
-      const int row_t = wdesc[(m & 1) * 8 + (lane & 7)].row;
+      unsigned g_row[2], gt_row[2];
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb) {
+        g_row[hb] = gat_base + wdesc[hb * 16 + (m >> 1) * 8 + (lane & 7)].row * RB + (m & 1) * 16;
+        gt_row[hb] = gat_base + wdesc[hb * 16 + (m & 1) * 8 + (lane & 7)].row * RB +
+                     (m >> 1) * 16 + col0 * (int)sizeof(T);
+      }
+      const unsigned g1_row[2] = {g_row[0] + gat_shift, g_row[1] + gat_shift};
 
-      float s[2][4] = {}, dp[2][4] = {};
-      St::template abt<Dp>(s, own_a0, gat_s0 + row_a * RS + (m & 1) * 8);
-      St::template abt<Dp>(dp, own_a1, gat_s1 + row_a * RS + (m & 1) * 8);
+      float s[4][4] = {}, dp[4][4] = {};
+      St::template abt<Dp>(s, own_a0, g_row);
+      St::template abt<Dp>(dp, own_a0 + own_shift, g1_row);
 
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
-          float l2 = 0.f, dl = 0.f;
-          if (OwnerIsKey) {
-            l2 = lse_s[d.row];
-            dl = dlt_s[d.row];
-          }
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            if (!OwnerIsKey) {
-              l2 = row_l2[hh];
-              dl = row_dl[hh];
-            }
+            const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
+            const float dl = OwnerIsKey ? d.dl : row_dl[hh];
             const int e = hh * 2 + c;
-            const float pv = bwd::meets(own_iv[hh], d) ? exp2f(s[nt][e] * sl2 - l2) : 0.f;
+            const float pv = (d.mask >> (group + 8 * hh)) & 1u
+                                 ? bwd::fast_exp2(s[nt][e] * sl2 - l2) : 0.f;
             s[nt][e] = pv;
             dp[nt][e] = pv * (dp[nt][e] - dl);
           }
         }
-      unsigned a_ds[4];
+      unsigned a_ds[2][4];
       St::to_a(a_ds, dp);
-      const int toff = row_t * RS + (m >> 1) * 8 + col0;
-      St::template ab<DC>(acc0, a_ds, gat_s0 + toff);
+      St::template ab<DC>(acc0, a_ds, gt_row);
       if (OwnerIsKey) {
-        unsigned a_p[4];
+        unsigned a_p[2][4];
         St::to_a(a_p, s);
-        St::template ab<NACC1 * 8>(acc1, a_p, gat_s1 + toff);
+        const unsigned gt1_row[2] = {gt_row[0] + gat_shift, gt_row[1] + gat_shift};
+        St::template ab<NACC1 * 8>(acc1, a_p, gt1_row);
       }
-      __syncwarp();  // descriptors are rewritten next block
+      __syncwarp();  // descriptors are rewritten next step
     }
   }
 
   // ---- write this lane's rows once ----
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    if (!own_ok[hh]) continue;
+    int c[3];
+    if (!owner_coords(group + 8 * hh, c)) continue;
+    const i64 f0 = full(0, c[0]), f1 = full(1, c[1]), f2 = full(2, c[2]);
+    const i64 w0 = offset6(sw0, b, f0, f1, f2, h, 0), w1 = offset6(sw1, b, f0, f1, f2, h, 0);
 #pragma unroll
     for (int j = 0; j < DC / 8; ++j) {
       const int col = col0 + j * 8 + quad * 2;
       if (col < D) {
-        out0[own_off[hh][0] + col * sw0[5]] = from_float<T>(acc0[j][hh * 2] * p.scale);
-        out0[own_off[hh][0] + (col + 1) * sw0[5]] = from_float<T>(acc0[j][hh * 2 + 1] * p.scale);
+        out0[w0 + col * sw0[5]] = from_float<T>(acc0[j][hh * 2] * p.scale);
+        out0[w0 + (col + 1) * sw0[5]] = from_float<T>(acc0[j][hh * 2 + 1] * p.scale);
         if (OwnerIsKey) {
-          out1[own_off[hh][1] + col * sw1[5]] = from_float<T>(acc1[j][hh * 2]);
-          out1[own_off[hh][1] + (col + 1) * sw1[5]] = from_float<T>(acc1[j][hh * 2 + 1]);
+          out1[w1 + col * sw1[5]] = from_float<T>(acc1[j][hh * 2]);
+          out1[w1 + (col + 1) * sw1[5]] = from_float<T>(acc1[j][hh * 2 + 1]);
         }
       }
     }
   }
 }
 
+// Resident CTAs per SM the register budget is cut for (the most that compile without
+// spills): the dK/dV pass holds two accumulator sets.
+template <int Dp, bool OwnerIsKey> struct MinBlocks {
+  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? 3 : 2) : (Dp <= 32 ? 4 : Dp <= 64 ? 3 : 2);
+};
+
 }  // namespace
 
-// dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * heads from bh0.
+// dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * heads from
+// bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a].
 template <typename T, int Dp, int DC>
-__global__ void na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k,
-                                const T* __restrict__ v, const T* __restrict__ d_o,
-                                const float* __restrict__ lse, const float* __restrict__ delta,
-                                T* __restrict__ dk, T* __restrict__ dv, const NAParams p,
-                                const int t0, const int t1, const int t2, const int p0,
-                                const int p1, const int p2, const int slab_rows, const int bh0) {
-  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2};
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, true>::value)
+na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ d_o, const float* __restrict__ lse,
+                const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
+                const int t0, const int t1, const int t2, const int p0, const int p1,
+                const int p2, const int slab_rows, const int bh0) {
+  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, tab_off[3] = {0, tab1, tab2};
   bwd_pass<T, Dp, DC, true>(k, v, q, d_o, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk,
-                            p.dv, tile, patch, slab_rows, bh0);
+                            p.dv, tab, tab_off, tile, patch, slab_rows, bh0);
 }
 
-// dQ: owners are queries. Same grid as na_bwd_fused_kv.
+// dQ: owners are queries. Same grid and arguments as na_bwd_fused_kv.
 template <typename T, int Dp, int DC>
-__global__ void na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k,
-                               const T* __restrict__ v, const T* __restrict__ d_o,
-                               const float* __restrict__ lse, const float* __restrict__ delta,
-                               T* __restrict__ dq, const NAParams p, const int t0, const int t1,
-                               const int t2, const int p0, const int p1, const int p2,
-                               const int slab_rows, const int bh0) {
-  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2};
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, false>::value)
+na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               const T* __restrict__ d_o, const float* __restrict__ lse,
+               const float* __restrict__ delta, T* __restrict__ dq,
+               const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
+               const int t0, const int t1, const int t2, const int p0, const int p1,
+               const int p2, const int slab_rows, const int bh0) {
+  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, tab_off[3] = {0, tab1, tab2};
   bwd_pass<T, Dp, DC, false>(q, d_o, k, v, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
-                             p.dq, tile, patch, slab_rows, bh0);
+                             p.dq, tab, tab_off, tile, patch, slab_rows, bh0);
 }

@@ -23,6 +23,7 @@ from .._compile import get_kernel
 from .._dtypes import FLOAT32, HALF_TYPES, c_type
 from .._launch import launch
 from .._params import make_params
+from .._window import group_size, inverse_bounds, window_bounds
 
 SOURCE = "na_fused_bwd.cu"
 D_BUCKETS = (32, 64, 128, 256)
@@ -46,6 +47,8 @@ def refuse(problem):
         return "the TF32 backward is not built yet"
     if problem.dtype not in HALF_TYPES:
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16)"
+    if problem.batch * problem.heads >= 2 ** 31:
+        return "batch * heads must be below 2**31"
     if problem.head_dim % 8 or problem.head_dim > D_BUCKETS[-1]:
         return f"head_dim {problem.head_dim} must be a multiple of 8 up to {D_BUCKETS[-1]}"
     return None
@@ -85,23 +88,67 @@ def _ready(x):
     return x if _rows_ready(x) else cupy.ascontiguousarray(x)
 
 
-def _reach_bound(problem, tile):
-    """Upper bound of the gathered rows one CTA reaches (the union box's volume)."""
-    vol = 1
-    for a in range(3):
-        if a >= problem.rank:
-            continue
-        k, s, d, L = (problem.kernel_size[a], problem.stride[a], problem.dilation[a],
-                      problem.spatial[a])
-        vol *= min(-(-L // d), tile[a] + 2 * k + 2 * s)
-    return vol
+def _axis_table(extent, kernel, stride, dilation, causal):
+    """[extent, 4] int32 per full-axis coordinate: in-group window [start, end) of it as a
+    query, in-group inverse range [lo, hi) of it as a key (``fused_bwd_tile.cuh``)."""
+    i = numpy.arange(extent, dtype=numpy.int64)
+    g, ig = i % dilation, i // dilation
+    glen = group_size(extent, dilation, g)
+    start, end = window_bounds(ig, glen, kernel, stride, causal)
+    lo, hi = inverse_bounds(ig, glen, kernel, stride, causal)
+    return numpy.stack([start, end, lo, hi], axis=1).astype(numpy.int32)
 
 
-def _slab_rows(problem, dp, itemsize, nwarps, tile, owner_is_key):
+def _axes(problem):
+    """Per padded axis: (extent, kernel, stride, dilation, causal); inert axes pad rank 3."""
+    out = [(problem.spatial[a], problem.kernel_size[a], problem.stride[a],
+            problem.dilation[a], problem.is_causal[a]) for a in range(problem.rank)]
+    return out + [(1, 1, 1, 1, False)] * (3 - problem.rank)
+
+
+def _reach(table, extent, dilation, tile, owner_is_key):
+    """Largest in-group span of gathered rows one CTA tile reaches on one axis."""
+    best = 0
+    for g in range(dilation):
+        glen = group_size(extent, dilation, g)
+        first = numpy.arange(0, glen, tile)
+        last = numpy.minimum(first + tile - 1, glen - 1)
+        rows_first, rows_last = table[g + dilation * first], table[g + dilation * last]
+        lo = rows_first[:, 2] if owner_is_key else rows_first[:, 0]
+        hi = rows_last[:, 3] if owner_is_key else rows_last[:, 1]
+        best = max(best, int((hi - lo).max()))
+    return best
+
+
+_tables = {}
+
+
+def _geometry(problem, tile):
+    """Device window tables (all axes concatenated), their axis offsets, and the largest
+    reach volume of one CTA per pass; cached per geometry."""
+    import cupy
+
+    axes = _axes(problem)
+    key = (tuple(axes), tile, cupy.cuda.Device().id)
+    hit = _tables.get(key)
+    if hit is None:
+        tabs = [_axis_table(*ax) for ax in axes]
+        offsets = numpy.cumsum([0] + [len(t) for t in tabs])[:3]
+        vol = {side: math.prod(_reach(t, ax[0], ax[3], tl, side)
+                               for t, ax, tl in zip(tabs, axes, tile))
+               for side in (True, False)}
+        hit = (cupy.asarray(numpy.concatenate(tabs)), [int(o) for o in offsets], vol)
+        _tables[key] = hit
+    return hit
+
+
+def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key):
+    """Rows of one gathered slab (the whole reach when it fits the budget) and the bytes of
+    dynamic shared memory: owner rows, two gathered tensors, step descriptors, lse/delta."""
     row = (dp + 8) * itemsize * 2 + (8 if owner_is_key else 0)
-    fixed = nwarps * 16 * ((dp + 8) * itemsize * 2 + 32)
+    fixed = nwarps * 16 * (dp + 8) * itemsize * 2 + nwarps * 32 * 16
     cap = max((SMEM_BUDGET - fixed) // row, 16)
-    rows = min(cap, _reach_bound(problem, tile))
+    rows = max(min(cap, reach_volume), 1)
     return int(rows), int(fixed + rows * row)
 
 
@@ -128,14 +175,16 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     groups = math.prod(problem.dilation)
     geo = [numpy.int32(x) for x in tile + patch]
     bh = problem.batch * problem.heads
+    tab, tab_off, reach = _geometry(problem, tile)
     name_kv, name_q = _names(ct, dp)
     for name, chunk, owner_is_key, ptrs in (
             (name_kv, min(dp, KV_CHUNK), True, (q, k, v, d_out, lse, delta, dk, dv)),
             (name_q, min(dp, Q_CHUNK), False, (q, k, v, d_out, lse, delta, dq))):
-        slab, smem = _slab_rows(problem, dp, q.dtype.itemsize, nwarps, tile, owner_is_key)
+        slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key)
         fn = get_kernel(SOURCE, name)
         gx = ntiles * groups * (dp // chunk)
         for bh0 in range(0, bh, MAX_GRID_Y):
             launch(fn, (gx, min(MAX_GRID_Y, bh - bh0)), (32 * nwarps,),
-                   (*ptrs, p, *geo, numpy.int32(slab), numpy.int32(bh0)), shared_mem=smem,
+                   (*ptrs, tab, p, numpy.int32(tab_off[1]), numpy.int32(tab_off[2]), *geo,
+                    numpy.int32(slab), numpy.int32(bh0)), shared_mem=smem,
                    name=name.split("<")[0], backend="fused", tile=tile)
