@@ -423,3 +423,26 @@ def test_chunks_bound_memory_on_large_problems():
         keys, valid, rel = tables.forward(*chunks[len(chunks) // 2])
         assert keys.shape == (rows, 81) and valid.all()
         assert rel.min() >= 0 and rel.max() < 17 * 17
+
+
+@pytest.mark.parametrize("c", FUSED_CASES[3:6], ids=case_id)
+def test_strided_outputs(c, rng):
+    """The backend writes outputs of any strides (here heads-first storage seen heads-last)."""
+    from natten_cupy import _args
+    n = len(c["spatial"])
+    c = dict(c, H=max(c["H"], 2))
+    q, k, v, d_out = tensors(rng, c, 4, numpy.float32)
+    p = _args.check_fused(n, q, k, v, c["kernel"], c["stride"], c["dilation"], c["causal"],
+                          None, "reference")
+    out = numpy.full_like(heads_first(rng, c, numpy.float32), numpy.nan)
+    lse = numpy.full(q.shape[:-1][::-1], numpy.nan, dtype=numpy.float32).T
+    assert not (out.flags.c_contiguous or lse.flags.c_contiguous)
+    reference.fused_forward(p, q, k, v, out, lse)
+    want_out, want_lse = call(n)(q, k, v, c["kernel"], return_lse=True, **fused_kw(c))
+    numpy.testing.assert_array_equal(out, want_out)
+    numpy.testing.assert_array_equal(lse, want_lse)
+    grads = [numpy.full_like(heads_first(rng, c, numpy.float32), numpy.nan) for _ in range(3)]
+    reference.fused_backward(p, q, k, v, out, lse, d_out, *grads)
+    want = call(n, "_backward")(d_out, q, k, v, want_out, want_lse, c["kernel"], **fused_kw(c))
+    for g, w in zip(grads, want):
+        numpy.testing.assert_array_equal(g, w)
