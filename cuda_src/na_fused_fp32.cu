@@ -2,6 +2,7 @@
 // A CTA of 128 threads owns a box of rows (queries; keys for dK/dV) of one (batch, head, dilation group); each group of G lanes owns a micro-tile of 4 rows, each lane a strided quarter of the head dim; the other side streams through shared memory in slabs of the CTA's halo, and each group walks only the union of its rows' windows (inverse windows for dK/dV).
 // Reads q, k, v, out, d_out, lse through NAParams strides (last dim contiguous, 16-byte rows; the launcher copies otherwise); writes out, lse, delta, dq, dk, dv (float32).
 #include "natten/common.cuh"
+#include "natten/mma.cuh"
 
 namespace natten {
 namespace fp32 {
@@ -184,28 +185,35 @@ struct Micro {
   }
 };
 
-// Copies cells o + [0, n) of one (batch, head, group) tensor into shared rows of RS floats
-// (row ((c0 * S1) + c1) * S2 + c2 for cell o + c); head-dim columns at or past D are zero.
+// Copies cells o + [0, n) of two (batch, head, group) tensors into shared rows of RS floats
+// (row (c0 * S1 + c1) * S2 + c2 holds cell o + c) by cp.async; head-dim columns at or past D
+// are zero. Each thread keeps one 16-byte column and walks the cells kThreads / F apart.
 template <int DP, int RS>
-__device__ __forceinline__ void load_slab(float* dst, const float* __restrict__ src,
-                                          const i64* st, const Cta& c, const int (&o)[3],
-                                          const int (&n)[3], const int* S, int D) {
-  constexpr int F = DP / 4;
-  const int total = n[0] * n[1] * n[2] * F;
-#pragma unroll 1
-  for (int e = threadIdx.x; e < total; e += kThreads) {
-    const int f = e % F;
-    int cell = e / F;
-    const int c2 = cell % n[2];
-    cell /= n[2];
-    const int c1 = cell % n[1];
-    const int c0 = cell / n[1];
-    float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (4 * f < D)
-      val = *reinterpret_cast<const float4*>(
-          src + c.offset(st, o[0] + c0, o[1] + c1, o[2] + c2, 4 * f));
-    *reinterpret_cast<float4*>(dst + ((c0 * S[1] + c1) * S[2] + c2) * RS + 4 * f) = val;
+__device__ __forceinline__ void load_slab(float* dst_a, const float* __restrict__ src_a,
+                                          const i64* st_a, float* dst_b,
+                                          const float* __restrict__ src_b, const i64* st_b,
+                                          const Cta& c, const int (&o)[3], const int (&n)[3],
+                                          const int* S, int D) {
+  constexpr int F = DP / 4, STEP = kThreads / F;
+  static_assert(kThreads % F == 0, "a thread keeps one column");
+  const int col = 4 * (threadIdx.x % F);
+  const bool live = col < D;
+  const int total = n[0] * n[1] * n[2];
+  int cell = threadIdx.x / F;
+  int c2 = cell % n[2], c1 = (cell / n[2]) % n[1], c0 = cell / (n[2] * n[1]);
+  for (; cell < total; cell += STEP) {
+    const int row = ((c0 * S[1] + c1) * S[2] + c2) * RS + col;
+    const int i0 = o[0] + c0, i1 = o[1] + c1, i2 = o[2] + c2;
+    tc::cp_async16(dst_a + row, live ? src_a + c.offset(st_a, i0, i1, i2, col) : src_a, live);
+    tc::cp_async16(dst_b + row, live ? src_b + c.offset(st_b, i0, i1, i2, col) : src_b, live);
+    for (c2 += STEP; c2 >= n[2]; c2 -= n[2]) {
+      if (++c1 == n[1]) {
+        c1 = 0;
+        ++c0;
+      }
+    }
   }
+  tc::cp_async_commit();
 }
 
 // Per-row scalars of a slab: lse in base 2, and delta.
@@ -303,8 +311,8 @@ na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
         const int o[3] = {o0, o1, o2};
         const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
         __syncthreads();  // the previous slab is consumed
-        load_slab<DP, RS>(ks, k, p.k, c, o, sb.n, tp.slab, D);
-        load_slab<DP, RS>(vs, v, p.v, c, o, sb.n, tp.slab, D);
+        load_slab<DP, RS>(ks, k, p.k, vs, v, p.v, c, o, sb.n, tp.slab, D);
+        tc::cp_async_wait<0>();
         __syncthreads();
         int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
         for (int done = 0; done < sb.count; done += NB) {
@@ -474,8 +482,8 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
         const int o[3] = {o0, o1, o2};
         const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
         __syncthreads();
-        load_slab<DP, RS>(ks, k, p.k, c, o, sb.n, tp.slab, D);
-        load_slab<DP, RS>(vs, v, p.v, c, o, sb.n, tp.slab, D);
+        load_slab<DP, RS>(ks, k, p.k, vs, v, p.v, c, o, sb.n, tp.slab, D);
+        tc::cp_async_wait<0>();
         __syncthreads();
         int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
         for (int done = 0; done < sb.count; done += NB) {
@@ -601,9 +609,9 @@ na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
         const int o[3] = {o0, o1, o2};
         const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
         __syncthreads();
-        load_slab<DP, RS>(qs, q, p.q, c, o, sb.n, tp.slab, D);
-        load_slab<DP, RS>(dos, d_out, p.d_o, c, o, sb.n, tp.slab, D);
+        load_slab<DP, RS>(qs, q, p.q, dos, d_out, p.d_o, c, o, sb.n, tp.slab, D);
         load_slab_rows(lse2_s, delta_s, lse, delta, p, c, o, sb.n, tp.slab);
+        tc::cp_async_wait<0>();
         __syncthreads();
         int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
         for (int done = 0; done < sb.count; done += NB) {
