@@ -11,11 +11,12 @@ SDPA) goes through the same steps:
 
 1. setup (inputs in the implementation's layout; masks), the extra memory it holds recorded;
 2. first forward and first forward+backward timed on their own (they compile);
-3. output and gradients compared with our best backend's (relative error recorded);
+3. output and gradients of that forward+backward compared with our best backend's
+   (relative error recorded), its memory high-water mark recorded as the peak extra memory;
 4. one timed call of each gives the repetition counts that fit the per-item time limit
-   (an implementation slower than the limit gets that one measurement, or is skipped);
+   (an implementation slower than the limit gets that one measurement, or no backward);
 5. CUDA-event timing after warm-up, medians: forward, forward+backward (random dO), and
-   backward as their difference; peak extra memory of one forward+backward.
+   backward as their difference.
 
 One failing implementation records its error and the run goes on. The run stops starting
 new items when ``--budget-s`` is spent; each group gets a fair share of what is left. The
@@ -274,10 +275,12 @@ def run_item(impl, w, spec, group, args, deadline):
 
     # The first forward+backward (it compiles the backward) also gives the outputs, checked
     # against our best backend's (the first of ours to run in this group).
+    # Its memory high-water mark is the item's peak extra memory (compiling allocates none).
     t0 = time.perf_counter()
-    outs = tuple(t.detach() for t in impl.results())
-    _sync()
+    with Memory() as m:
+        outs = tuple(t.detach() for t in impl.results())
     rec["first_fwdbwd_ms"] = (time.perf_counter() - t0) * 1e3
+    rec["peak_extra_bytes"] = m.peak
     if group.get("ref") is None:
         group["ref"] = (impl.name, tuple(t.clone() for t in outs))
     ref_name, ref = group["ref"]
@@ -300,9 +303,6 @@ def run_item(impl, w, spec, group, args, deadline):
             impl.forward_backward()
         f_times = _timed(impl.forward, r_f)
         fb_times = _timed(impl.forward_backward, r_fb)
-    with Memory() as m:
-        impl.forward_backward()
-    rec["peak_extra_bytes"] = m.peak
     _finish(rec, w, spec, f_times, fb_times)
     return rec
 
