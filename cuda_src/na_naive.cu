@@ -154,15 +154,15 @@ __device__ __forceinline__ void window_dots(const NAParams& p, const T* a, const
   const i64 K = p.num_neighbors;
   const i64 total = num_rows(p) * K;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
-    int t = (int)(idx % K);
+    const int slot = (int)(idx % K);
     const Row row = row_of<RANK>(p, idx / K);
     const Window w = window_of<RANK>(p, row.x);
-    const int slot = t;
-    int ts[3];
+    int ts[3];  // per-axis slots, row-major
+    int rest = slot;
 #pragma unroll
     for (int ax = 2; ax >= 0; --ax) {
-      ts[ax] = t % w.kernel[ax];
-      t /= w.kernel[ax];
+      ts[ax] = rest % w.kernel[ax];
+      rest /= w.kernel[ax];
     }
     A value = empty;
     if (ts[0] < w.count[0] && ts[1] < w.count[1] && ts[2] < w.count[2]) {
