@@ -7,9 +7,10 @@ gradients of keys and values gather, for a chunk of keys, the queries whose wind
 (inverse tables) and recompute the attention weights of each pair.
 
 Chunks hold at most about ``CHUNK_BYTES`` of gathered operands, so memory stays bounded
-whatever the problem size (small chunks are faster on the CPU: they stay in cache and reuse
-the allocator's pages, where large ones fault fresh pages in on every gather); full-size work arrays (inputs in the compute dtype, outputs before
-the final cast) are the only allocations that grow with the problem.
+whatever the problem size; full-size work arrays (inputs in the compute dtype, outputs
+before the final cast) are the only allocations that grow with the problem. Small chunks are
+faster on the CPU: they stay in cache and reuse the allocator's pages, where large ones fault
+fresh pages in on every gather.
 
 Precision: float64 computes in float64; float32, float16 and bfloat16 compute in float32 and
 are cast to the output dtype at the end (lse is float32, float64 for float64 inputs).
