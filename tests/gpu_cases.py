@@ -62,7 +62,7 @@ GEOMETRIES = {
         ((5, 9, 5), (3, 4, 2), (3, 1, 2), (1, 2, 2), (True, False, True)),
         ((3, 5, 5), (3, 5, 5), (1, 1, 1), (1, 1, 1), (False, False, False))],
 }
-HEAD_DIMS = (32, 16, 64, 33, 8, 7)
+HEAD_DIMS = (32, 16, 64, 33, 8, 40)  # 33: not a multiple of 8 (naive only)
 
 
 @dataclasses.dataclass(frozen=True)
