@@ -254,7 +254,7 @@ def main(argv=None):
               f"run python bench/report.py {args.json}", file=sys.stderr)
         return 1
     from rich.console import Console
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     if not args.summary:
         png = args.png or os.path.splitext(args.json)[0] + "_speedup.png"
         try:

@@ -426,7 +426,7 @@ def main(argv=None):
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     if _on_gpu():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -476,13 +476,14 @@ def main(argv=None):
             group.clear()
             _free()
     data["meta"]["elapsed_s"] = time.time() - t_start
-    write_json(args.out, data)
-    console.print(f"wrote {args.out} in {data['meta']['elapsed_s']:.0f} s")
     try:
         import report
+        data["summary"] = report.summarize(data)
         console.print(report.summary_table(data))
     except Exception as e:  # noqa: BLE001 - the JSON is what matters
         console.print(f"(no summary: {e!r})")
+    write_json(args.out, data)
+    console.print(f"wrote {args.out} in {data['meta']['elapsed_s']:.0f} s")
     return 0
 
 
