@@ -250,9 +250,12 @@ def build_block_mask(geom, order, mask_mod, device="cpu"):
     kv_num, kv_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     n = geom.tokens
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
-                                    BLOCK_SIZE=order.block_tokens, mask_mod=mask_mod,
-                                    seq_lengths=(n, n))
+    kw = dict(BLOCK_SIZE=order.block_tokens, mask_mod=mask_mod)
+    try:
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                        seq_lengths=(n, n), **kw)
+    except TypeError:  # releases whose from_kv_blocks takes no seq_lengths
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, **kw)
 
 
 def dense_mask(geom, rows=None, device="cpu"):
