@@ -7,9 +7,10 @@ Tolerances. float64: rtol 1e-10 (only rounding order differs). Low precision: in
 rounded to the dtype first and the oracle runs on the rounded values in float64, so the
 error is the float32 compute plus the rounding of the result to the dtype: we allow
 ``rtol = 2 eps`` and ``atol = 4 eps * max|oracle|`` for outputs (``8 eps`` for gradients,
-which also see the rounded ``out`` through ``delta``), with eps 2^-24 (float32, where a
-floor of 1e-5 covers float32 accumulation), 2^-11 (float16) and 2^-8 (bfloat16); lse stays
-float32 and is checked at float32's bound.
+which also see the rounded ``out`` through ``delta``), with eps 2^-11 (float16), 2^-8
+(bfloat16) and 2^-24 (float32, plus an absolute floor for float32 accumulation: 2e-6 for
+outputs, 2e-5 for gradients); lse stays float32 and is checked at 1e-5. Observed errors use
+at most about a third of these bounds.
 """
 
 import math
@@ -187,7 +188,7 @@ def test_fused_low_precision(c, dtype, rng):
     n = len(c["spatial"])
     dtype = numpy.dtype(dtype)
     eps = EPS[dtype]
-    floor = 1e-5 if dtype == numpy.float32 else 0.0
+    floor = 2e-6 if dtype == numpy.float32 else 0.0
     q, k, v, d_out = tensors(rng, c, 4, dtype)
     out, lse = call(n)(q, k, v, c["kernel"], return_lse=True, **fused_kw(c))
     assert out.dtype == dtype and lse.dtype == numpy.float32
@@ -208,7 +209,7 @@ def test_unfused_low_precision(c, dtype, rng):
     n = len(c["spatial"])
     dtype = numpy.dtype(dtype)
     eps = EPS[dtype]
-    tol = dict(rtol=2 * eps, atol=1e-5 if dtype == numpy.float32 else 0.0, atol_rel=8 * eps)
+    tol = dict(rtol=2 * eps, atol=2e-5 if dtype == numpy.float32 else 0.0, atol_rel=8 * eps)
     q, k, v, d_out = tensors(rng, c, 4, dtype)
     rpb = rng.standard_normal(rpb_shape(c)).astype(dtype)
     attn = call(n, "_qk")(q, k, c["kernel"], rpb=rpb, **unfused_kw(c))
