@@ -270,11 +270,13 @@ def _xp(a):
 def random_array(xp, shape, dtype_name, rng_seed):
     """Standard-normal array of ``dtype_name`` (bfloat16 built from float32 bits if need be)."""
     from ._dtypes import BFLOAT16
-    rs = xp.random.RandomState(rng_seed)
-    if xp is numpy:
-        x = rs.standard_normal(shape).astype(numpy.float32)
-    else:
-        x = rs.standard_normal(shape, dtype=numpy.float32)
+    try:
+        if xp is numpy:
+            raise ImportError
+        x = xp.random.RandomState(rng_seed).standard_normal(shape, dtype=numpy.float32)
+    except ImportError:  # NumPy, or a CuPy install without cuRAND: draw on the host
+        host = numpy.random.default_rng(rng_seed).standard_normal(shape, dtype=numpy.float32)
+        x = host if xp is numpy else xp.asarray(host)
     if dtype_name != "bfloat16":
         return x.astype(dtype_name)
     try:

@@ -358,8 +358,9 @@ def test_profiler_kernels_add_up_naive():
     if get_backend("naive") is None:
         pytest.skip("naive backend not available")
     shape = (1, 192, 192, 4, 32)
-    rs = cupy.random.RandomState(0)
-    q, k, v, do = (rs.standard_normal(shape, dtype=cupy.float32) for _ in range(4))
+    rng = numpy.random.default_rng(0)
+    q, k, v, do = (cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32))
+                   for _ in range(4))
 
     def step():
         out, lse = natten_cupy.na2d(q, k, v, 9, backend="naive", return_lse=True)
