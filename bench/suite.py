@@ -259,7 +259,8 @@ def run_item(impl, w, spec, group, args, deadline):
     Compiling calls are timed on their own (wall clock). The per-item limit ``args.item_s``
     applies to calls after compilation: an implementation whose single forward, times 3.5 for
     a backward at 2.5x, exceeds it is timed once and its backward is not run; one whose
-    forward+backward exceeds it is timed once. Repetitions also shrink to fit what is left of the group's share (``deadline``).
+    forward+backward exceeds it is timed once. Repetitions also shrink to fit what is left
+    of the group's share (``deadline``).
     """
     rec = {"notes": []}
     notes = rec["notes"]
