@@ -22,6 +22,8 @@ import math
 import numpy
 import torch
 
+from natten_cupy._window import group_size, window_bounds
+
 __all__ = ["Geometry", "axis_mask", "window_mask_1d", "TokenOrder", "flat_tile",
            "compact_tile", "make_mask_mod", "build_block_mask", "dense_mask",
            "FlexPeer", "SDPAMaskedPeer", "SDPAPeer", "peers_for", "BLOCK"]
@@ -184,18 +186,14 @@ def make_mask_mod(geom, coords):
 
 
 def _axis_blocks(L, k, s, d, c, t):
-    """Per axis, over segments of ``t`` coordinates: (touched, full) as [L/t, L/t] bool."""
+    """Per axis, over segments of ``t`` coordinates: (touched, full) as [L/t, L/t] bool.
+
+    Window bounds come from natten_cupy._window (the library's own formulas), so the block
+    structure is independent of the torch re-expression in ``axis_mask``; the tests check
+    both against each other through create_block_mask."""
     i = numpy.arange(L)
     g, ig = i % d, i // d
-    glen = (L - g + d - 1) // d
-    base = (ig // s) * s
-    if c:
-        leader = numpy.minimum(base + s - 1, glen - 1)
-        start, end = numpy.maximum(leader - k + 1, 0), ig + 1
-    else:
-        leader = numpy.minimum(base + s // 2, glen - 1)
-        start = numpy.clip(leader - k // 2, 0, glen - k)
-        end = start + k
+    start, end = window_bounds(ig, group_size(L, d, g), k, s, c)
     n = L // t
     k0 = numpy.arange(n) * t
     k1 = k0 + t
