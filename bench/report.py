@@ -130,9 +130,7 @@ def markdown_table(data):
             ours += f" ({', '.join(sorted(impls))})"
         tf = (f"{_num(r['ours_fwd_tflops'])} / {_num(r['ours_fwdbwd_tflops'])}")
         floor = f"{_pct(r['floor_fraction_fwd'])} / {_pct(r['floor_fraction_bwd'])}"
-        peer = " / ".join(_ms(r[f"peer_{k}"]) + ("" if r[f"peer_{k}_live"] or
-                                                r[f"peer_{k}"] is None else "*")
-                          for k in ("fwd_ms", "fwdbwd_ms"))
+        peer = " / ".join(_peer_ms(r, k) for k in ("fwd_ms", "fwdbwd_ms"))
         pimpls = {r["peer_fwd_ms_impl"], r["peer_fwdbwd_ms_impl"]} - {None}
         if pimpls:
             peer += f" ({', '.join(sorted(pimpls))})"
@@ -143,6 +141,12 @@ def markdown_table(data):
     if not rows:
         lines.append("| (no results) | | | | | | |")
     return "\n".join(lines)
+
+
+def _peer_ms(row, key):
+    """The best peer's time, starred when it is BENCH.md's figure rather than measured."""
+    value = row[f"peer_{key}"]
+    return _ms(value) + ("*" if value is not None and not row[f"peer_{key}_live"] else "")
 
 
 def _num(x):
@@ -158,8 +162,7 @@ def summary_table(data):
         t.add_column(c, justify="left" if c in ("workload", "dtype") else "right")
     for r in summarize(data):
         t.add_row(r["workload"], r["dtype"], _ms(r["ours_fwd_ms"]), _ms(r["ours_fwdbwd_ms"]),
-                  _ms(r["peer_fwd_ms"]) + ("" if r["peer_fwd_ms_live"] else "*"),
-                  _ms(r["peer_fwdbwd_ms"]) + ("" if r["peer_fwdbwd_ms_live"] else "*"),
+                  _peer_ms(r, "fwd_ms"), _peer_ms(r, "fwdbwd_ms"),
                   _x(r["speedup_fwd_ms"]), _x(r["speedup_fwdbwd_ms"]), _x(r["speedup_bwd_ms"]),
                   _num(r["ours_fwd_tflops"]), "ok" if r["check_ok"] else "FAILED")
     counts = {}
