@@ -464,7 +464,8 @@ def main(argv=None):
                 now = time.time()
                 if context_lost:
                     rec.update(status="not run", reason=f"CUDA context lost ({context_lost})")
-                elif now + _least_cost(name, group) >= deadline or (ii > 0 and now >= g_deadline):
+                elif now >= deadline or (ii > 0 and (now >= g_deadline or
+                                                     now + _least_cost(name, group) >= deadline)):
                     rec.update(status="not run", reason="time budget spent")
                 else:
                     rec.update(_run_one(name, factory, w, spec, group, args,
