@@ -425,14 +425,14 @@ na_bwd_delta_fp32(const float* __restrict__ out, const float* __restrict__ d_out
 }
 
 // dQ = scale * sum_j dS_ij k_j, dS = P (dP - delta), over each query's window. G: lanes per
-// group (G * 8 >= head dim); each lane holds 8 columns of its 4 queries' q, dO and dQ.
+// group (G * 16 >= head dim); each lane holds 16 columns of its MT1 x MT2 queries' q, dO, dQ.
 template <int G, int MT1, int MT2>
 __global__ void __launch_bounds__(kThreads, 2)
 na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
                const float* __restrict__ v, const float* __restrict__ d_out,
                const float* __restrict__ lse, const float* __restrict__ delta,
                float* __restrict__ dq, const NAParams p, const TilePlan tp) {
-  constexpr int DL = 8, F = DL / 4, NB = 4, MQ = MT1 * MT2;
+  constexpr int DL = 16, F = DL / 4, NB = 4, MQ = MT1 * MT2;
   constexpr int DP = DL * G, RS = DP + RowPad<G>::value;
   static_assert(MQ * NB <= 32, "mask bits");
   extern __shared__ float4 smem4[];
@@ -550,8 +550,9 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
 }
 
 // dK = scale * sum_i dS_ij q_i and dV = sum_i P_ij dO_i over each key's inverse window, the
-// queries whose windows hold it. Rows are keys; each lane holds 8 columns of its 4 keys' k, v,
-// dK and dV; slabs hold q, dO, lse and delta of the queries.
+// queries whose windows hold it. G: lanes per group (G * 8 >= head dim); rows are keys, each
+// lane holds 8 columns of its MT1 x MT2 keys' k, v, dK and dV; slabs hold q, dO, lse and delta
+// of the queries.
 template <int G, int MT1, int MT2>
 __global__ void __launch_bounds__(kThreads)
 na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,

@@ -27,8 +27,10 @@ from .._params import make_params
 
 SOURCE = "na_fused_fp32.cu"
 THREADS = 128
-FWD_COLUMNS = 16       # head-dim columns per lane, forward
-BWD_COLUMNS = 8        # head-dim columns per lane, backward
+# Head-dim columns per lane: 16 where a lane holds 2-3 row operands (forward: q, out; dQ: q,
+# dO, dQ), 8 in dK/dV (k, v, dK, dV), which would spill with 16.
+FWD_COLUMNS = DQ_COLUMNS = 16
+DKV_COLUMNS = 8
 # Micro-tile of a lane group on (axis1, axis2) of the padded problem: forward per rank; the
 # backward holds more per row (q, dO, dQ or k, v, dK, dV) and takes 2 rows.
 MICRO_FWD = {1: (1, 4), 2: (2, 2), 3: (2, 2)}
@@ -73,8 +75,9 @@ def instantiations():
     for micro in sorted(set(MICRO_FWD.values())):
         for lanes in (1, 2, 4, 8, 16):
             out.append((SOURCE, _name("na_fwd_fp32", lanes, micro)))
-    for lanes in (1, 2, 4, 8, 16, 32):
+    for lanes in (1, 2, 4, 8, 16):
         out.append((SOURCE, _name("na_bwd_dq_fp32", lanes, MICRO_BWD)))
+    for lanes in (1, 2, 4, 8, 16, 32):
         out.append((SOURCE, _name("na_bwd_dkv_fp32", lanes, MICRO_BWD)))
     return out
 
@@ -228,14 +231,16 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     launch(fn, (-(-rows * 8 // THREADS), 1, 1), (THREADS, 1, 1), (o3, do3, de3, params),
            name="na_bwd_delta_fp32", backend="fused")
 
-    lanes = _lanes(problem.head_dim, BWD_COLUMNS)
     micro = MICRO_BWD
-    row = _row_floats(lanes, BWD_COLUMNS)
+    lanes = _lanes(problem.head_dim, DQ_COLUMNS)
+    row = _row_floats(lanes, DQ_COLUMNS)
     plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
     fn = get_kernel(SOURCE, _name("na_bwd_dq_fp32", lanes, micro))
     launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dq3, params, plan),
            shared_mem=smem, name="na_bwd_dq_fp32", backend="fused", tile=tuple(plan["cta"]))
 
+    lanes = _lanes(problem.head_dim, DKV_COLUMNS)
+    row = _row_floats(lanes, DKV_COLUMNS)
     plan, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
     fn = get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro))
     launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dk3, dv3, params, plan),
