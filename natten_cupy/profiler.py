@@ -104,22 +104,29 @@ class Profiler:
         self._active = True
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         from . import _launch
         _launch.remove_recorder(self)
         self._active = False
         pending, self._pending = self._pending, []
-        if pending:
-            pending[-1][2].synchronize()
-        self.records = [dict(info, ms=float(_elapsed_ms(start, stop)))
-                        for info, start, stop in pending]
+        try:
+            if pending:
+                pending[-1][2].synchronize()
+            self.records = [dict(info, ms=float(_elapsed_ms(start, stop)))
+                            for info, start, stop in pending]
+        except Exception:
+            if exc_type is None:
+                raise
+            # The block already failed (maybe a CUDA error): keep the launches, untimed,
+            # and let the original exception through.
+            self.records = [dict(info, ms=None) for info, _, _ in pending]
         return False
 
     # -- results ---------------------------------------------------------------------------
 
     @property
     def total_ms(self):
-        return sum(r["ms"] for r in self.records)
+        return sum(r["ms"] for r in self.records if r["ms"] is not None)
 
     def summary(self):
         """Launches grouped by (name, backend, tile, grid), in first-launch order."""
@@ -131,7 +138,7 @@ class Profiler:
                 g = groups[key] = dict(name=r["name"], backend=r["backend"], tile=r["tile"],
                                        grid=r["grid"], block=r["block"], calls=0, ms=0.0)
             g["calls"] += 1
-            g["ms"] += r["ms"]
+            g["ms"] += r["ms"] or 0.0
         return list(groups.values())
 
     def table(self, flops=None, floor_ms=None, measured_ms=None, title="natten_cupy kernels"):

@@ -139,6 +139,22 @@ def test_profiler_groups_launches(monkeypatch):
     assert "23.1%" in text       # floor 1.5 ms of 6.5 ms
 
 
+def test_profiler_keeps_the_original_error(monkeypatch):
+    def broken(start, stop):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(profiler, "_elapsed_ms", broken)
+    with pytest.raises(ValueError, match="in the block"):
+        with profiler.Profiler() as prof:
+            prof.record(name="k", backend="naive", tile=None, grid=(1,), block=(32,),
+                        start=_FakeEvent(0.0), stop=_FakeEvent(1.0))
+            raise ValueError("in the block")
+    assert prof.records[0]["ms"] is None and prof.total_ms == 0
+    with pytest.raises(RuntimeError, match="device lost"):
+        with profiler.Profiler() as prof:
+            prof.record(name="k", backend="naive", tile=None, grid=(1,), block=(32,),
+                        start=_FakeEvent(0.0), stop=_FakeEvent(1.0))
+
+
 # ---- cost model against hand-computed W2 figures ------------------------------------------
 
 def test_w2_flops_and_floors():
