@@ -88,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "results", "suite.json"))
+    p.add_argument("--list", action="store_true",
+                   help="print the planned items with their floors and exit (no GPU needed)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: smoke-test the control flow (reference backend, eager peers)")
     args = p.parse_args(argv)
@@ -382,6 +384,18 @@ def _torch_dtype(spec):
             "float32": torch.float32}[spec["name"]]
 
 
+def list_plan(args):
+    for wid in args.workloads:
+        w = wl.WORKLOADS[wid]
+        print(f"{wid}: {w.describe()}  ({w.flops() / 1e9:.1f} GFLOP fwd)")
+        for dt in args.dtypes:
+            spec = wl.dtype_spec(dt)
+            names = [n for n, _, _ in plan_group(w, spec, args)]
+            print(f"  {dt:<5} floor {w.floor_ms(dt):.3f} / {w.floor_ms(dt, True):.3f} ms: "
+                  + ", ".join(names))
+    return 0
+
+
 def environment():
     env = {"python": platform.python_version(), "host": platform.node()}
     try:
@@ -423,6 +437,8 @@ def _jsonable(x):
 def main(argv=None):
     args = parse_args(argv)
     DEVICE["name"] = args.device
+    if args.list:
+        return list_plan(args)
     t_start = time.time()
     deadline = t_start + args.budget_s
     import torch

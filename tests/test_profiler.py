@@ -365,6 +365,13 @@ def test_suite_arguments_and_plan():
         suite.parse_args(["--workloads", "W9"])
 
 
+def test_suite_list_needs_no_gpu(capsys):
+    import suite
+    assert suite.main(["--list", "--workloads", "W2", "--dtypes", "fp16,fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "W2: 1024 x 1024, kernel 9 x 9" in out and "floor 0.510 / 1.011 ms" in out
+
+
 # ---- GPU: kernel times add up ---------------------------------------------------------------
 
 @pytest.mark.gpu
