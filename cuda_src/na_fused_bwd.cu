@@ -1,8 +1,8 @@
-// Fused NA backward on tensor cores (mma.sync m16n8k16, f16/bf16): delta = rowsum(dO * O),
-// then a key-parallel pass for dK, dV and a query-parallel pass for dQ, no atomics.
+// Fused NA backward on tensor cores (f16/bf16 m16n8k16, float as TF32 m16n8k8): delta =
+// rowsum(dO * O), then a key-parallel pass for dK, dV and a query-parallel pass for dQ.
 // Threads: a CTA owns a multi-dimensional tile of one dilation group; each warp owns a compact
-// 16-row patch of it (the m16 rows) and walks, 16 rows at a time, only the rows its patch
-// reaches, gathered from a shared-memory slab with ldmatrix (one row address per lane).
+// 16-row patch of it (the m16 rows) and walks, 32 rows at a time, only the rows its patch
+// reaches, gathered from a shared-memory slab (one row address per lane), no atomics.
 // Reads q, k, v, d_o, lse (and o for delta); writes delta, then dk, dv, then dq, each once.
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
@@ -11,7 +11,7 @@
 using namespace natten;
 
 // delta[b, x, h] = sum_e d_o[b, x, h, e] * o[b, x, h, e] in float32. `lanes` lanes (a power
-// of two <= 32) share one row, each reading 8 contiguous elements at a time (last dims
+// of two <= 32) share one row, each reading 16 contiguous bytes at a time (last dims
 // contiguous, rows 16-byte aligned: the launcher guarantees it).
 template <typename T>
 __global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
@@ -31,13 +31,14 @@ __global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
   const T* orow = o + offset6(p.o, b, x0, x1, x2, h, 0);
   const T* drow = d_o + offset6(p.d_o, b, x0, x1, x2, h, 0);
   float acc = 0.f;
-  for (int e = sub * 8; e < p.head_dim; e += lanes * 8) {
+  constexpr int EPP = 16 / (int)sizeof(T);
+  for (int e = sub * EPP; e < p.head_dim; e += lanes * EPP) {
     const uint4 ov = *reinterpret_cast<const uint4*>(orow + e);
     const uint4 dv = *reinterpret_cast<const uint4*>(drow + e);
     const T* oe = reinterpret_cast<const T*>(&ov);
     const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-    for (int t = 0; t < 8; ++t) acc += to_float(oe[t]) * to_float(de[t]);
+    for (int t = 0; t < EPP; ++t) acc += to_float(oe[t]) * to_float(de[t]);
   }
   for (int off = lanes >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (live && sub == 0) delta[offset6(p.delta, b, x0, x1, x2, h, 0)] = acc;
@@ -64,10 +65,11 @@ __device__ __forceinline__ void bwd_pass(
     const int (&patch)[3], const int slab_rows, const int bh0) {
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
-  constexpr int CH = Dp / 8;       // 16-byte pieces per row
+  constexpr int EPP = 16 / (int)sizeof(T);  // elements per 16-byte piece
+  constexpr int CH = Dp / EPP;              // 16-byte pieces per row
   constexpr int NACC1 = OwnerIsKey ? DC / 8 : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int group = lane >> 2, quad = lane & 3, m = lane >> 3;
+  const int group = lane >> 2, quad = lane & 3;
   const int D = (int)p.head_dim;
 
   // ---- which tile, dilation group, head-dim chunk, batch and head ----
@@ -134,14 +136,14 @@ __device__ __forceinline__ void bwd_pass(
   for (int idx = lane; idx < 16 * CH; idx += 32) {
     const int r = idx / CH, piece = idx % CH;
     int c[3];
-    const bool ok = owner_coords(r, c) && piece * 8 < D;
+    const bool ok = owner_coords(r, c) && piece * EPP < D;
     i64 o0 = 0, o1 = 0;
     if (ok) {
-      o0 = offset6(so0, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * 8);
-      o1 = offset6(so1, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * 8);
+      o0 = offset6(so0, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * EPP);
+      o1 = offset6(so1, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * EPP);
     }
-    tc::cp_async16(own_s0 + (warp * 16 + r) * RS + piece * 8, own0 + o0, ok);
-    tc::cp_async16(own_s1 + (warp * 16 + r) * RS + piece * 8, own1 + o1, ok);
+    tc::cp_async16(own_s0 + (warp * 16 + r) * RS + piece * EPP, own0 + o0, ok);
+    tc::cp_async16(own_s1 + (warp * 16 + r) * RS + piece * EPP, own1 + o1, ok);
   }
   tc::cp_async_commit();
 
@@ -198,8 +200,7 @@ __device__ __forceinline__ void bwd_pass(
 
   const float sl2 = p.scale * bwd::kLog2e;
   constexpr unsigned RB = RS * sizeof(T);  // row stride in bytes
-  const unsigned own_a0 = tc::smem_addr(own_s0) +
-                          (warp * 16 + (m & 1) * 8 + (lane & 7)) * RB + (m >> 1) * 16;
+  const unsigned own_a0 = tc::smem_addr(own_s0) + warp * 16 * RB + St::own_lane(lane, RB);
   const unsigned own_shift = kWarps * 16 * RB;  // own_s1 - own_s0
   const unsigned gat_base = tc::smem_addr(gat_s0);
   const unsigned gat_shift = slab_rows * RB;    // gat_s1 - gat_s0
@@ -221,11 +222,11 @@ __device__ __forceinline__ void bwd_pass(
       const int r = idx / CH, piece = idx % CH;
       const i64 f0 = full(0, s0 + r / (m1 * m2)), f1 = full(1, s1 + (r / m2) % m1),
                 f2 = full(2, s2 + r % m2);
-      const bool ok = piece * 8 < D;
-      const i64 g0 = ok ? offset6(sg0, b, f0, f1, f2, h, piece * 8) : 0;
-      const i64 g1 = ok ? offset6(sg1, b, f0, f1, f2, h, piece * 8) : 0;
-      tc::cp_async16(gat_s0 + r * RS + piece * 8, gat0 + g0, ok);
-      tc::cp_async16(gat_s1 + r * RS + piece * 8, gat1 + g1, ok);
+      const bool ok = piece * EPP < D;
+      const i64 g0 = ok ? offset6(sg0, b, f0, f1, f2, h, piece * EPP) : 0;
+      const i64 g1 = ok ? offset6(sg1, b, f0, f1, f2, h, piece * EPP) : 0;
+      tc::cp_async16(gat_s0 + r * RS + piece * EPP, gat0 + g0, ok);
+      tc::cp_async16(gat_s1 + r * RS + piece * EPP, gat1 + g1, ok);
     }
     tc::cp_async_commit();
     if (OwnerIsKey) {
@@ -273,18 +274,12 @@ __device__ __forceinline__ void bwd_pass(
         wdesc[lane] = d;
       }
       __syncwarp();
-      unsigned g_row[2], gt_row[2];
-#pragma unroll
-      for (int hb = 0; hb < 2; ++hb) {
-        g_row[hb] = gat_base + wdesc[hb * 16 + (m >> 1) * 8 + (lane & 7)].row * RB + (m & 1) * 16;
-        gt_row[hb] = gat_base + wdesc[hb * 16 + (m & 1) * 8 + (lane & 7)].row * RB +
-                     (m >> 1) * 16 + col0 * (int)sizeof(T);
-      }
-      const unsigned g1_row[2] = {g_row[0] + gat_shift, g_row[1] + gat_shift};
+      const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
+      const typename St::Rows r1 = St::shifted(r0, gat_shift);
 
       float s[4][4] = {}, dp[4][4] = {};
-      St::template abt<Dp>(s, own_a0, g_row);
-      St::template abt<Dp>(dp, own_a0 + own_shift, g1_row);
+      St::template abt<Dp>(s, own_a0, r0, RB);
+      St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
 
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
@@ -302,15 +297,8 @@ __device__ __forceinline__ void bwd_pass(
             dp[nt][e] = pv * (dp[nt][e] - dl);
           }
         }
-      unsigned a_ds[2][4];
-      St::to_a(a_ds, dp);
-      St::template ab<DC>(acc0, a_ds, gt_row);
-      if (OwnerIsKey) {
-        unsigned a_p[2][4];
-        St::to_a(a_p, s);
-        const unsigned gt1_row[2] = {gt_row[0] + gat_shift, gt_row[1] + gat_shift};
-        St::template ab<NACC1 * 8>(acc1, a_p, gt1_row);
-      }
+      St::template ab<DC>(acc0, dp, r0, RB);
+      if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
       __syncwarp();  // descriptors are rewritten next step
     }
   }
@@ -338,9 +326,15 @@ __device__ __forceinline__ void bwd_pass(
 }
 
 // Resident CTAs per SM the register budget is cut for (the most that compile without
-// spills): the dK/dV pass holds two accumulator sets.
+// spills): the dK/dV pass holds two accumulator sets; sm_80's allocator needs a little more
+// room than sm_90's for the head-dim-32 dQ pass.
 template <int Dp, bool OwnerIsKey> struct MinBlocks {
-  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? 3 : 2) : (Dp <= 32 ? 4 : Dp <= 64 ? 3 : 2);
+#if __CUDA_ARCH__ >= 900
+  static constexpr int q32 = 4;
+#else
+  static constexpr int q32 = 3;
+#endif
+  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? 3 : 2) : (Dp <= 32 ? q32 : Dp <= 64 ? 3 : 2);
 };
 
 }  // namespace

@@ -72,26 +72,63 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// Fragment-level pieces of one warp step. Row-major 16-bit tiles in shared memory; row
-// addresses (32-bit shared byte addresses) already carry each lane's ldmatrix row and column
-// half.
-template <typename T> struct Step {
-  typedef typename tc::MmaKind<T>::tag Tag;
+__device__ __forceinline__ float lds_f32(unsigned addr) {
+  float x;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
+  return x;
+}
 
-  // C[4 n-tiles] += A(16 x Dp) * B(32 gathered rows x Dp)^T, A and B row-major in smem.
-  // a_row: lane's row of A (row (m%2)*8 + l%8, column half m/2); b_row[h]: lane's gathered
-  // row 16h + (m/2)*8 + l%8, column half m%2 (m = lane / 8).
+// Fragment-level pieces of one warp step: 16 owner rows (the m16 rows) against 32 gathered
+// rows. Tiles are row-major in shared memory with RB bytes per row; addresses are 32-bit
+// shared byte addresses. Rows holds the lane's gathered-row addresses for the step.
+//   abt: C[4 n-tiles of 8 gathered rows] += Own(16 x Dp) * Gathered(32 x Dp)^T
+//   ab:  acc[DC/8 n-tiles of columns] += X(16 x 32, the C layout of abt) * Gathered(32 x DC)
+template <typename T> struct Step {  // float16 / bfloat16: m16n8k16 with ldmatrix
+  typedef typename tc::MmaKind<T>::tag Tag;
+  struct Rows {
+    unsigned g[2];   // abt: gathered row 16h + (m/2)*8 + l%8, column half m%2 (m = lane / 8)
+    unsigned gt[2];  // ab (transposed): row 16s + (m%2)*8 + l%8, column half m/2, at col0
+  };
+
+  // Lane's ldmatrix row of the owner tile: (m%2)*8 + l%8, column half m/2.
+  static __device__ __forceinline__ unsigned own_lane(int lane, unsigned RB) {
+    const int m = lane >> 3;
+    return ((m & 1) * 8 + (lane & 7)) * RB + (m >> 1) * 16;
+  }
+
+  static __device__ __forceinline__ Rows rows(const RowDesc* wd, int lane, unsigned base,
+                                              unsigned RB, int col0) {
+    const int m = lane >> 3;
+    Rows r;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.g[h] = base + wd[h * 16 + (m >> 1) * 8 + (lane & 7)].row * RB + (m & 1) * 16;
+      r.gt[h] = base + wd[h * 16 + (m & 1) * 8 + (lane & 7)].row * RB + (m >> 1) * 16 +
+                col0 * (int)sizeof(T);
+    }
+    return r;
+  }
+
+  static __device__ __forceinline__ Rows shifted(Rows r, unsigned by) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.g[h] += by;
+      r.gt[h] += by;
+    }
+    return r;
+  }
+
   template <int Dp>
-  static __device__ __forceinline__ void abt(float (&c)[4][4], unsigned a_row,
-                                             const unsigned (&b_row)[2]) {
+  static __device__ __forceinline__ void abt(float (&c)[4][4], unsigned own, const Rows& r,
+                                             unsigned) {
 #pragma unroll
     for (int kk = 0; kk < Dp / 16; ++kk) {
       unsigned a[4];
-      ldsm_x4(a, a_row + kk * 32);
+      ldsm_x4(a, own + kk * 32);
 #pragma unroll
       for (int hb = 0; hb < 2; ++hb) {
         unsigned b[4];
-        ldsm_x4(b, b_row[hb] + kk * 32);
+        ldsm_x4(b, r.g[hb] + kk * 32);
         const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
         tc::mma16816(c[2 * hb], a, b0, Tag());
         tc::mma16816(c[2 * hb + 1], a, b1, Tag());
@@ -99,31 +136,105 @@ template <typename T> struct Step {
     }
   }
 
-  // acc[DC/8] += A(16 x 32, two k-step fragments) * B(32 gathered rows, DC columns); bt_row[s]:
-  // the lane's transposed-load row 16s + (m%2)*8 + l%8, column half m/2, at the first column.
   template <int DC>
-  static __device__ __forceinline__ void ab(float (&acc)[DC / 8][4], const unsigned (&a)[2][4],
-                                            const unsigned (&bt_row)[2]) {
+  static __device__ __forceinline__ void ab(float (&acc)[DC / 8][4], const float (&x)[4][4],
+                                            const Rows& r, unsigned) {
+    unsigned a[2][4];  // A fragments of the two 16-row k-steps, straight from C
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      a[ks][0] = tc::pack2(x[2 * ks][0], x[2 * ks][1], Tag());
+      a[ks][1] = tc::pack2(x[2 * ks][2], x[2 * ks][3], Tag());
+      a[ks][2] = tc::pack2(x[2 * ks + 1][0], x[2 * ks + 1][1], Tag());
+      a[ks][3] = tc::pack2(x[2 * ks + 1][2], x[2 * ks + 1][3], Tag());
+    }
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
       for (int nn = 0; nn < DC / 16; ++nn) {
         unsigned b[4];
-        ldsm_x4_trans(b, bt_row[ks] + nn * 32);
+        ldsm_x4_trans(b, r.gt[ks] + nn * 32);
         const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
         tc::mma16816(acc[2 * nn], a[ks], b0, Tag());
         tc::mma16816(acc[2 * nn + 1], a[ks], b1, Tag());
       }
   }
+};
 
-  // A fragments (16 x 32 as two 16 x 16 k-steps) from the accumulators of four 16x8 n-tiles.
-  static __device__ __forceinline__ void to_a(unsigned (&a)[2][4], const float (&c)[4][4]) {
+template <> struct Step<float> {  // TF32: m16n8k8, fragments from plain shared loads
+  struct Rows {
+    unsigned g[4];      // abt: gathered row 8t + group, column quad
+    unsigned gt[4][2];  // ab: gathered rows 8s + quad and 8s + quad + 4, column col0 + group
+  };
+
+  static __device__ __forceinline__ unsigned own_lane(int lane, unsigned RB) {
+    return (lane >> 2) * RB + (lane & 3) * 4;
+  }
+
+  static __device__ __forceinline__ Rows rows(const RowDesc* wd, int lane, unsigned base,
+                                              unsigned RB, int col0) {
+    const int group = lane >> 2, quad = lane & 3;
+    Rows r;
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      a[ks][0] = tc::pack2(c[2 * ks][0], c[2 * ks][1], Tag());
-      a[ks][1] = tc::pack2(c[2 * ks][2], c[2 * ks][3], Tag());
-      a[ks][2] = tc::pack2(c[2 * ks + 1][0], c[2 * ks + 1][1], Tag());
-      a[ks][3] = tc::pack2(c[2 * ks + 1][2], c[2 * ks + 1][3], Tag());
+    for (int t = 0; t < 4; ++t) {
+      r.g[t] = base + wd[t * 8 + group].row * RB + quad * 4;
+      r.gt[t][0] = base + wd[t * 8 + quad].row * RB + (col0 + group) * 4;
+      r.gt[t][1] = base + wd[t * 8 + quad + 4].row * RB + (col0 + group) * 4;
+    }
+    return r;
+  }
+
+  static __device__ __forceinline__ Rows shifted(Rows r, unsigned by) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      r.g[t] += by;
+      r.gt[t][0] += by;
+      r.gt[t][1] += by;
+    }
+    return r;
+  }
+
+  template <int Dp>
+  static __device__ __forceinline__ void abt(float (&c)[4][4], unsigned own, const Rows& r,
+                                             unsigned RB) {
+#pragma unroll
+    for (int kk = 0; kk < Dp / 8; ++kk) {
+      const unsigned a[4] = {tc::to_tf32(lds_f32(own + kk * 32)),
+                             tc::to_tf32(lds_f32(own + 8 * RB + kk * 32)),
+                             tc::to_tf32(lds_f32(own + kk * 32 + 16)),
+                             tc::to_tf32(lds_f32(own + 8 * RB + kk * 32 + 16))};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const unsigned b[2] = {tc::to_tf32(lds_f32(r.g[t] + kk * 32)),
+                               tc::to_tf32(lds_f32(r.g[t] + kk * 32 + 16))};
+        tc::mma1688_tf32(c[t], a, b);
+      }
+    }
+  }
+
+  template <int DC>
+  static __device__ __forceinline__ void ab(float (&acc)[DC / 8][4], const float (&x)[4][4],
+                                            const Rows& r, unsigned) {
+    const int lane = threadIdx.x & 31, quad = lane & 3;
+    // A (16 x 8 per k-step) wants columns quad and quad + 4, held by lanes of the same group
+    // at quad / 2 and 2 + quad / 2, element quad % 2 of each pair.
+    const int src_lo = (lane & ~3) | (quad >> 1), src_hi = src_lo + 2;
+    const bool odd = quad & 1;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[e] = __shfl_sync(0xffffffffu, x[ks][e], src_lo);
+        v[4 + e] = __shfl_sync(0xffffffffu, x[ks][e], src_hi);
+      }
+      const unsigned a[4] = {tc::to_tf32(odd ? v[1] : v[0]), tc::to_tf32(odd ? v[3] : v[2]),
+                             tc::to_tf32(odd ? v[5] : v[4]), tc::to_tf32(odd ? v[7] : v[6])};
+#pragma unroll
+      for (int j = 0; j < DC / 8; ++j) {
+        const unsigned b[2] = {tc::to_tf32(lds_f32(r.gt[ks][0] + j * 32)),
+                               tc::to_tf32(lds_f32(r.gt[ks][1] + j * 32))};
+        tc::mma1688_tf32(acc[j], a, b);
+      }
     }
   }
 };

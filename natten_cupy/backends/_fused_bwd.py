@@ -1,4 +1,5 @@
-"""Fused backward on tensor cores (float16, bfloat16): launcher of ``cuda_src/na_fused_bwd.cu``.
+"""Fused backward on tensor cores (float16, bfloat16; float32 as TF32 when the caller allows
+it): launcher of ``cuda_src/na_fused_bwd.cu``.
 
 Three launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not):
 
@@ -29,7 +30,7 @@ SOURCE = "na_fused_bwd.cu"
 D_BUCKETS = (32, 64, 128, 256)
 KV_CHUNK = 64
 Q_CHUNK = 128
-SMEM_BUDGET = 96 * 1024
+SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
 MAX_GRID_Y = 65535
 
 # (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes.
@@ -41,12 +42,10 @@ TILES = {
 
 
 def refuse(problem):
-    if problem.dtype == FLOAT32:
-        if not problem.allow_tf32:
-            return "exact float32 runs in _fused_fp32"
-        return "the TF32 backward is not built yet"
-    if problem.dtype not in HALF_TYPES:
-        return f"dtype {problem.dtype_name} is not supported (float16, bfloat16)"
+    if problem.dtype == FLOAT32 and not problem.allow_tf32:
+        return "exact float32 runs in _fused_fp32"
+    if problem.dtype not in HALF_TYPES + (FLOAT32,):
+        return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32 as TF32)"
     if problem.batch * problem.heads >= 2 ** 31:
         return "batch * heads must be below 2**31"
     if problem.head_dim % 8 or problem.head_dim > D_BUCKETS[-1]:
@@ -65,7 +64,7 @@ def _names(ctype, dp):
 
 def instantiations():
     out = []
-    for dt in HALF_TYPES:
+    for dt in HALF_TYPES + (FLOAT32,):
         ct = c_type(dt)
         out.append((SOURCE, f"na_bwd_delta<{ct}>"))
         for dp in D_BUCKETS:
@@ -107,8 +106,13 @@ def _axes(problem):
 
 
 def _reach(table, extent, dilation, tile, owner_is_key):
-    """Largest in-group span of gathered rows one CTA tile reaches on one axis."""
-    best = 0
+    """Most common in-group span of gathered rows one CTA tile reaches on one axis.
+
+    Tiles at the borders reach further (shifted windows); sizing the slab for the common
+    span keeps shared memory, and so residency, at what interior tiles need: border tiles
+    take two slabs.
+    """
+    spans = []
     for g in range(dilation):
         glen = group_size(extent, dilation, g)
         first = numpy.arange(0, glen, tile)
@@ -116,15 +120,16 @@ def _reach(table, extent, dilation, tile, owner_is_key):
         rows_first, rows_last = table[g + dilation * first], table[g + dilation * last]
         lo = rows_first[:, 2] if owner_is_key else rows_first[:, 0]
         hi = rows_last[:, 3] if owner_is_key else rows_last[:, 1]
-        best = max(best, int((hi - lo).max()))
-    return best
+        spans.append(hi - lo)
+    values, counts = numpy.unique(numpy.concatenate(spans), return_counts=True)
+    return int(values[counts == counts.max()].max())
 
 
 _tables = {}
 
 
 def _geometry(problem, tile):
-    """Device window tables (all axes concatenated), their axis offsets, and the largest
+    """Device window tables (all axes concatenated), their axis offsets, and the common
     reach volume of one CTA per pass; cached per geometry."""
     import cupy
 
@@ -142,12 +147,21 @@ def _geometry(problem, tile):
     return hit
 
 
+def _resident(dp, owner_is_key):
+    """CTAs per SM that the kernels' register budget is cut for (MinBlocks in the .cu)."""
+    if owner_is_key:
+        return 3 if dp <= 32 else 2
+    return 4 if dp <= 32 else 3 if dp <= 64 else 2
+
+
 def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key):
-    """Rows of one gathered slab (the whole reach when it fits the budget) and the bytes of
-    dynamic shared memory: owner rows, two gathered tensors, step descriptors, lse/delta."""
+    """Rows of one gathered slab (the whole reach when it fits) and the bytes of dynamic
+    shared memory: owner rows, two gathered tensors, step descriptors, lse/delta. The budget
+    leaves room for as many CTAs per SM as the registers allow."""
+    budget = min(96 * 1024, SMEM_PER_SM // _resident(dp, owner_is_key) - 1024)
     row = (dp + 8) * itemsize * 2 + (8 if owner_is_key else 0)
     fixed = nwarps * 16 * (dp + 8) * itemsize * 2 + nwarps * 32 * 16
-    cap = max((SMEM_BUDGET - fixed) // row, 16)
+    cap = max((budget - fixed) // row, 16)
     rows = max(min(cap, reach_volume), 1)
     return int(rows), int(fixed + rows * row)
 
@@ -163,7 +177,7 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
                     delta=delta)
 
     rows = problem.batch * problem.num_tokens * problem.heads
-    lanes = min(32, 1 << (dp // 8 - 1).bit_length())
+    lanes = min(32, 1 << (dp * q.dtype.itemsize // 16 - 1).bit_length())
     launch(get_kernel(SOURCE, f"na_bwd_delta<{ct}>"), (-(-rows * lanes // 256),), (256,),
            (out, d_out, delta, p, numpy.int32(lanes)), name="na_bwd_delta", backend="fused")
 
