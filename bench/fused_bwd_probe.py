@@ -270,6 +270,28 @@ def main():
                            ("na_bwd_delta", "na_bwd_fused_kv", "na_bwd_fused_q"))
         print(f"| {name} | {ms:.3f} | {tf:.1f} | {parts} | {fwd_ms:.3f} | {finite} |")
     print("max rel err per dtype:", {k: f"{v:.2e}" for k, v in worst.items()})
+    print("\ntile variants (checked on one small config, then timed):")
+    variants = (
+        (3, ((2, 4, 8), (1, 4, 4)), ("W3 fp16", (16, 256, 256), (3, 5, 5), 8, 32, FLOAT16),
+         (3, (6, 13, 12), (3, 5, 5), (1, 2, 1), (1, 1, 2), (True, False, False), 1, 32, FLOAT16,
+          False)),
+        (2, ((16, 4, 1), (4, 4, 1)), ("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
+         (2, (37, 21), (9, 5), (1, 2), (1, 2), (False, True), 1, 32, FLOAT16, False)),
+        (2, ((4, 16, 1), (4, 4, 1)), ("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
+         (2, (37, 21), (9, 5), (1, 2), (1, 2), (False, True), 1, 32, FLOAT16, False)))
+    for rank, tiles, spec, cfg in variants:
+        saved = _fused_bwd.TILES[rank]
+        _fused_bwd.TILES[rank] = tiles
+        try:
+            errs, same = check(cfg, rng)
+            name, ms, tf, _, split, finite, _ = bench(*spec)
+            print(f"  {name} tile {tiles}: {ms:.3f} ms {tf:.1f} TFLOP/s kv/q "
+                  f"{split.get('na_bwd_fused_kv', 0):.3f}/{split.get('na_bwd_fused_q', 0):.3f} "
+                  f"check errs {max(errs):.2e} repeat {same}")
+        except Exception as e:
+            print(f"  {spec[0]} tile {tiles}: FAILED {type(e).__name__}: {e}")
+        finally:
+            _fused_bwd.TILES[rank] = saved
     print("ALL CORRECT" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
