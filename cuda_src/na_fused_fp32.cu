@@ -20,9 +20,11 @@ struct TilePlan {
   int pad_;
 };
 
-// Row padding (floats) of shared-memory rows: within a quarter warp, groups whose micro-tiles
-// are neighbors along axis 2 read rows two apart, which then fall on distinct banks.
-template <int G> struct RowPad { enum { value = (G == 4) ? 8 : 4 }; };
+// Row padding (floats) of shared-memory rows. Within a quarter warp (one 128-byte wavefront of
+// a 16-byte load), groups whose micro-tiles are neighbors along axis 2 read rows MT2 apart; the
+// pad puts them on distinct banks where 16-byte rows allow it (G >= 2 with MT2 = 2, G >= 4
+// with MT2 = 4).
+template <int G, int MT2> struct RowPad { enum { value = (G == 4 && MT2 == 2) ? 8 : 4 }; };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -266,7 +268,7 @@ na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
             const float* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
             const NAParams p, const TilePlan tp) {
   constexpr int DL = 16, F = DL / 4, NB = 4, MQ = MT1 * MT2;
-  constexpr int DP = DL * G, RS = DP + RowPad<G>::value;
+  constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");
   extern __shared__ float4 smem4[];
   float* ks = reinterpret_cast<float*>(smem4);
@@ -433,7 +435,7 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
                const float* __restrict__ lse, const float* __restrict__ delta,
                float* __restrict__ dq, const NAParams p, const TilePlan tp) {
   constexpr int DL = 16, F = DL / 4, NB = 4, MQ = MT1 * MT2;
-  constexpr int DP = DL * G, RS = DP + RowPad<G>::value;
+  constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");
   extern __shared__ float4 smem4[];
   float* ks = reinterpret_cast<float*>(smem4);
@@ -561,7 +563,7 @@ na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
                 float* __restrict__ dk, float* __restrict__ dv, const NAParams p,
                 const TilePlan tp) {
   constexpr int DL = 8, F = DL / 4, NB = 4, MQ = MT1 * MT2;
-  constexpr int DP = DL * G, RS = DP + RowPad<G>::value;
+  constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");
   extern __shared__ float4 smem4[];
   const int cells = tp.slab[0] * tp.slab[1] * tp.slab[2];

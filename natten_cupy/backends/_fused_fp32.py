@@ -61,9 +61,9 @@ def _lanes(head_dim, columns):
     return g
 
 
-def _row_floats(lanes, columns):
+def _row_floats(lanes, columns, micro):
     """Shared-memory row of one cell: padded head dim plus the bank pad (RowPad in the .cu)."""
-    return lanes * columns + (8 if lanes == 4 else 4)
+    return lanes * columns + (8 if lanes == 4 and micro[1] == 2 else 4)
 
 
 def _name(kernel, lanes, micro):
@@ -187,6 +187,10 @@ def _writable(x):
     return cupy.empty(x.shape, dtype=x.dtype), x
 
 
+def _tile(plan):
+    return tuple(int(c) for c in plan["cta"])
+
+
 def _finish(pairs):
     for tmp, dst in pairs:
         if dst is not None:
@@ -205,11 +209,11 @@ def forward(problem, q, k, v, out, lse):
     params = make_params(p3, q=q3, k=k3, v=v3, o=o3, lse=l3)
     lanes = _lanes(problem.head_dim, FWD_COLUMNS)
     micro = MICRO_FWD[problem.rank]
-    row = _row_floats(lanes, FWD_COLUMNS)
+    row = _row_floats(lanes, FWD_COLUMNS, micro)
     plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
     fn = get_kernel(SOURCE, _name("na_fwd_fp32", lanes, micro))
     launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, o3, l3, params, plan), shared_mem=smem,
-           name="na_fwd_fp32", backend="fused", tile=tuple(plan["cta"]))
+           name="na_fwd_fp32", backend="fused", tile=_tile(plan))
     _finish([out_w])
 
 
@@ -233,16 +237,16 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
 
     micro = MICRO_BWD
     lanes = _lanes(problem.head_dim, DQ_COLUMNS)
-    row = _row_floats(lanes, DQ_COLUMNS)
+    row = _row_floats(lanes, DQ_COLUMNS, micro)
     plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
     fn = get_kernel(SOURCE, _name("na_bwd_dq_fp32", lanes, micro))
     launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dq3, params, plan),
-           shared_mem=smem, name="na_bwd_dq_fp32", backend="fused", tile=tuple(plan["cta"]))
+           shared_mem=smem, name="na_bwd_dq_fp32", backend="fused", tile=_tile(plan))
 
     lanes = _lanes(problem.head_dim, DKV_COLUMNS)
-    row = _row_floats(lanes, DKV_COLUMNS)
+    row = _row_floats(lanes, DKV_COLUMNS, micro)
     plan, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
     fn = get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro))
     launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dk3, dv3, params, plan),
-           shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused", tile=tuple(plan["cta"]))
+           shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused", tile=_tile(plan))
     _finish(writes)
