@@ -8,6 +8,10 @@ namespace natten {
 namespace tiled {
 
 constexpr int kWarps = 4;  // warps per CTA; warps are independent (no shared memory)
+constexpr int kScoreHeads = 8;  // heads per warp of the scores kernel
+
+// A warp runs several heads of one patch: the window arithmetic of a block of columns
+// depends only on the geometry, so it is done once and reused for every head.
 
 // ---- Geometry of one warp -------------------------------------------------------------
 // All indices below are in dilation-group coordinates: per axis a warp's rows share one
@@ -22,15 +26,16 @@ struct Geometry {
   int lo[3], n[3];    // rows: in-group [lo, lo + n), n <= pw
   int pw[3];          // patch width (product 16)
   int hs[3], hw[3];   // columns: in-group [hs, hs + hw)
-  int b, h, slice;
+  int b, h, nh;       // batch; heads h .. h + nh - 1
+  int slice;          // head-dim slice (weighted sums)
   int cols;           // hw[0] * hw[1] * hw[2]
 };
 
-// Decode this warp's (batch, head, d-slice, patch); false when the patch is empty.
-// Warp order: d-slice fastest, then head, then patch (last axis fastest), then batch, so a
-// CTA's warps share rows of the same tokens and neighboring CTAs share halos in L2.
+// Decode this warp's (batch, heads, d-slice, patch); false when the patch is empty.
+// Warp order: d-slice fastest, then head group, then patch (last axis fastest), then batch,
+// so a CTA's warps share rows of the same tokens and neighboring CTAs share halos in L2.
 __device__ __forceinline__ bool setup_warp(const NAParams& p, bool inverse, int slices,
-                                           Geometry& G) {
+                                           int heads_per_warp, Geometry& G) {
   // Inert axes (kernel 1) trail the real ones.
   const int rank = p.kernel[2] > 1 ? 3 : (p.kernel[1] > 1 ? 2 : 1);
   G.pw[0] = rank == 1 ? 16 : (rank == 2 ? 4 : 1);
@@ -38,7 +43,10 @@ __device__ __forceinline__ bool setup_warp(const NAParams& p, bool inverse, int 
   G.pw[2] = rank == 3 ? 4 : 1;
   i64 w = (i64)blockIdx.x * kWarps + threadIdx.x / 32;
   G.slice = (int)(w % slices); w /= slices;
-  G.h = (int)(w % p.heads); w /= p.heads;
+  const int groups = (int)((p.heads + heads_per_warp - 1) / heads_per_warp);
+  G.h = (int)(w % groups) * heads_per_warp;
+  w /= groups;
+  G.nh = min(heads_per_warp, (int)p.heads - G.h);
   int pa[3], npg[3];
   for (int a = 2; a >= 0; --a) {
     G.ax[a] = axis_of(p, a);
@@ -261,41 +269,33 @@ __device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
 // ---- Scores: out[i, t] = <A_i, B_j(i, t)> (+ rpb), empty causal slots = fill ------------
 // qk: A = q, B = k, out = attn, fill = -inf. av_backward: A = d_out, B = v, out = d_attn,
 // fill = 0, no rpb. Strides: A in p.q, B in p.k, out in p.attn, rpb in p.rpb.
-// Each lane keeps its two rows' A fragments in registers (DC chunks of 32 head-dim
-// elements) and walks the halo 8 keys at a time; a score is written only to its slot.
+// A warp walks the halo 8 keys at a time; per block it finds the slot of each of its lane's
+// four results once, then for each of its heads loads A and B fragments (DC chunks of 32
+// head-dim elements, A from L1 after the first head), runs the mma and writes each score
+// only to its slot.
 // EXACT (float32 only): every lane multiplies its 8 elements of all 8 keys of the block
 // (key addresses come from the lanes that own them) and the quad adds up (quad_reduce).
 template <typename T, int DC, bool EXACT>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+__global__ void __launch_bounds__(kWarps * 32, (!EXACT && DC * Elem<T, EXACT>::kRegs8 <= 8) ? 3 : 2)
 na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T* __restrict__ rpb,
                 T* __restrict__ out, float fill, NAParams p) {
   constexpr int R = Elem<T, EXACT>::kRegs8;
   Geometry G;
-  if (!setup_warp(p, false, 1, G)) return;
+  if (!setup_warp(p, false, 1, kScoreHeads, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int D = (int)p.head_dim;
 
-  // Large head dims reload A per key block (from L1) instead of holding it in registers;
-  // so does EXACT, whose chunk loop stays rolled to bound the loads in flight.
-  constexpr int HELD = (2 * DC * R <= 32 && (!EXACT || DC == 1)) ? DC : 1;
   bool rok[2];
   int rx[2][3], ws[2][3], we[2][3];
   i64 out_row[2];
   const T* arow[2];
-  unsigned afrag[2][HELD][R];
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     rok[ri] = patch_row(G, grp + 8 * ri, rx[ri]);
     windows_of(G, rx[ri], ws[ri], we[ri]);
     out_row[ri] = row_offset(G, p.attn, rx[ri]);
     arow[ri] = a_in + row_offset(G, p.q, rx[ri]) + 8 * quad;
-    if (HELD == DC) {
-#pragma unroll
-      for (int c = 0; c < HELD; ++c)
-        load8<T, EXACT>(afrag[ri][c], arow[ri] + 32 * c, 32 * c + 8 * quad < D);
-    }
   }
-  const i64 rpb_head = (i64)G.h * p.rpb[0];
 
   int step8[3], step1[3];
   step_digits(G, 8, step8);
@@ -305,66 +305,72 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
   halo_col(G, 2 * quad, epos.y);
   for (int base = 0; base < G.cols;
        base += 8, bpos = advanced(G, bpos, step8), epos = advanced(G, epos, step8)) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const T* brow = b_in + row_offset(G, p.k, bpos.y) + 8 * quad;
-    if constexpr (EXACT) {
-      float part[2][8];
-      const T* bj[8];  // key j of the block, from the lanes that walk it
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        part[0][j] = part[1][j] = 0.f;
-        bj[j] = reinterpret_cast<const T*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(brow), 4 * j + quad));
-      }
-#pragma unroll 1
-      for (int ch = 0; ch < DC; ++ch) {
-        const int d0 = 32 * ch + 8 * quad;
-        if (HELD != DC) {
-          load8<T, EXACT>(afrag[0][0], arow[0] + 32 * ch, d0 < D);
-          load8<T, EXACT>(afrag[1][0], arow[1] + 32 * ch, d0 < D);
-        }
-        const int hc = HELD == DC ? ch : 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          unsigned bfrag[R];
-          load8<T, EXACT>(bfrag, bj[j] + 32 * ch, base + j < G.cols && d0 < D);
-          part[0][j] = dot8(afrag[0][hc], bfrag, part[0][j]);
-          part[1][j] = dot8(afrag[1][hc], bfrag, part[1][j]);
-        }
-      }
-      quad_reduce(part, acc, quad);
-    } else {
-#pragma unroll
-      for (int ch = 0; ch < DC; ++ch) {
-        const int d0 = 32 * ch + 8 * quad;
-        unsigned bfrag[R];
-        load8<T, EXACT>(bfrag, brow + 32 * ch, base + grp < G.cols && d0 < D);
-        if (HELD == DC) {
-          mma_chunk32<T>(acc, afrag[0][ch], afrag[1][ch], bfrag);
-        } else {
-          load8<T, EXACT>(afrag[0][0], arow[0] + 32 * ch, d0 < D);
-          load8<T, EXACT>(afrag[1][0], arow[1] + 32 * ch, d0 < D);
-          mma_chunk32<T>(acc, afrag[0][0], afrag[1][0], bfrag);
-        }
-      }
-    }
-    // acc[e]: row grp + 8 * (e / 2), column base + 2 * quad + e % 2.
+    // Result e: row grp + 8 * (e / 2), column base + 2 * quad + e % 2; its slot (-1: none)
+    // and its rpb offset without the head term.
+    int slot[4];
+    i64 rpo[4];
     const HaloPos enext = advanced(G, epos, step1);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int ri = e / 2;
-      if (!rok[ri] || base + 2 * quad + (e & 1) >= G.cols) continue;
       const int(&y)[3] = ((e & 1) ? enext : epos).y;
-      const int slot = slot_of(G, ws[ri], we[ri], y);
-      if (slot < 0) continue;
-      float v = acc[e];
-      if (rpb != nullptr) {
-        i64 off = rpb_head;
-        for (int a = 0; a < 3; ++a)
-          off += (i64)(y[a] - rx[ri][a] + G.ax[a].kernel - 1) * p.rpb[1 + a];
-        v += to_float(rpb[off]);
+      slot[e] = (rok[ri] && base + 2 * quad + (e & 1) < G.cols) ? slot_of(G, ws[ri], we[ri], y)
+                                                                  : -1;
+      rpo[e] = 0;
+#pragma unroll
+      for (int a = 0; a < 3; ++a)
+        rpo[e] += (i64)(y[a] - rx[ri][a] + G.ax[a].kernel - 1) * p.rpb[1 + a];
+    }
+    const T* brow = b_in + row_offset(G, p.k, bpos.y) + 8 * quad;
+    const T* bj[8];  // EXACT: key j of the block, from the lanes that walk it
+    if constexpr (EXACT) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        bj[j] = reinterpret_cast<const T*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(brow), 4 * j + quad));
+    }
+
+    for (int hh = 0; hh < G.nh; ++hh) {
+      const i64 ha = hh * p.q[4], hb = hh * p.k[4];
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (EXACT) {
+        float part[2][8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part[0][j] = part[1][j] = 0.f;
+#pragma unroll 1
+        for (int ch = 0; ch < DC; ++ch) {
+          const int d0 = 32 * ch + 8 * quad;
+          unsigned a0[R], a1[R];
+          load8<T, EXACT>(a0, arow[0] + ha + 32 * ch, d0 < D);
+          load8<T, EXACT>(a1, arow[1] + ha + 32 * ch, d0 < D);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            unsigned bfrag[R];
+            load8<T, EXACT>(bfrag, bj[j] + hb + 32 * ch, base + j < G.cols && d0 < D);
+            part[0][j] = dot8(a0, bfrag, part[0][j]);
+            part[1][j] = dot8(a1, bfrag, part[1][j]);
+          }
+        }
+        quad_reduce(part, acc, quad);
+      } else {
+#pragma unroll 4
+        for (int ch = 0; ch < DC; ++ch) {
+          const int d0 = 32 * ch + 8 * quad;
+          unsigned a0[R], a1[R], bfrag[R];
+          load8<T, EXACT>(a0, arow[0] + ha + 32 * ch, d0 < D);
+          load8<T, EXACT>(a1, arow[1] + ha + 32 * ch, d0 < D);
+          load8<T, EXACT>(bfrag, brow + hb + 32 * ch, base + grp < G.cols && d0 < D);
+          mma_chunk32<T>(acc, a0, a1, bfrag);
+        }
       }
-      out[out_row[ri] + (i64)slot * p.attn[5]] = from_float<T>(v);
+      const i64 ho = hh * p.attn[4], hr = (i64)(G.h + hh) * p.rpb[0];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (slot[e] < 0) continue;
+        float v = acc[e];
+        if (rpb != nullptr) v += to_float(rpb[hr + rpo[e]]);
+        out[out_row[e / 2] + ho + (i64)slot[e] * p.attn[5]] = from_float<T>(v);
+      }
     }
   }
 
@@ -381,7 +387,9 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
     const i64 row = row_offset(G, p.attn, x);
     for (int t = lane; t < K; t += 32) {
       const int t2 = t % k2, t1 = (t / k2) % k1, t0 = t / (k1 * k2);
-      if (t0 >= n0 || t1 >= n1 || t2 >= n2) out[row + (i64)t * p.attn[5]] = from_float<T>(fill);
+      if (t0 < n0 && t1 < n1 && t2 < n2) continue;
+      for (int hh = 0; hh < G.nh; ++hh)
+        out[row + hh * p.attn[4] + (i64)t * p.attn[5]] = from_float<T>(fill);
     }
   }
 }
@@ -397,18 +405,21 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
 // Each warp covers one slice of 8 * NT head-dim elements: logical n-column m of n-tile t is
 // physical element NT * m + t of the slice, so a lane loads NT consecutive elements of each of
 // its four columns and ends holding 2 * NT consecutive outputs of each of its two rows.
+// A warp runs HB = 16 / NT heads (64 accumulators per lane): per 16-column step it locates
+// the weights once and reuses the offsets for every head.
 // EXACT (float32 only): lanes find the same weights, then take turns (one quad lane per
 // round) to share their four columns' weights and X addresses with their quad, and every
 // lane runs FMAs over the 2 * NT elements it stores.
 template <typename T, int NT, bool INVERSE, bool EXACT>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+__global__ void __launch_bounds__(kWarps * 32, 2)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
                   NAParams p) {
   constexpr bool F32 = IsF32<T>::value;
+  constexpr int HB = 16 / NT;
   const int D = (int)p.head_dim;
   const int slices = (D + 8 * NT - 1) / (8 * NT);
   Geometry G;
-  if (!setup_warp(p, INVERSE, slices, G)) return;
+  if (!setup_warp(p, INVERSE, slices, HB, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int dbase = G.slice * 8 * NT;
 
@@ -433,138 +444,166 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
 #pragma unroll
   for (int j = 0; j < 4; ++j) halo_col(G, cofs[j], pos[j].y);
 
-  float acc[NT][4];
+  float acc[HB][NT][4];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  for (int hh = 0; hh < HB; ++hh)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[hh][t][0] = acc[hh][t][1] = acc[hh][t][2] = acc[hh][t][3] = 0.f;
 
   // X elements per lane and column: NT, loaded in units of U (16 bytes, or 8 for NT = 4).
   constexpr int U = F32 ? 4 : (NT >= 8 ? 8 : 4);
   constexpr int XW = F32 ? NT : NT / 2;  // 32-bit words per column
   for (int base = 0; base < G.cols; base += 16) {
-    unsigned xw[4][XW];
-    float wv[2][4];
+    // Head-independent part of the step: X rows of the lane's columns, weight offsets
+    // (bit 2 * j + ri of wmask: weight (row ri, column j) lies in a window).
     const T* xrow[4];
+    i64 woff[2][4];
+    unsigned wmask = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const bool cok = base + cofs[j] < G.cols;
-      const int (&y)[3] = pos[j].y;
+      const int(&y)[3] = pos[j].y;
       xrow[j] = x_in + row_offset(G, p.v, y) + dbase;
-      if constexpr (!EXACT) {
-#pragma unroll
-        for (int u = 0; u < NT / U; ++u) {
-          const int d = NT * grp + U * u;
-          const bool ok = cok && dbase + d < D;
-          if constexpr (F32) {
-            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (ok) f = __ldg(reinterpret_cast<const float4*>(xrow[j] + d));
-            xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
-            xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
-          } else if constexpr (U == 8) {
-            uint4 f = make_uint4(0u, 0u, 0u, 0u);
-            if (ok) f = __ldg(reinterpret_cast<const uint4*>(xrow[j] + d));
-            xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
-          } else {
-            uint2 f = make_uint2(0u, 0u);
-            if (ok) f = __ldg(reinterpret_cast<const uint2*>(xrow[j] + d));
-            xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
-          }
-        }
-      }
-      // Weights of this column for the lane's two rows.
       if (INVERSE) {
         int s[3], e[3];
         windows_of(G, y, s, e);
-        const T* wq = w_in + row_offset(G, p.attn, y);
+        const i64 wq = row_offset(G, p.attn, y);
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           const int slot = (cok && rok[ri]) ? slot_of(G, s, e, rx[ri]) : -1;
-          wv[ri][j] = slot < 0 ? 0.f : to_float(wq[(i64)slot * p.attn[5]]);
+          woff[ri][j] = wq + (i64)slot * p.attn[5];
+          wmask |= (slot >= 0 ? 1u : 0u) << (2 * j + ri);
         }
       } else {
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           const int slot = (cok && rok[ri]) ? slot_of(G, ws[ri], we[ri], y) : -1;
-          wv[ri][j] = slot < 0 ? 0.f : to_float(w_in[wrow[ri] + (i64)slot * p.attn[5]]);
+          woff[ri][j] = wrow[ri] + (i64)slot * p.attn[5];
+          wmask |= (slot >= 0 ? 1u : 0u) << (2 * j + ri);
         }
       }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) pos[j] = advanced(G, pos[j], step16);
 
-    if constexpr (EXACT) {
-      // Round r: quad lane r's four columns. This lane's outputs: slice elements
-      // 2 * NT * quad + el, el < 2 * NT, kept in acc as the epilogue reads them.
-      const int d0 = 2 * NT * quad;
+#pragma unroll
+    for (int hh = 0; hh < HB; ++hh) {
+      if (hh >= G.nh) break;
+      const i64 hx = hh * p.v[4], hw = hh * p.attn[4];
+      float wv[2][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri)
+          wv[ri][j] = (wmask >> (2 * j + ri) & 1u) ? to_float(w_in[woff[ri][j] + hw]) : 0.f;
+
+      if constexpr (EXACT) {
+        // Round r: quad lane r's four columns. This lane's outputs: slice elements
+        // 2 * NT * quad + el, el < 2 * NT, kept in acc as the epilogue reads them.
+        const int d0 = 2 * NT * quad;
 #pragma unroll 1
-      for (int r = 0; r < 4; ++r) {
-        const int src = 4 * grp + r;
+        for (int r = 0; r < 4; ++r) {
+          const int src = 4 * grp + r;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float w0 = __shfl_sync(0xffffffffu, wv[0][j], src);
-          const float w1 = __shfl_sync(0xffffffffu, wv[1][j], src);
-          const T* xr = reinterpret_cast<const T*>(__shfl_sync(
-              0xffffffffu, reinterpret_cast<unsigned long long>(xrow[j]), src));
-          const bool cok = base + (j < 2 ? 2 * r + j : 2 * r + 6 + j) < G.cols;
+          for (int j = 0; j < 4; ++j) {
+            const float w0 = __shfl_sync(0xffffffffu, wv[0][j], src);
+            const float w1 = __shfl_sync(0xffffffffu, wv[1][j], src);
+            const T* xr = reinterpret_cast<const T*>(__shfl_sync(
+                0xffffffffu, reinterpret_cast<unsigned long long>(xrow[j]), src)) + hx;
+            const bool cok = base + (j < 2 ? 2 * r + j : 2 * r + 6 + j) < G.cols;
 #pragma unroll
-          for (int u = 0; u < 2 * NT / 4; ++u) {
-            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (cok && dbase + d0 + 4 * u < D)
-              f = __ldg(reinterpret_cast<const float4*>(xr + d0 + 4 * u));
-            const float xv[4] = {f.x, f.y, f.z, f.w};
+            for (int u = 0; u < 2 * NT / 4; ++u) {
+              float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+              if (cok && dbase + d0 + 4 * u < D)
+                f = __ldg(reinterpret_cast<const float4*>(xr + d0 + 4 * u));
+              const float xv[4] = {f.x, f.y, f.z, f.w};
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {
-              const int el = 4 * u + m;
-              float& a0 = el < NT ? acc[el][0] : acc[el - NT][1];
-              float& a1 = el < NT ? acc[el][2] : acc[el - NT][3];
-              a0 = fmaf(w0, xv[m], a0);
-              a1 = fmaf(w1, xv[m], a1);
+              for (int m = 0; m < 4; ++m) {
+                const int el = 4 * u + m;
+                float& a0 = el < NT ? acc[hh][el][0] : acc[hh][el - NT][1];
+                float& a1 = el < NT ? acc[hh][el][2] : acc[hh][el - NT][3];
+                a0 = fmaf(w0, xv[m], a0);
+                a1 = fmaf(w1, xv[m], a1);
+              }
             }
           }
         }
-      }
-    } else if constexpr (F32) {
-      const unsigned a0[4] = {tc::to_tf32(wv[0][0]), tc::to_tf32(wv[1][0]), tc::to_tf32(wv[0][1]),
-                              tc::to_tf32(wv[1][1])};
-      const unsigned a1[4] = {tc::to_tf32(wv[0][2]), tc::to_tf32(wv[1][2]), tc::to_tf32(wv[0][3]),
-                              tc::to_tf32(wv[1][3])};
+      } else {
+        unsigned xw[4][XW];
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const unsigned b0[2] = {xw[0][t], xw[1][t]};
-        const unsigned b1[2] = {xw[2][t], xw[3][t]};
-        tc::mma1688_tf32(acc[t], a0, b0);
-        tc::mma1688_tf32(acc[t], a1, b1);
-      }
-    } else {
-      typename Elem<T, false>::Tag tag;
-      const unsigned a[4] = {tc::pack2(wv[0][0], wv[0][1], tag), tc::pack2(wv[1][0], wv[1][1], tag),
-                             tc::pack2(wv[0][2], wv[0][3], tag), tc::pack2(wv[1][2], wv[1][3], tag)};
+        for (int j = 0; j < 4; ++j) {
+          const bool cok = base + cofs[j] < G.cols;
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        // Element t of a column is the low (t even) or high half of word t / 2.
-        const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
-        const unsigned b[2] = {__byte_perm(xw[0][t / 2], xw[1][t / 2], sel),
-                               __byte_perm(xw[2][t / 2], xw[3][t / 2], sel)};
-        tc::mma16816(acc[t], a, b, tag);
+          for (int u = 0; u < NT / U; ++u) {
+            const int d = NT * grp + U * u;
+            const bool ok = cok && dbase + d < D;
+            const T* src = xrow[j] + hx + d;
+            if constexpr (F32) {
+              float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+              if (ok) f = __ldg(reinterpret_cast<const float4*>(src));
+              xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
+              xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
+            } else if constexpr (U == 8) {
+              uint4 f = make_uint4(0u, 0u, 0u, 0u);
+              if (ok) f = __ldg(reinterpret_cast<const uint4*>(src));
+              xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
+            } else {
+              uint2 f = make_uint2(0u, 0u);
+              if (ok) f = __ldg(reinterpret_cast<const uint2*>(src));
+              xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
+            }
+          }
+        }
+        if constexpr (F32) {
+          const unsigned a0[4] = {tc::to_tf32(wv[0][0]), tc::to_tf32(wv[1][0]),
+                                  tc::to_tf32(wv[0][1]), tc::to_tf32(wv[1][1])};
+          const unsigned a1[4] = {tc::to_tf32(wv[0][2]), tc::to_tf32(wv[1][2]),
+                                  tc::to_tf32(wv[0][3]), tc::to_tf32(wv[1][3])};
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const unsigned b0[2] = {xw[0][t], xw[1][t]};
+            const unsigned b1[2] = {xw[2][t], xw[3][t]};
+            tc::mma1688_tf32(acc[hh][t], a0, b0);
+            tc::mma1688_tf32(acc[hh][t], a1, b1);
+          }
+        } else {
+          typename Elem<T, false>::Tag tag;
+          const unsigned a[4] = {tc::pack2(wv[0][0], wv[0][1], tag), tc::pack2(wv[1][0], wv[1][1], tag),
+                                 tc::pack2(wv[0][2], wv[0][3], tag), tc::pack2(wv[1][2], wv[1][3], tag)};
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            // Element t of a column is the low (t even) or high half of word t / 2.
+            const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
+            const unsigned b[2] = {__byte_perm(xw[0][t / 2], xw[1][t / 2], sel),
+                                   __byte_perm(xw[2][t / 2], xw[3][t / 2], sel)};
+            tc::mma16816(acc[hh][t], a, b, tag);
+          }
+        }
       }
     }
   }
 
-  // acc[t][2 * ri + h]: row grp + 8 * ri, slice element NT * (2 * quad + h) + t, so a lane
-  // holds 2 * NT consecutive elements of each row, starting at 2 * NT * quad.
+  // acc[hh][t][2 * ri + h]: head G.h + hh, row grp + 8 * ri, slice element
+  // NT * (2 * quad + h) + t, so a lane holds 2 * NT consecutive elements of each row,
+  // starting at 2 * NT * quad.
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     if (!rok[ri]) continue;
     T* orow = out + row_offset(G, p.o, rx[ri]) + dbase + 2 * NT * quad;
 #pragma unroll
-    for (int u = 0; u < 2 * NT / 8; ++u) {
-      if (dbase + 2 * NT * quad + 8 * u >= D) break;
-      float v[8];
+    for (int hh = 0; hh < HB; ++hh) {
+      if (hh >= G.nh) break;
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const int el = 8 * u + m;  // element of the lane's 2 * NT run
-        v[m] = el < NT ? acc[el][2 * ri] : acc[el - NT][2 * ri + 1];
+      for (int u = 0; u < 2 * NT / 8; ++u) {
+        if (dbase + 2 * NT * quad + 8 * u >= D) break;
+        float v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+          const int el = 8 * u + m;  // element of the lane's 2 * NT run
+          v[m] = el < NT ? acc[hh][el][2 * ri] : acc[hh][el - NT][2 * ri + 1];
+        }
+        store8<T>(orow + hh * p.o[4] + 8 * u, v);
       }
-      store8<T>(orow + 8 * u, v);
     }
   }
 }

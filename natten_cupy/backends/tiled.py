@@ -38,6 +38,7 @@ SOURCE = "na_tiled.cu"
 WARPS = 4              # warps per CTA (kWarps in na_tiled.cu)
 MAX_HEAD_DIM = 256
 SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
+SCORE_HEADS = 8                      # heads per warp of the scores kernel (kScoreHeads)
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
@@ -109,8 +110,10 @@ def num_patches(problem):
     return total
 
 
-def _grid(problem, slices=1):
-    warps = problem.batch * problem.heads * num_patches(problem) * slices
+def _grid(problem, heads_per_warp, slices=1):
+    """CTAs covering every (batch, patch, head group, head-dim slice) warp."""
+    groups = _ceil_div(problem.heads, heads_per_warp)
+    warps = problem.batch * num_patches(problem) * groups * slices
     return (_ceil_div(warps, WARPS),)
 
 
@@ -163,7 +166,7 @@ def _scores(problem, a, b, rpb, out, fill):
     """out[i, t] = <a_i, b_j(i, t)> (+ rpb); a in p.q, b in p.k, out in p.attn."""
     p = make_params(problem, q=a, k=b, rpb=rpb, attn=out)
     expr = _scores_expr(problem)
-    launch(get_kernel(SOURCE, expr), _grid(problem), (32 * WARPS,),
+    launch(get_kernel(SOURCE, expr), _grid(problem, SCORE_HEADS), (32 * WARPS,),
            (a, b, _NULL if rpb is None else rpb, out, numpy.float32(fill), p),
            name=expr, backend=NAME)
 
@@ -174,7 +177,8 @@ def _weighted(problem, weights, x, out, inverse):
     tiles = slice_tiles(problem)
     slices = _ceil_div(problem.head_dim, 8 * tiles)
     expr = _weighted_expr(problem, inverse)
-    launch(get_kernel(SOURCE, expr), _grid(problem, slices), (32 * WARPS,),
+    # A warp runs 16 // tiles heads (HB in na_tiled.cu).
+    launch(get_kernel(SOURCE, expr), _grid(problem, 16 // tiles, slices), (32 * WARPS,),
            (weights, x, out, p), name=expr, backend=NAME)
 
 
