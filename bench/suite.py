@@ -133,7 +133,7 @@ class Ours:
             raise Skip("refused: " + "; ".join(why))
         if self.path == "unfused":
             attn = w.batch * w.tokens * w.heads * w.neighbors * self.spec["itemsize"]
-            if attn > MAX_ATTN_BYTES:
+            if attn >= MAX_ATTN_BYTES:
                 raise Skip(f"the attention weights alone need {attn / 2 ** 30:.1f} GiB")
         floor_flops = SLOW_FLOPS.get(self.name)
         return w.flops() / floor_flops if floor_flops else None
