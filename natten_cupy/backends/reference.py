@@ -60,8 +60,21 @@ def _work(xp, x, problem, tail):
     return x.reshape((problem.batch, problem.num_tokens) + tuple(tail))
 
 
+def _buffer(xp, dst, problem):
+    """Where an op computes output ``dst``, as ``[B, N, ...]`` in the compute dtype: ``dst``
+    itself when it is contiguous in that dtype, else a work array for ``_store``."""
+    ct = accumulator_dtype(problem.dtype)
+    shape = (problem.batch, problem.num_tokens) + tuple(dst.shape[1 + problem.rank:])
+    if dst.dtype == ct and dst.flags.c_contiguous:
+        return dst.reshape(shape)
+    return xp.empty(shape, dtype=ct)
+
+
 def _store(dst, src):
-    """Write a ``[B, N, ...]`` work array into the caller's output (any strides, any dtype)."""
+    """Write ``_buffer(dst)`` into the caller's output (any strides, any dtype), unless it
+    already is that output."""
+    if dst.dtype == src.dtype and dst.flags.c_contiguous:
+        return
     dst[...] = src.reshape(dst.shape).astype(dst.dtype, copy=False)
 
 
@@ -167,8 +180,7 @@ def fused_forward(problem, q, k, v, out, lse):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
     qf, kf, vf = (_work(xp, x, problem, (H, D)) for x in (q, k, v))
-    o = xp.empty_like(qf)
-    m_out = xp.empty(qf.shape[:-1], dtype=qf.dtype)
+    o, m_out = _buffer(xp, out, problem), _buffer(xp, lse, problem)
     tables = _Tables(problem, xp)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, _ = tables.forward(lo, hi)
@@ -194,7 +206,7 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     tables = _Tables(problem, xp, inverse=True)
 
     # dq: gather each query's keys and values.
-    g = xp.empty_like(qf)
+    g = _buffer(xp, dq, problem)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, _ = tables.forward(lo, hi)
         for b in range(B):
@@ -207,8 +219,7 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     _store(dq, g)
 
     # dk, dv: gather each key's queries through the inverse table.
-    gk = g
-    gv = xp.empty_like(qf)
+    gk, gv = _buffer(xp, dk, problem), _buffer(xp, dv, problem)
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 2):
         qidx, _, valid = tables.inverse(lo, hi)
         for b in range(B):
@@ -232,7 +243,7 @@ def qk(problem, q, k, rpb, attn):
     bias = None
     if rpb is not None:
         bias = rpb.astype(qf.dtype).reshape(H, -1)
-    a = xp.empty(qf.shape[:-1] + (K,), dtype=qf.dtype)
+    a = _buffer(xp, attn, problem)
     tables = _Tables(problem, xp)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, rel = tables.forward(lo, hi)
@@ -250,7 +261,7 @@ def av(problem, attn, v, out):
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
     vf = _work(xp, v, problem, (H, D))
     af = _work(xp, attn, problem, (H, K))
-    o = xp.empty_like(vf)
+    o = _buffer(xp, out, problem)
     tables = _Tables(problem, xp)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, _ = tables.forward(lo, hi)
@@ -269,7 +280,7 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
     rpb_acc = None if d_rpb is None else xp.zeros(H * rpb_size, dtype=numpy.float64)
     heads = xp.arange(H)[None, :, None] * rpb_size
 
-    g = xp.empty_like(qf)
+    g = _buffer(xp, dq, problem)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, rel = tables.forward(lo, hi)
         da = _masked(xp, valid, daf[:, lo:hi], 0)  # valid [n, 1, K] broadcasts over B, H
@@ -283,6 +294,7 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
 
     da_slots = _by_slot(xp, daf)
     del daf
+    g = _buffer(xp, dk, problem)
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 1):
         qidx, slots, valid = tables.inverse(lo, hi)
         pairs = qidx * K + slots
@@ -301,14 +313,14 @@ def av_backward(problem, d_out, attn, v, d_attn, dv):
     af = _work(xp, attn, problem, (H, K))
     tables = _Tables(problem, xp, inverse=True)
 
-    da = xp.empty_like(af)
+    da = _buffer(xp, d_attn, problem)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, _ = tables.forward(lo, hi)
         for b in range(B):
             da[b, lo:hi] = _masked(xp, valid, _dots(vf[b][keys], dof[b, lo:hi]), 0)
     _store(d_attn, da)
 
-    g = xp.empty_like(vf)
+    g = _buffer(xp, dv, problem)
     a_slots = _by_slot(xp, af)
     del af
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 1):
