@@ -367,6 +367,12 @@ def main(argv=None):
         return 2
     if args.dry_run:
         return dry_run(problem, args, console)
+    refused = [why for name, why in backend_verdicts(problem, ops_of(args))
+               if name == args.backend and why]
+    if refused:
+        console.print(f"[red]backend {args.backend!r} cannot run this:[/red] {refused[0]}"
+                      + ("" if args.unfused else " (the unfused ops need --unfused)"))
+        return 2
     return profile_run(problem, args, console)
 
 

@@ -79,6 +79,12 @@ def test_dry_run_unfused_and_requested_backend(capsys):
     assert rc == 0 and "requested backend 'reference'" in out and "unfused" in out
 
 
+def test_refused_backend_is_reported_before_any_gpu_work(capsys):
+    rc = profile_cli.main(["-i", "24", "-k", "5", "--backend", "tiled"])
+    out = capsys.readouterr().out
+    assert rc == 2 and "backend 'tiled' cannot run this" in out
+
+
 def test_invalid_problem_is_reported(capsys):
     rc = profile_cli.main(["-i", "6", "6", "-k", "7", "--dry-run"])
     assert rc == 2
