@@ -31,8 +31,8 @@ status=0
 if [ "$mode" != bench ]; then
   echo "== GPU tests"
   t0=$(date +%s)
-  NATTEN_QUICK=${quick} "$PY" -m pytest -q -m gpu -p no:cacheprovider tests \
-      --junitxml="$OUT/tests.xml" "${pytest_extra[@]}" > "$OUT/tests.log" 2>&1
+  NATTEN_CUPY_GPU_QUICK=${quick} "$PY" -m pytest -q -m gpu -p no:cacheprovider tests \
+      -n ${NATTEN_TEST_WORKERS:-8} --junitxml="$OUT/tests.xml" "${pytest_extra[@]}" > "$OUT/tests.log" 2>&1
   status=$?
   echo "   pytest exit $status in $(( $(date +%s) - t0 )) s"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
