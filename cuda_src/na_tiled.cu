@@ -1,6 +1,6 @@
-// Unfused neighborhood attention on tensor cores: window scores (qk, av_backward's d_attn), weighted sums over the window (av, dq) or its inverse (dv, dk), and the rpb gradient.
-// One warp owns a 16-row patch (1-D 16, 2-D 4x4, 3-D 1x4x4) of one (batch, head) and walks the halo of columns its rows reach; lanes hold mma.sync fragments, operands read from global memory (L1).
-// Reads q/k/v/d_out rows, attn/d_attn weights, rpb; writes attn/d_attn, out/dq/dk/dv (float32 atomics into d_rpb).
+// Unfused NA on tensor cores: window scores (qk; d_attn of av_backward), sums weighted over the window (av, dq) or its inverse (dv, dk), rpb gradient.
+// A warp owns a 16-row patch (1-D 16, 2-D 4x4, 3-D 1x4x4) of one batch and a few heads and walks the halo of columns its rows reach; lanes hold mma.sync fragments.
+// Reads q/k/v/d_out rows (16-byte loads, L1) and attn/d_attn/rpb elements; writes attn/d_attn slots, out/dq/dk/dv rows; float32 atomics into d_rpb.
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 
@@ -8,10 +8,9 @@ namespace natten {
 namespace tiled {
 
 constexpr int kWarps = 4;  // warps per CTA; warps are independent (no shared memory)
-constexpr int kScoreHeads = 8;  // heads per warp of the scores kernel
-
 // A warp runs several heads of one patch: the window arithmetic of a block of columns
 // depends only on the geometry, so it is done once and reused for every head.
+constexpr int kScoreHeads = 8;  // heads per warp of the scores kernel
 
 // ---- Geometry of one warp -------------------------------------------------------------
 // All indices below are in dilation-group coordinates: per axis a warp's rows share one
