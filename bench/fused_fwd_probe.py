@@ -35,15 +35,21 @@ WORKLOADS = {
     "SA64": ((16384,), (16384,), 16, 64),
     "SA128": ((16384,), (16384,), 16, 128),
 }
-# (workload, dtype, tile or None)
-RUNS = [
-    ("W2", "float16", None), ("W2", "float16", (16, 8)), ("W2", "bfloat16", None),
-    ("W2", "float32", None),
-    ("W3", "float16", None), ("W3", "float16", (4, 4, 4)),
-    ("W3b", "float16", None), ("W2b", "float16", None),
-    ("W1", "float16", (64,)), ("W1", "float16", (128,)),
-    ("SA64", "float16", None), ("SA128", "float16", None),
-]
+# (workload, dtype, tile: None for the default, a query box, or a TileConfig to try)
+def _runs():
+    from natten_cupy.backends._fused_fwd import TileConfig as C
+    return [
+        ("W2", "float16", None), ("W2", "float16", (16, 8)),
+        ("W2", "float16", C((4, 4, 1), (2, 2, 1), 1)), ("W2", "float16", C((2, 8, 1), (4, 1, 1), 2)),
+        ("W2", "bfloat16", None), ("W2", "float32", None),
+        ("W3", "float16", None), ("W3", "float16", (4, 4, 4)),
+        ("W3", "float16", C((1, 4, 4), (2, 2, 1), 1)),
+        ("W3b", "float16", None), ("W2b", "float16", None),
+        ("W1", "float16", (64,)), ("W1", "float16", (128,)),
+        ("W1", "float16", C((16, 1, 1), (4, 1, 1), 2)),
+        ("SA64", "float16", None), ("SA128", "float16", None),
+        ("SA64", "float16", C((16, 1, 1), (4, 1, 1), 2)),
+    ]
 
 
 def _warm_one(expr):
@@ -58,8 +64,13 @@ def _warm_one(expr):
 
 def warm():
     import multiprocessing as mp
+    from natten_cupy._dtypes import canonical_dtype
     from natten_cupy.backends import _fused_fwd
     exprs = [e for _, e in _fused_fwd.instantiations()]
+    for wid, dname, tile in _runs():
+        if isinstance(tile, _fused_fwd.TileConfig):
+            spatial, _, _, dim = WORKLOADS[wid]
+            exprs.append(_fused_fwd._name(canonical_dtype(dname), len(spatial), _fused_fwd._bucket(dim), tile))
     t = time.perf_counter()
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 4)) as pool:
         res = pool.map(_warm_one, exprs)
@@ -125,15 +136,21 @@ def _finite(cp, x):
     return bool(cp.isfinite(x).all())
 
 
-def time_all(runs=RUNS):
+def time_all():
     import cupy as cp
+    from natten_cupy.backends import _fused_fwd
     from natten_cupy import _args
     from natten_cupy.backends import get_backend
     from natten_cupy._dtypes import canonical_dtype
     fused = get_backend("fused")
     rows = []
-    for wid, dname, tile in runs:
+    for wid, dname, tile in _runs():
         spatial, kernel, heads, dim = WORKLOADS[wid]
+        trial = tile if isinstance(tile, _fused_fwd.TileConfig) else None
+        if trial is not None:  # an untabled config: time it as the default for this shape
+            tile = None
+            key = (len(spatial), _fused_fwd._bucket(dim))
+            saved, _fused_fwd.DEFAULT[key] = _fused_fwd.DEFAULT[key], trial
         dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
         q, k, v = _inputs(cp, (1,) + spatial + (heads, dim), dtype)
         prob = _args.check_fused(len(spatial), q, k, v, kernel, 1, 1, False, None, "fused",
@@ -162,18 +179,21 @@ def time_all(runs=RUNS):
                          prob.flops_forward()))
         except Exception as e:
             rows.append((wid, dname, tile, None, f"{type(e).__name__}: {str(e)[:200]}"))
+        if trial is not None:
+            _fused_fwd.DEFAULT[key] = saved
+            rows[-1] = (rows[-1][0], rows[-1][1], f"{trial.patch}x{trial.warps}k{trial.kb}") + rows[-1][3:]
         del q, k, v, out, lse
         cp.get_default_memory_pool().free_all_blocks()
-    print(f"{'id':<6}{'dtype':<9}{'tile':<12}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
+    print(f"{'id':<6}{'dtype':<9}{'tile':<26}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
     for r in rows:
         wid, dname, tile, ms, note = r[:5]
         if ms is None:
-            print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<12}{'-':>8}  {note}")
+            print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<26}{'-':>8}  {note}")
             continue
         tflops = r[5] / ms / 1e9
         peer = FLEX.get((wid, dname)) or SDPA.get(WORKLOADS[wid][3] if wid.startswith("SA") else 0)
         ratio = f"{peer / ms:.2f}" if peer else "-"
-        print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<12}{ms:8.3f}{tflops:9.1f}"
+        print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<26}{ms:8.3f}{tflops:9.1f}"
               f"{peer or 0:9.2f}{ratio:>8}  {note}")
 
 

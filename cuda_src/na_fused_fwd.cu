@@ -14,8 +14,11 @@ template <> struct Elem<__nv_bfloat16> { enum { tf32 = 0, per_chunk = 8 }; };
 template <> struct Elem<float> { enum { tf32 = 1, per_chunk = 4 }; };
 
 // CTAs per SM the compiler must fit (caps registers at 64K / (threads * ctas)): head dim 32
-// fits 128 registers at 4 CTAs of 128 threads without spilling; larger head dims need more.
-__host__ __device__ constexpr int min_ctas(int threads, int dp) { return dp <= 32 ? 512 / threads : 1; }
+// with up to 32 keys per iteration fits 128 registers (4 CTAs of 128 threads) without
+// spilling; wider iterations and larger head dims need more.
+__host__ __device__ constexpr int min_ctas(int threads, int dp, int kb) {
+  return dp <= 32 && kb <= 2 ? 512 / threads : 1;
+}
 
 // Two adjacent elements of a row (the launcher guarantees a contiguous, aligned last dim).
 __device__ __forceinline__ void store2(__half* p, float a, float b) {
@@ -28,15 +31,33 @@ __device__ __forceinline__ void store2(float* p, float a, float b) {
   *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
 
-// Sub-halo coordinates (a0, a1, a2) of flat index t of a warp's halo box of dims n.
+// 2^x flushing subnormal results to zero (one MUFU op; exp2f adds range fix-ups). Softmax
+// weights below 2^-126 of the row maximum are zero either way at 16-bit precision.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Coordinates (a0, a1, a2) of flat index t of a warp's row-major halo box of dims n; axes
+// past the rank are inert (size 1, coordinate 0) and cost nothing.
+template <int RANK>
 struct Split {
   int n1n2, n2;
   float inv12, inv2;
   __device__ __forceinline__ void operator()(int t, int& a0, int& a1, int& a2) const {
-    a0 = fused::div_small(t, inv12);
-    const int r = t - a0 * n1n2;
-    a1 = fused::div_small(r, inv2);
-    a2 = r - a1 * n2;
+    if (RANK == 1) {
+      a0 = t; a1 = 0; a2 = 0;
+    } else if (RANK == 2) {
+      a0 = fused::div_small(t, inv12);
+      a1 = t - a0 * n1n2;
+      a2 = 0;
+    } else {
+      a0 = fused::div_small(t, inv12);
+      const int r = t - a0 * n1n2;
+      a1 = fused::div_small(r, inv2);
+      a2 = r - a1 * n2;
+    }
   }
 };
 
@@ -46,10 +67,11 @@ struct Split {
 using namespace natten;
 using namespace natten::fused_fwd;
 
-// T: element type; DP: padded head dim (32, 64, 128, 256); P*: warp patch (P0 P1 P2 = 16);
-// W*: warps per CTA along each axis. The CTA's query box is (W0 P0, W1 P1, W2 P2).
-template <typename T, int DP, int P0, int P1, int P2, int W0, int W1, int W2>
-__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP))
+// T: element type; RANK: axes in use (the others are inert); DP: padded head dim (32, 64, 128, 256); P*: warp patch (P0 P1 P2 = 16);
+// W*: warps per CTA along each axis (the CTA's query box is (W0 P0, W1 P1, W2 P2)); KB: 16-key
+// sub-blocks a warp takes per iteration (independent mma chains, one softmax reduction).
+template <typename T, int RANK, int DP, int P0, int P1, int P2, int W0, int W1, int W2, int KB>
+__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP, KB))
 na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const NAParams p, int chunk_keys,
              int stages) {
@@ -80,6 +102,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
     for (int a = 2; a >= 0; --a) {
       ax[a] = axis_of(p, a);
+      if (a >= RANK) { grp[a] = 0; q0[a] = 0; continue; }
       const int gmax = (ax[a].extent + ax[a].dilation - 1) / ax[a].dilation;
       const int ntile = (gmax + TQ[a] - 1) / TQ[a];
       const unsigned span = (unsigned)(ntile * ax[a].dilation);
@@ -91,12 +114,13 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     bool empty = false;
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
-      glen[a] = ax[a].group_len(grp[a]);
+      glen[a] = a < RANK ? ax[a].group_len(grp[a]) : 1;
       empty |= q0[a] >= glen[a];
     }
     if (empty) return;  // a shorter dilation group has one tile fewer
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
+      if (a >= RANK) { hs[a] = 0; hl[a] = 1; continue; }
       int e;
       fused::halo_of(ax[a], glen[a], q0[a], min(q0[a] + TQ[a] - 1, glen[a] - 1), hs[a], e);
       hl[a] = e - hs[a];
@@ -112,6 +136,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   bool warp_active = true;
 #pragma unroll
   for (int a = 0; a < 3; ++a) {
+    if (a >= RANK) { pq[a] = 0; wo[a] = 0; wn[a] = 1; clo[a] = 0; chi[a] = 1; continue; }
     pq[a] = q0[a] + wa[a] * PQ[a];
     warp_active &= pq[a] < glen[a];
     const int first = min(pq[a], glen[a] - 1), last = min(pq[a] + PQ[a] - 1, glen[a] - 1);
@@ -123,12 +148,17 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     clo[a] -= s;
     chi[a] -= s;
   }
-  Split split;
+  Split<RANK> split;
   split.n2 = wn[2];
   split.n1n2 = wn[1] * wn[2];
   split.inv2 = 1.0f / (float)split.n2;
   split.inv12 = 1.0f / (float)split.n1n2;
   const int hl12 = hl[1] * hl[2];
+  Split<RANK> hsplit;  // the CTA halo box
+  hsplit.n2 = hl[2];
+  hsplit.n1n2 = hl12;
+  hsplit.inv2 = 1.0f / (float)hl[2];
+  hsplit.inv12 = 1.0f / (float)hl12;
 
   // ---- the thread's two query rows (group, group + 8) ----
   // They differ on one axis only (AX8, where the patch's row-major order steps by 8); on the
@@ -144,6 +174,10 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const int rc[3] = {r / (P1 * P2), (r / P2) % P1, r % P2};
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
+      if (a >= RANK) {
+        if (ri == 0) { wlo[a] = 0; wsz[a] = 1; qc[a] = 0; }
+        continue;
+      }
       const int ig = pq[a] + rc[a];
       row_ok[ri] &= ig < glen[a];
       if (ri == 1 && a != AX8) continue;
@@ -169,7 +203,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     int x[3];
 #pragma unroll
     for (int a = 0; a < 3; ++a)
-      x[a] = grp[a] + ax[a].dilation * min(pq[a] + rc[a], glen[a] - 1);
+      x[a] = a < RANK ? grp[a] + ax[a].dilation * min(pq[a] + rc[a], glen[a] - 1) : 0;
     const i64 off = offset6(p.q, batch, x[0], x[1], x[2], head, (i64)c * EPC);
     const bool ok = (i64)c * EPC < hd;
     tc::cp_async16(q_s + warp * 16 * DP + r * DP + fused::swizzle_chunk<CPR>(r, c) * EPC,
@@ -185,11 +219,11 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     for (int i = tid; i < nk * CPR; i += NT) {
       const int r = i / CPR, c = i % CPR;
       const int f = f0 + r;
-      const int x0 = f / hl12, rem = f - x0 * hl12;
-      const int x1 = rem / hl[2], x2 = rem - x1 * hl[2];
+      int x0, x1, x2;
+      hsplit(f, x0, x1, x2);
       const i64 c0 = grp[0] + (i64)ax[0].dilation * (hs[0] + x0);
-      const i64 c1 = grp[1] + (i64)ax[1].dilation * (hs[1] + x1);
-      const i64 c2 = grp[2] + (i64)ax[2].dilation * (hs[2] + x2);
+      const i64 c1 = RANK > 1 ? grp[1] + (i64)ax[1].dilation * (hs[1] + x1) : 0;
+      const i64 c2 = RANK > 2 ? grp[2] + (i64)ax[2].dilation * (hs[2] + x2) : 0;
       const bool ok = (i64)c * EPC < hd;
       const int dst = r * DP + fused::swizzle_chunk<CPR>(r, c) * EPC;
       const i64 e = (i64)c * EPC;
@@ -252,34 +286,44 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       const int t_lo = fused::count_before(wo, wn, hl, f0);
       const int t_hi = fused::count_before(wo, wn, hl, min(f0 + chunk_keys, total));
 
-      // Shared-memory row of the key at warp-halo flat index t (clamped into this chunk's run).
+      // Shared-memory row of the key at warp-halo coordinates (a0, a1, a2).
+      auto row_at = [&](int a0, int a1, int a2) {
+        return (a0 + wo[0]) * hl12 + (a1 + wo[1]) * hl[2] + (a2 + wo[2]) - f0;
+      };
+      // ... and at warp-halo flat index t (clamped into this chunk's run).
       auto row_of = [&](int t) {
         int a0, a1, a2;
         split(min(t, t_hi - 1), a0, a1, a2);
-        return (a0 + wo[0]) * hl12 + (a1 + wo[1]) * hl[2] + (a2 + wo[2]) - f0;
+        return row_at(a0, a1, a2);
       };
 
-      for (int t0 = warp_active ? t_lo : t_hi; t0 < t_hi; t0 += 16) {
-        float s[2][4];
+      // One iteration: KB sub-blocks of 16 keys, warp-halo flat indices [t0, t0 + 16 KB).
+      for (int t0 = warp_active ? t_lo : t_hi; t0 < t_hi; t0 += 16 * KB) {
+        float s[2 * KB][4];  // s[j][e]: row group + 8 (e >> 1), key t0 + 8 j + 2 quad + (e & 1)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int j = 0; j < 2 * KB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 
-        // Is every key of this block inside every query's window (no masking needed)?
-        bool inside;
-        {
-          const int t = t0 + kib;
+        // Rows this lane addresses (key kib of each sub-block), and whether every key of the
+        // iteration lies inside every query's window (then nothing is masked).
+        int krow[KB];
+        bool inside = true;
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+          const int t = t0 + 16 * kb + kib;
           int a0, a1, a2;
           split(min(t, t_hi - 1), a0, a1, a2);
-          inside = t < t_hi && a0 >= clo[0] && a0 < chi[0] && a1 >= clo[1] && a1 < chi[1] &&
-                   a2 >= clo[2] && a2 < chi[2];
-          inside = __all_sync(0xffffffffu, inside);
+          krow[kb] = row_at(a0, a1, a2);
+          inside &= t < t_hi && a0 >= clo[0] && a0 < chi[0] && a1 >= clo[1] && a1 < chi[1] &&
+                    a2 >= clo[2] && a2 < chi[2];
         }
+        inside = __all_sync(0xffffffffu, inside);
 
         // ---- S = Q K^T ----
-        int vrow[4];  // TF32: rows of keys 2q, 2q+1, 2q+8, 2q+9 (the P columns this lane holds)
         if constexpr (TF32) {
           const float* const kf = reinterpret_cast<const float*>(ks);
-          const int kr0 = row_of(t0 + group), kr1 = row_of(t0 + group + 8);
+          int kr[2 * KB];  // rows of keys group and group + 8 of each sub-block
+#pragma unroll
+          for (int j = 0; j < 2 * KB; ++j) kr[j] = row_of(t0 + 8 * j + group);
 #pragma unroll
           for (int kk = 0; kk < DP / 8; ++kk) {
             unsigned a[4];
@@ -290,44 +334,45 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
               q_frag(kk, a);
             }
             const int c0 = kk * 8 + quad, c1 = c0 + 4;
-            unsigned b0[2], b1[2];
-            b0[0] = tc::to_tf32(kf[kr0 * DP + fused::swizzle_chunk<CPR>(kr0, c0 / 4) * 4 + c0 % 4]);
-            b0[1] = tc::to_tf32(kf[kr0 * DP + fused::swizzle_chunk<CPR>(kr0, c1 / 4) * 4 + c1 % 4]);
-            b1[0] = tc::to_tf32(kf[kr1 * DP + fused::swizzle_chunk<CPR>(kr1, c0 / 4) * 4 + c0 % 4]);
-            b1[1] = tc::to_tf32(kf[kr1 * DP + fused::swizzle_chunk<CPR>(kr1, c1 / 4) * 4 + c1 % 4]);
-            tc::mma1688_tf32(s[0], a, b0);
-            tc::mma1688_tf32(s[1], a, b1);
-          }
 #pragma unroll
-          for (int j = 0; j < 4; ++j) vrow[j] = row_of(t0 + 2 * quad + (j & 1) + 8 * (j >> 1));
+            for (int j = 0; j < 2 * KB; ++j) {
+              unsigned b[2];
+              b[0] = tc::to_tf32(kf[kr[j] * DP + fused::swizzle_chunk<CPR>(kr[j], c0 / 4) * 4 + c0 % 4]);
+              b[1] = tc::to_tf32(kf[kr[j] * DP + fused::swizzle_chunk<CPR>(kr[j], c1 / 4) * 4 + c1 % 4]);
+              tc::mma1688_tf32(s[j], a, b);
+            }
+          }
         } else {
-          const int krow = row_of(t0 + kib);
-          vrow[0] = krow;
 #pragma unroll
           for (int kk = 0; kk < DP / 16; ++kk) {
-            unsigned a[4], b[4];
+            unsigned a[4];
             if constexpr (Q_IN_REGS) {
 #pragma unroll
               for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
             } else {
               q_frag(kk, a);
             }
-            tc::ldmatrix_x4(b, ks + krow * DP + fused::swizzle_chunk<CPR>(krow, 2 * kk + csel) * EPC);
-            const unsigned b0[2] = {b[0], b[2]}, b1[2] = {b[1], b[3]};
-            typename tc::MmaKind<T>::tag tag;
-            tc::mma16816(s[0], a, b0, tag);
-            tc::mma16816(s[1], a, b1, tag);
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+              unsigned b[4];
+              tc::ldmatrix_x4(b, ks + krow[kb] * DP +
+                                     fused::swizzle_chunk<CPR>(krow[kb], 2 * kk + csel) * EPC);
+              const unsigned b0[2] = {b[0], b[2]}, b1[2] = {b[1], b[3]};
+              typename tc::MmaKind<T>::tag tag;
+              tc::mma16816(s[2 * kb], a, b0, tag);
+              tc::mma16816(s[2 * kb + 1], a, b1, tag);
+            }
           }
         }
 
-        // ---- scale, mask: s[j][e] is (row group + 8 (e >> 1), key 8 j + 2 quad + (e & 1)) ----
+        // ---- scale, mask ----
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 2 * KB; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
         if (!inside) {
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
+          for (int j = 0; j < 2 * KB; ++j) {
             const int t = t0 + 8 * j + 2 * quad;
             int b[3];
             split(min(t, t_hi - 1), b[0], b[1], b[2]);
@@ -343,32 +388,30 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
               sh0 &= (unsigned)(b[a] - wlo[a]) < (unsigned)wsz[a];
               sh1 &= (unsigned)(c[a] - wlo[a]) < (unsigned)wsz[a];
             }
-            const bool r0k0 = sh0 && (unsigned)(b[AX8] - wlo[AX8]) < (unsigned)wsz[AX8];
-            const bool r0k1 = sh1 && (unsigned)(c[AX8] - wlo[AX8]) < (unsigned)wsz[AX8];
-            const bool r1k0 = sh0 && (unsigned)(b[AX8] - wlo8) < (unsigned)wsz8;
-            const bool r1k1 = sh1 && (unsigned)(c[AX8] - wlo8) < (unsigned)wsz8;
-            if (!r0k0) s[j][0] = NEG_INF;
-            if (!r0k1) s[j][1] = NEG_INF;
-            if (!r1k0) s[j][2] = NEG_INF;
-            if (!r1k1) s[j][3] = NEG_INF;
+            if (!(sh0 && (unsigned)(b[AX8] - wlo[AX8]) < (unsigned)wsz[AX8])) s[j][0] = NEG_INF;
+            if (!(sh1 && (unsigned)(c[AX8] - wlo[AX8]) < (unsigned)wsz[AX8])) s[j][1] = NEG_INF;
+            if (!(sh0 && (unsigned)(b[AX8] - wlo8) < (unsigned)wsz8)) s[j][2] = NEG_INF;
+            if (!(sh1 && (unsigned)(c[AX8] - wlo8) < (unsigned)wsz8)) s[j][3] = NEG_INF;
           }
         }
 
         // ---- online softmax (rows group, group + 8) ----
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
-          float mx = fmaxf(fmaxf(s[0][2 * ri], s[0][2 * ri + 1]), fmaxf(s[1][2 * ri], s[1][2 * ri + 1]));
+          float mx = NEG_INF;
+#pragma unroll
+          for (int j = 0; j < 2 * KB; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * ri], s[j][2 * ri + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m_run[ri], mx);
           const float m_ref = m_new == NEG_INF ? 0.f : m_new;  // all masked so far: p = 0
-          const float alpha = exp2f(m_run[ri] - m_ref);
+          const float alpha = exp2_ftz(m_run[ri] - m_ref);
           m_run[ri] = m_new;
           float sum = 0.f;
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            s[j][2 * ri] = exp2f(s[j][2 * ri] - m_ref);
-            s[j][2 * ri + 1] = exp2f(s[j][2 * ri + 1] - m_ref);
+          for (int j = 0; j < 2 * KB; ++j) {
+            s[j][2 * ri] = exp2_ftz(s[j][2 * ri] - m_ref);
+            s[j][2 * ri + 1] = exp2_ftz(s[j][2 * ri + 1] - m_ref);
             sum += s[j][2 * ri] + s[j][2 * ri + 1];
           }
           l_run[ri] = l_run[ri] * alpha + sum;
@@ -384,10 +427,10 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           // k-slot quad <-> key 2 quad, k-slot quad + 4 <-> key 2 quad + 1 (both operands agree).
           const float* const vf = reinterpret_cast<const float*>(vs);
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
+          for (int j = 0; j < 2 * KB; ++j) {
             const unsigned a[4] = {tc::to_tf32(s[j][0]), tc::to_tf32(s[j][2]),
                                    tc::to_tf32(s[j][1]), tc::to_tf32(s[j][3])};
-            const int r0 = vrow[2 * j], r1 = vrow[2 * j + 1];
+            const int r0 = row_of(t0 + 8 * j + 2 * quad), r1 = row_of(t0 + 8 * j + 2 * quad + 1);
 #pragma unroll
             for (int n = 0; n < DO / 8; ++n) {
               const int col = pass * DO + n * 8 + group;
@@ -399,17 +442,21 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           }
         } else {
           typename tc::MmaKind<T>::tag tag;
-          const unsigned a[4] = {tc::pack2(s[0][0], s[0][1], tag), tc::pack2(s[0][2], s[0][3], tag),
-                                 tc::pack2(s[1][0], s[1][1], tag), tc::pack2(s[1][2], s[1][3], tag)};
-          const int vr = vrow[0];
 #pragma unroll
-          for (int n2 = 0; n2 < DO / 16; ++n2) {
-            unsigned b[4];
-            const int cc = pass * (DO / EPC) + 2 * n2 + csel;
-            tc::ldmatrix_x4_trans(b, vs + vr * DP + fused::swizzle_chunk<CPR>(vr, cc) * EPC);
-            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            tc::mma16816(acc[2 * n2], a, b0, tag);
-            tc::mma16816(acc[2 * n2 + 1], a, b1, tag);
+          for (int kb = 0; kb < KB; ++kb) {
+            const unsigned a[4] = {
+                tc::pack2(s[2 * kb][0], s[2 * kb][1], tag), tc::pack2(s[2 * kb][2], s[2 * kb][3], tag),
+                tc::pack2(s[2 * kb + 1][0], s[2 * kb + 1][1], tag),
+                tc::pack2(s[2 * kb + 1][2], s[2 * kb + 1][3], tag)};
+#pragma unroll
+            for (int n2 = 0; n2 < DO / 16; ++n2) {
+              unsigned b[4];
+              const int cc = pass * (DO / EPC) + 2 * n2 + csel;
+              tc::ldmatrix_x4_trans(b, vs + krow[kb] * DP + fused::swizzle_chunk<CPR>(krow[kb], cc) * EPC);
+              const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+              tc::mma16816(acc[2 * n2], a, b0, tag);
+              tc::mma16816(acc[2 * n2 + 1], a, b1, tag);
+            }
           }
         }
       }

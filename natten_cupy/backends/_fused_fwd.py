@@ -34,6 +34,7 @@ BUCKETS = (32, 64, 128, 256)
 class TileConfig:
     patch: tuple   # queries per warp along (axis0, axis1, axis2); product 16
     warps: tuple   # warps per CTA along (axis0, axis1, axis2)
+    kb: int        # 16-key sub-blocks a warp takes per iteration
 
     @property
     def box(self):
@@ -45,16 +46,15 @@ class TileConfig:
 
 
 CONFIGS = {
-    1: (TileConfig((16, 1, 1), (4, 1, 1)), TileConfig((16, 1, 1), (8, 1, 1))),
-    2: (TileConfig((4, 4, 1), (2, 2, 1)), TileConfig((4, 4, 1), (4, 2, 1))),
-    3: (TileConfig((1, 4, 4), (2, 2, 1)), TileConfig((2, 2, 4), (2, 2, 1))),
+    1: (TileConfig((16, 1, 1), (4, 1, 1), 4), TileConfig((16, 1, 1), (8, 1, 1), 4)),
+    2: (TileConfig((4, 4, 1), (2, 2, 1), 2), TileConfig((4, 4, 1), (4, 2, 1), 2)),
+    3: (TileConfig((1, 4, 4), (2, 2, 1), 2), TileConfig((2, 2, 4), (2, 2, 1), 2)),
 }
 DEFAULT = {(rank, dp): CONFIGS[rank][0] for rank in (1, 2, 3) for dp in BUCKETS}
-DEFAULT.update({(1, 32): CONFIGS[1][1], (1, 64): CONFIGS[1][1]})
 
 # Shared-memory budget of one CTA: whole halo in one buffer when it fits, else two chunks.
 SINGLE_BUDGET = 80 * 1024
-STREAM_BUDGET = 96 * 1024
+STREAM_BUDGET = 80 * 1024
 MAX_HALO = 1 << 22   # warp-halo flat indices are split with float reciprocals (exact below)
 
 
@@ -109,10 +109,10 @@ def _halo_max(problem, cfg):
     return tuple(out) + (1,) * (3 - problem.rank)
 
 
-def _name(dtype, dp, cfg):
+def _name(dtype, rank, dp, cfg):
     p, w = cfg.patch, cfg.warps
-    return (f"na_fwd_fused<{c_type(dtype)}, {dp}, {p[0]}, {p[1]}, {p[2]}, "
-            f"{w[0]}, {w[1]}, {w[2]}>")
+    return (f"na_fwd_fused<{c_type(dtype)}, {rank}, {dp}, {p[0]}, {p[1]}, {p[2]}, "
+            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}>")
 
 
 def instantiations():
@@ -121,7 +121,7 @@ def instantiations():
         for rank, cfgs in CONFIGS.items():
             for cfg in cfgs:
                 for dp in BUCKETS:
-                    out.append((SOURCE, _name(dtype, dp, cfg)))
+                    out.append((SOURCE, _name(dtype, rank, dp, cfg)))
     return sorted(set(out))
 
 
@@ -146,7 +146,8 @@ def _launch_shape(problem, cfg, dp):
     if q_bytes + halo * row_bytes <= SINGLE_BUDGET:
         chunk, stages = halo, 1
     else:
-        chunk = max(16, (STREAM_BUDGET - q_bytes) // (2 * row_bytes) // 16 * 16)
+        step = 16 * cfg.kb  # chunks hold whole iterations where a warp's run is aligned
+        chunk = max(step, (STREAM_BUDGET - q_bytes) // (2 * row_bytes) // step * step)
         chunk, stages = min(chunk, halo), 2
     smem = q_bytes + stages * chunk * row_bytes
     limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
@@ -172,7 +173,7 @@ def forward(problem, q, k, v, out, lse):
     if ctas >= 2 ** 31 or problem.batch > 65535:
         raise ValueError(f"problem too large for one fused-forward launch ({ctas} CTAs, "
                          f"batch {problem.batch})")
-    fn = get_kernel(SOURCE, _name(problem.dtype, dp, cfg))
+    fn = get_kernel(SOURCE, _name(problem.dtype, problem.rank, dp, cfg))
     launch(fn, (ctas, 1, problem.batch), (32 * cfg.num_warps, 1, 1),
            (q, k, v, dst, lse, params, numpy.int32(chunk), numpy.int32(stages)),
            shared_mem=smem, name="na_fwd_fused", backend="fused", tile=cfg.box[:problem.rank])
