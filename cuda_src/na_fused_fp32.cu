@@ -562,7 +562,7 @@ na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ lse, const float* __restrict__ delta,
                 float* __restrict__ dk, float* __restrict__ dv, const NAParams p,
                 const TilePlan tp) {
-  constexpr int DL = 8, F = DL / 4, NB = 4, MQ = MT1 * MT2;
+  constexpr int DL = 8, F = DL / 4, NB = 2, MQ = MT1 * MT2;
   constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");
   extern __shared__ float4 smem4[];

@@ -3,9 +3,10 @@
 The kernels see every problem as 3-D (inert axes padded at the front, so axis 2 is the
 innermost real axis). A CTA of 128 threads owns a box of rows of one (batch, head, dilation
 group): queries for the forward and dQ, keys for dK/dV. Lanes form groups of G; a group owns a
-micro-tile of 4 rows (1 x 4 in 1-D, 2 x 2 on the two inner axes in 2-D and 3-D) and walks only
-the union of its rows' windows (inverse windows for dK/dV), so little work goes to masked
-pairs; the other operand streams through shared memory in slabs of the CTA's halo.
+micro-tile of rows (1 x 4 in 1-D, 2 x 2 on the two inner axes in 2-D and 3-D; 1 x 2 for dQ)
+and walks only the union of its rows' windows (inverse windows for dK/dV), so little work goes
+to masked pairs; the other operand streams through shared memory in slabs of the CTA's halo.
+Each lane holds 16 head-dim columns of its rows (8 in dK/dV, whose rows carry four operands).
 
 Backward: delta = rowsum(dO * O), then dQ (query-parallel) and dK/dV (key-parallel, P
 recomputed from lse); no atomics, so results are deterministic.
@@ -31,10 +32,10 @@ THREADS = 128
 # dO, dQ), 8 in dK/dV (k, v, dK, dV), which would spill with 16.
 FWD_COLUMNS = DQ_COLUMNS = 16
 DKV_COLUMNS = 8
-# Micro-tile of a lane group on (axis1, axis2) of the padded problem: forward per rank; the
-# backward holds more per row (q, dO, dQ or k, v, dK, dV) and takes 2 rows.
-MICRO_FWD = {1: (1, 4), 2: (2, 2), 3: (2, 2)}
-MICRO_BWD = (1, 2)
+# Micro-tile of a lane group on (axis1, axis2) of the padded problem, per rank. dQ holds three
+# 16-column row operands (q, dO, dQ) and takes 2 rows; forward and dK/dV take 4.
+MICRO = {1: (1, 4), 2: (2, 2), 3: (2, 2)}
+MICRO_DQ = (1, 2)
 SMEM_BUDGET = 72 * 1024
 MAX_GRID = 65535       # heads and batch ride on grid y and z
 
@@ -72,13 +73,13 @@ def _name(kernel, lanes, micro):
 
 def instantiations():
     out = [(SOURCE, "na_bwd_delta_fp32")]
-    for micro in sorted(set(MICRO_FWD.values())):
+    for lanes in (1, 2, 4, 8, 16):
+        out.append((SOURCE, _name("na_bwd_dq_fp32", lanes, MICRO_DQ)))
+    for micro in sorted(set(MICRO.values())):
         for lanes in (1, 2, 4, 8, 16):
             out.append((SOURCE, _name("na_fwd_fp32", lanes, micro)))
-    for lanes in (1, 2, 4, 8, 16):
-        out.append((SOURCE, _name("na_bwd_dq_fp32", lanes, MICRO_BWD)))
-    for lanes in (1, 2, 4, 8, 16, 32):
-        out.append((SOURCE, _name("na_bwd_dkv_fp32", lanes, MICRO_BWD)))
+        for lanes in (1, 2, 4, 8, 16, 32):
+            out.append((SOURCE, _name("na_bwd_dkv_fp32", lanes, micro)))
     return out
 
 
@@ -208,7 +209,7 @@ def forward(problem, q, k, v, out, lse):
     l3 = _view3(lse, pad)
     params = make_params(p3, q=q3, k=k3, v=v3, o=o3, lse=l3)
     lanes = _lanes(problem.head_dim, FWD_COLUMNS)
-    micro = MICRO_FWD[problem.rank]
+    micro = MICRO[problem.rank]
     row = _row_floats(lanes, FWD_COLUMNS, micro)
     plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
     fn = get_kernel(SOURCE, _name("na_fwd_fp32", lanes, micro))
@@ -235,7 +236,7 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     launch(fn, (-(-rows * 8 // THREADS), 1, 1), (THREADS, 1, 1), (o3, do3, de3, params),
            name="na_bwd_delta_fp32", backend="fused")
 
-    micro = MICRO_BWD
+    micro = MICRO_DQ
     lanes = _lanes(problem.head_dim, DQ_COLUMNS)
     row = _row_floats(lanes, DQ_COLUMNS, micro)
     plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
@@ -243,6 +244,7 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dq3, params, plan),
            shared_mem=smem, name="na_bwd_dq_fp32", backend="fused", tile=_tile(plan))
 
+    micro = MICRO[problem.rank]
     lanes = _lanes(problem.head_dim, DKV_COLUMNS)
     row = _row_floats(lanes, DKV_COLUMNS, micro)
     plan, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
