@@ -6,11 +6,14 @@ Three launches, no atomics (so every run is bitwise reproducible, ``deterministi
 1. ``na_bwd_delta``: delta = rowsum(dO * O) in float32, [B, *spatial, H];
 2. ``na_bwd_fused_kv``: dK, dV. A CTA owns a tile of keys of one dilation group; each warp
    owns 16 keys forming a compact patch (1-D 16, 2-D 4x4, 3-D 1x4x4) and walks only the
-   queries whose windows reach its patch, 16 at a time, gathered from a shared-memory slab;
+   queries whose windows reach its patch, 32 at a time, gathered from a shared-memory slab;
 3. ``na_bwd_fused_q``: dQ, the same walk with queries as owners and keys gathered.
 
-Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; the accumulated
-columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to bound registers.
+Window arithmetic comes from per-axis tables built here (``_axis_table``) and cached on the
+device. Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; the
+accumulated columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to
+bound registers. ``problem.tile`` is not used: the tiles are fixed per rank (``TILES``).
+TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
 Measurements and predictions: ``bench/results/NOTES-fused-bwd.md``.
 """
 
