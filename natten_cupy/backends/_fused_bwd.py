@@ -36,7 +36,8 @@ Q_CHUNK = 128
 SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
 MAX_GRID_Y = 65535
 
-# (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes.
+# (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes. Every tile
+# holds exactly 4 patches of 16 rows (kWarps in na_fused_bwd.cu).
 TILES = {
     1: ((64, 1, 1), (16, 1, 1)),
     2: ((8, 8, 1), (4, 4, 1)),
