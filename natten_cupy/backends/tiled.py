@@ -1,8 +1,10 @@
 """Tiled backend: the unfused ops (qk, av and their backward) on tensor cores.
 
-The kernels of ``cuda_src/na_tiled.cu`` give each warp a compact 16-row patch of one
-(batch, head) (1-D 16, 2-D 4x4, 3-D 1x4x4, in dilation-group coordinates) and walk the halo of
-columns its rows reach with ``mma.sync``. Four ops reduce to two kernels and a reduction:
+The kernels of ``cuda_src/na_tiled.cu`` give each warp a compact 16-row patch (1-D 16,
+2-D 4x4, 3-D 1x4x4, in dilation-group coordinates) of one batch and several heads, and walk
+the halo of columns its rows reach with ``mma.sync``; the window arithmetic of a block of
+columns is done once and reused for every head. Four ops reduce to two kernels and a
+reduction:
 
 * scores ``out[i, t] = <A_i, B_j(i, t)>``: qk (q, k -> attn, + rpb, empty causal slots -inf)
   and av_backward's d_attn (d_out, v -> d_attn, empty slots 0);
