@@ -10,7 +10,6 @@ namespace tiled {
 constexpr int kWarps = 4;  // warps per CTA; warps are independent (no shared memory)
 // A warp runs several heads of one patch: the window arithmetic of a block of columns
 // depends only on the geometry, so it is done once and reused for every head.
-constexpr int kScoreHeads = 8;  // heads per warp of the scores kernel
 
 // ---- Geometry of one warp -------------------------------------------------------------
 // All indices below are in dilation-group coordinates: per axis a warp's rows share one
@@ -269,20 +268,32 @@ __device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
 // qk: A = q, B = k, out = attn, fill = -inf. av_backward: A = d_out, B = v, out = d_attn,
 // fill = 0, no rpb. Strides: A in p.q, B in p.k, out in p.attn, rpb in p.rpb.
 // A warp walks the halo 8 keys at a time; per block it finds the slot of each of its lane's
-// four results once, then for each of its heads loads A and B fragments (DC chunks of 32
-// head-dim elements, A from L1 after the first head), runs the mma and writes each score
-// only to its slot.
+// four results once, then for each of its heads_per_warp heads loads A and B fragments (DC
+// chunks of 32 head-dim elements, A from L1 after the first head), runs the mma and writes
+// each score only to its slot. Staged (dynamic shared memory of 16 * heads_per_warp * K
+// elements per warp): scores land in shared memory [row][head][slot], prefilled with fill
+// when a window is causal, and leave row by row in whole contiguous runs; otherwise they are
+// stored to attn one by one and empty slots filled afterwards.
 // EXACT (float32 only): every lane multiplies its 8 elements of all 8 keys of the block
 // (key addresses come from the lanes that own them) and the quad adds up (quad_reduce).
 template <typename T, int DC, bool EXACT>
 __global__ void __launch_bounds__(kWarps * 32, (!EXACT && DC * Elem<T, EXACT>::kRegs8 <= 8) ? 3 : 2)
 na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T* __restrict__ rpb,
-                T* __restrict__ out, float fill, NAParams p) {
+                T* __restrict__ out, float fill, int heads_per_warp, int staged, NAParams p) {
   constexpr int R = Elem<T, EXACT>::kRegs8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   Geometry G;
-  if (!setup_warp(p, false, 1, kScoreHeads, G)) return;
+  if (!setup_warp(p, false, 1, heads_per_warp, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int D = (int)p.head_dim;
+  const int K = (int)p.num_neighbors;
+  const bool causal = p.causal[0] | p.causal[1] | p.causal[2];
+  const int srow = G.nh * K;  // staged elements per row
+  T* stage = reinterpret_cast<T*>(smem_raw) + (threadIdx.x / 32) * 16 * heads_per_warp * K;
+  if (staged && causal) {
+    for (int i = lane; i < 16 * srow; i += 32) stage[i] = from_float<T>(fill);
+    __syncwarp();
+  }
 
   bool rok[2];
   int rx[2][3], ws[2][3], we[2][3];
@@ -368,14 +379,28 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
         if (slot[e] < 0) continue;
         float v = acc[e];
         if (rpb != nullptr) v += to_float(rpb[hr + rpo[e]]);
-        out[out_row[e / 2] + ho + (i64)slot[e] * p.attn[5]] = from_float<T>(v);
+        if (staged)
+          stage[(grp + 8 * (e / 2)) * srow + hh * K + slot[e]] = from_float<T>(v);
+        else
+          out[out_row[e / 2] + ho + (i64)slot[e] * p.attn[5]] = from_float<T>(v);
       }
     }
   }
 
-  if (!(p.causal[0] | p.causal[1] | p.causal[2])) return;
+  if (staged) {
+    __syncwarp();
+    for (int r = 0; r < 16; ++r) {
+      int x[3];
+      if (!patch_row(G, r, x)) continue;
+      const i64 row = row_offset(G, p.attn, x);
+      for (int hh = 0; hh < G.nh; ++hh)
+        for (int t = lane; t < K; t += 32)
+          out[row + hh * p.attn[4] + (i64)t * p.attn[5]] = stage[r * srow + hh * K + t];
+    }
+    return;
+  }
+  if (!causal) return;
   // Slots past a causal window's end hold no key: write fill there, lanes along the slots.
-  const int K = (int)p.num_neighbors;
   const int k1 = G.ax[1].kernel, k2 = G.ax[2].kernel;
   for (int r = 0; r < 16; ++r) {
     int x[3], s[3], e[3];

@@ -40,7 +40,8 @@ SOURCE = "na_tiled.cu"
 WARPS = 4              # warps per CTA (kWarps in na_tiled.cu)
 MAX_HEAD_DIM = 256
 SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
-SCORE_HEADS = 8                      # heads per warp of the scores kernel (kScoreHeads)
+SCORE_HEADS = 8                      # most heads per warp of the scores kernel
+STAGE_BYTES = 16384                  # shared memory per warp for staged scores
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
@@ -164,13 +165,28 @@ def _rpb_expr(problem):
     return f"natten::tiled::na_tiled_rpb_grad<{c_type(problem.dtype)}>"
 
 
+def score_heads(problem):
+    """(heads per warp, staged) of the scores kernel.
+
+    Staged scores need 16 rows x heads x K elements of shared memory per warp; when not even
+    one head fits in STAGE_BYTES the kernel stores scores straight to attn instead.
+    """
+    per_head = 16 * problem.num_neighbors * problem.dtype.itemsize
+    most = min(SCORE_HEADS, STAGE_BYTES // per_head) or SCORE_HEADS
+    groups = _ceil_div(problem.heads, most)  # balanced: 8 heads, at most 6 -> 2 x 4
+    return _ceil_div(problem.heads, groups), STAGE_BYTES >= per_head
+
+
 def _scores(problem, a, b, rpb, out, fill):
     """out[i, t] = <a_i, b_j(i, t)> (+ rpb); a in p.q, b in p.k, out in p.attn."""
     p = make_params(problem, q=a, k=b, rpb=rpb, attn=out)
+    heads, staged = score_heads(problem)
+    smem = WARPS * 16 * heads * problem.num_neighbors * problem.dtype.itemsize if staged else 0
     expr = _scores_expr(problem)
-    launch(get_kernel(SOURCE, expr), _grid(problem, SCORE_HEADS), (32 * WARPS,),
-           (a, b, _NULL if rpb is None else rpb, out, numpy.float32(fill), p),
-           name=expr, backend=NAME)
+    launch(get_kernel(SOURCE, expr), _grid(problem, heads), (32 * WARPS,),
+           (a, b, _NULL if rpb is None else rpb, out, numpy.float32(fill), numpy.int32(heads),
+            numpy.int32(staged), p),
+           shared_mem=smem, name=expr, backend=NAME)
 
 
 def _weighted(problem, weights, x, out, inverse):
