@@ -201,13 +201,24 @@ __device__ __forceinline__ void load_slab(float* dst_a, const float* __restrict_
   const int col = 4 * (threadIdx.x % F);
   const bool live = col < D;
   const int total = n[0] * n[1] * n[2];
+  // Element offsets: the slab origin, plus one in-group step (dilation times the tensor's axis
+  // stride) per axis.
+  const float* base_a = src_a + c.offset(st_a, o[0], o[1], o[2], col);
+  const float* base_b = src_b + c.offset(st_b, o[0], o[1], o[2], col);
+  i64 step_a[3], step_b[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    step_a[a] = c.ax[a].dilation * st_a[1 + a];
+    step_b[a] = c.ax[a].dilation * st_b[1 + a];
+  }
   int cell = threadIdx.x / F;
   int c2 = cell % n[2], c1 = (cell / n[2]) % n[1], c0 = cell / (n[2] * n[1]);
   for (; cell < total; cell += STEP) {
     const int row = ((c0 * S[1] + c1) * S[2] + c2) * RS + col;
-    const int i0 = o[0] + c0, i1 = o[1] + c1, i2 = o[2] + c2;
-    tc::cp_async16(dst_a + row, live ? src_a + c.offset(st_a, i0, i1, i2, col) : src_a, live);
-    tc::cp_async16(dst_b + row, live ? src_b + c.offset(st_b, i0, i1, i2, col) : src_b, live);
+    const float* from_a = base_a + (c0 * step_a[0] + c1 * step_a[1] + c2 * step_a[2]);
+    const float* from_b = base_b + (c0 * step_b[0] + c1 * step_b[1] + c2 * step_b[2]);
+    tc::cp_async16(dst_a + row, live ? from_a : src_a, live);
+    tc::cp_async16(dst_b + row, live ? from_b : src_b, live);
     for (c2 += STEP; c2 >= n[2]; c2 -= n[2]) {
       if (++c1 == n[1]) {
         c1 = 0;
