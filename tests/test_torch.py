@@ -152,22 +152,23 @@ def test_zero_batch_is_empty(rng):
 @pytest.mark.parametrize("rank,spatial,ks,opts", GEOMETRIES, ids=GEOMETRY_IDS)
 def test_gradcheck_fused(rng, rank, spatial, ks, opts):
     inputs = _qkv(rng, spatial, heads=1, dim=2, requires_grad=True)
-    fast = math.prod(spatial) > 30  # a random projection of the Jacobian on larger grids
-    assert torch.autograd.gradcheck(lambda q, k, v: NA[rank](q, k, v, ks, **opts), inputs,
-                                    fast_mode=fast)
+    assert torch.autograd.gradcheck(lambda q, k, v: NA[rank](q, k, v, ks, **opts), inputs)
 
 
-@pytest.mark.parametrize("rank,spatial,ks,opts", UNFUSED, ids=UNFUSED_IDS)
+@pytest.mark.parametrize("rank,spatial,ks,opts", UNFUSED[:7] + UNFUSED[8:],
+                         ids=UNFUSED_IDS[:7] + UNFUSED_IDS[8:])
 def test_gradcheck_unfused(rng, rank, spatial, ks, opts):
-    """qk (with rpb) -> softmax -> av: softmax turns causal -inf slots into exact zeros."""
-    q, k, v = _qkv(rng, spatial, heads=2, dim=2, requires_grad=True)
+    """qk (with rpb) -> softmax -> av: softmax turns causal -inf slots into exact zeros.
+
+    One 3-D case only (dilated, partly causal): a full 3-D Jacobian takes long on the CPU.
+    """
+    q, k, v = _qkv(rng, spatial, heads=1, dim=2, requires_grad=True)
     ks_t = nt._per_axis(rank, ks, 1, False)[0]
-    rpb = _tensor(rng, (2,) + tuple(2 * x - 1 for x in ks_t), requires_grad=True)
+    rpb = _tensor(rng, (1,) + tuple(2 * x - 1 for x in ks_t), requires_grad=True)
 
     def f(q, k, v, rpb):
         return AV[rank](torch.softmax(QK[rank](q, k, ks, rpb=rpb, **opts), -1), v, ks, **opts)
-    fast = math.prod(spatial) > 30
-    assert torch.autograd.gradcheck(f, (q, k, v, rpb), fast_mode=fast)
+    assert torch.autograd.gradcheck(f, (q, k, v, rpb))
 
 
 def test_gradcheck_qk_and_av_alone(rng):
