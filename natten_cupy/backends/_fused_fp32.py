@@ -36,7 +36,7 @@ DKV_COLUMNS = 8
 # 16-column row operands (q, dO, dQ) and takes 2 rows; forward and dK/dV take 4.
 MICRO = {1: (1, 4), 2: (2, 2), 3: (2, 2)}
 MICRO_DQ = (1, 2)
-SMEM_BUDGET = 72 * 1024
+SMEM_BUDGET = 72 * 1024   # per CTA, when no device says more (see _smem_budget)
 MAX_GRID = 65535       # heads and batch ride on grid y and z
 
 PLAN_DTYPE = numpy.dtype([("cta", numpy.int32, (3,)), ("slab", numpy.int32, (3,)),
@@ -120,17 +120,23 @@ def _halo_max(L, k, s, d, c, rows, inverse):
     return best
 
 
-def _choose_cta(p3, micro, groups):
-    """Micro-tiles per CTA along each axis (product ``groups``): doubles the axis that keeps
-    the halo per row smallest while the box still fits inside the axis."""
+def _reach(p3, micro):
+    """Rough per-axis extent of one group's walk: its rows' window union."""
+    return [m + k + st - 2 for m, k, st in zip(micro, p3.kernel_size, p3.stride)]
+
+
+def _choose_cta(p3, micro, groups, cells):
+    """Micro-tiles per CTA along each axis (product ``groups``): doubles, one axis at a time,
+    the axis that keeps the halo within ``cells`` (one slab: no slab barriers where groups
+    wait for each other) and, next, the halo per row smallest, while the box fits the axis."""
     longest = [-(-L // d) for L, d in zip(p3.spatial, p3.dilation)]
+    reach = _reach(p3, (1, 1, 1))
     cta = [1, 1, 1]
 
     def cost(c):
         rows = [c[a] * micro[a] for a in range(3)]
-        halo = math.prod(min(r + k + s - 2, n) for r, k, s, n in
-                         zip(rows, p3.kernel_size, p3.stride, longest))
-        return halo / math.prod(min(r, n) for r, n in zip(rows, longest))
+        halo = math.prod(min(r + e - 1, n) for r, e, n in zip(rows, reach, longest))
+        return halo > cells, halo / math.prod(min(r, n) for r, n in zip(rows, longest))
 
     while math.prod(cta) < groups:
         open_axes = [a for a in (2, 1, 0) if cta[a] * micro[a] < longest[a]] or [2]
@@ -140,20 +146,68 @@ def _choose_cta(p3, micro, groups):
     return tuple(cta)
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(p3, micro_2d, lanes, inverse, cell_bytes):
-    """(plan scalar, shared-memory bytes, grid) of one kernel for padded problem ``p3``."""
-    micro = (1,) + micro_2d
-    cta = _choose_cta(p3, micro, THREADS // lanes)
-    rows = [cta[a] * micro[a] for a in range(3)]
-    halo = [_halo_max(L, k, s, d, c, r, inverse) for L, k, s, d, c, r in
-            zip(p3.spatial, p3.kernel_size, p3.stride, p3.dilation, p3.is_causal, rows)]
-    cells = max(1, SMEM_BUDGET // cell_bytes)
+def _slab(halo, reach, cells):
+    """Extents of one shared-memory slab of at most ``cells`` cells covering the halo.
+
+    The whole halo when it fits. Otherwise the halo is cut along one axis: each slab ends at
+    a barrier, so a slab costs about the largest walk of any group in it; the axis is the one
+    where that wastes least (``reach``: a group's walk extent per axis). Failing that, slabs
+    are rows of the innermost axes. Extents are evened out (no short last slab).
+    """
+    if math.prod(halo) <= cells:
+        return list(halo)
+    best = None
+    for a in (2, 1, 0):
+        others = math.prod(halo) // halo[a]
+        if others > cells:
+            continue
+        count = -(-halo[a] // (cells // others))
+        extent = -(-halo[a] // count)
+        waste = count * min(extent, reach[a]) / min(reach[a], halo[a])
+        if best is None or waste < best[0]:
+            best = (waste, a, extent)
+    if best is not None:
+        slab = list(halo)
+        slab[best[1]] = best[2]
+        return slab
     slab = [1, 1, min(halo[2], cells)]
     if slab[2] == halo[2]:
         slab[1] = min(halo[1], cells // slab[2])
-        if slab[1] == halo[1]:
-            slab[0] = min(halo[0], cells // (slab[2] * slab[1]))
+    return [-(-h // -(-h // s)) for h, s in zip(halo, slab)]
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_budget(device_id):
+    """Shared memory one CTA may take so that two fit on a multiprocessor (1 KiB of each
+    CTA's share is reserved by the hardware)."""
+    import cupy
+    attrs = cupy.cuda.Device(device_id).attributes
+    return min(attrs["MaxSharedMemoryPerBlockOptin"],
+               attrs["MaxSharedMemoryPerMultiprocessor"] // 2 - 1024)
+
+
+def _budget():
+    try:
+        import cupy
+        return _smem_budget(cupy.cuda.Device().id)
+    except Exception:  # no device (planning on a CPU machine): a conservative default
+        return SMEM_BUDGET
+
+
+def _plan(p3, micro_2d, lanes, inverse, cell_bytes):
+    """(plan scalar, shared-memory bytes, grid) of one kernel for padded problem ``p3``."""
+    return _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, _budget())
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
+    micro = (1,) + micro_2d
+    cells = max(1, budget // cell_bytes)
+    cta = _choose_cta(p3, micro, THREADS // lanes, cells)
+    rows = [cta[a] * micro[a] for a in range(3)]
+    halo = [_halo_max(L, k, s, d, c, r, inverse) for L, k, s, d, c, r in
+            zip(p3.spatial, p3.kernel_size, p3.stride, p3.dilation, p3.is_causal, rows)]
+    slab = _slab(halo, _reach(p3, micro), cells)
     tiles = [-(-(-(-L // d)) // r) for L, d, r in zip(p3.spatial, p3.dilation, rows)]
     plan = numpy.zeros((), dtype=PLAN_DTYPE)
     plan["cta"] = cta
