@@ -430,22 +430,48 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
 // physical element NT * m + t of the slice, so a lane loads NT consecutive elements of each of
 // its four columns and ends holding 2 * NT consecutive outputs of each of its two rows.
 // A warp runs HB = 16 / NT heads (64 accumulators per lane): per 16-column step it locates
-// the weights once and reuses the offsets for every head.
+// the weights once and reuses the offsets for every head. Staged (forward only; dynamic
+// shared memory of 16 * HB * K elements per warp): the warp first copies its rows' weights
+// [row][head][slot] into shared memory in contiguous runs and gathers from there.
 // EXACT (float32 only): lanes find the same weights, then take turns (one quad lane per
 // round) to share their four columns' weights and X addresses with their quad, and every
 // lane runs FMAs over the 2 * NT elements it stores.
 template <typename T, int NT, bool INVERSE, bool EXACT>
 __global__ void __launch_bounds__(kWarps * 32, 2)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
-                  NAParams p) {
+                  int staged, NAParams p) {
   constexpr bool F32 = IsF32<T>::value;
   constexpr int HB = 16 / NT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = (int)p.head_dim;
   const int slices = (D + 8 * NT - 1) / (8 * NT);
   Geometry G;
   if (!setup_warp(p, INVERSE, slices, HB, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int dbase = G.slice * 8 * NT;
+  const int K = (int)p.num_neighbors;
+
+  // Weight of (row ri, slot t, head hh) at wsrc[wrow[ri] + t * wstep + hh * whead] (forward).
+  const T* wsrc = w_in;
+  i64 wstep = p.attn[5], whead = p.attn[4];
+  if constexpr (!INVERSE) {
+    if (staged) {
+      const int srow = G.nh * K;
+      T* stage = reinterpret_cast<T*>(smem_raw) + (threadIdx.x / 32) * 16 * HB * K;
+      for (int r = 0; r < 16; ++r) {
+        int x[3];
+        if (!patch_row(G, r, x)) continue;
+        const i64 row = row_offset(G, p.attn, x);
+        for (int hh = 0; hh < G.nh; ++hh)
+          for (int t = lane; t < K; t += 32)
+            stage[r * srow + hh * K + t] = w_in[row + hh * p.attn[4] + (i64)t * p.attn[5]];
+      }
+      __syncwarp();
+      wsrc = stage;
+      wstep = 1;
+      whead = K;
+    }
+  }
 
   bool rok[2];
   int rx[2][3], ws[2][3], we[2][3];
@@ -455,7 +481,7 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
     rok[ri] = patch_row(G, grp + 8 * ri, rx[ri]);
     if (!INVERSE) {
       windows_of(G, rx[ri], ws[ri], we[ri]);
-      wrow[ri] = row_offset(G, p.attn, rx[ri]);
+      wrow[ri] = staged ? (i64)(grp + 8 * ri) * G.nh * K : row_offset(G, p.attn, rx[ri]);
     }
   }
   // The four columns of each 16-column step a lane feeds the mma (A's k index and B's rows).
@@ -502,7 +528,7 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           const int slot = (cok && rok[ri]) ? slot_of(G, ws[ri], we[ri], y) : -1;
-          woff[ri][j] = wrow[ri] + (i64)slot * p.attn[5];
+          woff[ri][j] = wrow[ri] + (i64)slot * wstep;
           wmask |= (slot >= 0 ? 1u : 0u) << (2 * j + ri);
         }
       }
@@ -513,13 +539,13 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
 #pragma unroll
     for (int hh = 0; hh < HB; ++hh) {
       if (hh >= G.nh) break;
-      const i64 hx = hh * p.v[4], hw = hh * p.attn[4];
+      const i64 hx = hh * p.v[4], hw = hh * whead;
       float wv[2][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri)
-          wv[ri][j] = (wmask >> (2 * j + ri) & 1u) ? to_float(w_in[woff[ri][j] + hw]) : 0.f;
+          wv[ri][j] = (wmask >> (2 * j + ri) & 1u) ? to_float(wsrc[woff[ri][j] + hw]) : 0.f;
 
       if constexpr (EXACT) {
         // Round r: quad lane r's four columns. This lane's outputs: slice elements

@@ -195,3 +195,25 @@ def test_unstaged_scores_match_staged(monkeypatch, causal):
     tiled.qk(problem, q, k, rpb, direct)
     assert not bool(cupy.isnan(direct).any())
     assert bool((direct == staged).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tf32", [("float16", False), ("float32", False)])
+def test_unstaged_weighted_sums_match_staged(monkeypatch, dtype, tf32):
+    """av and dq gathering weights from global memory equal the staged run bit for bit."""
+    import cupy
+    rng = numpy.random.default_rng(4)
+    dt = numpy.dtype(dtype)
+    shape = (2, 10, 7, 6, 32)
+    v = _device_inputs(cupy, shape, dt, rng)
+    problem = _args.check_av(2, cupy.zeros(shape[:-1] + (12,), dt), v, (3, 4), (3, 1),
+                             (True, False), "tiled", allow_tf32=tf32)
+    weights = _device_inputs(cupy, shape[:-1] + (12,), dt, rng)
+    assert tiled.weight_stage_bytes(problem) > 0
+    staged = cupy.full(shape, numpy.nan, dt)
+    tiled.av(problem, weights, v, staged)
+    monkeypatch.setattr(tiled, "WEIGHT_STAGE_BYTES", 0)
+    assert tiled.weight_stage_bytes(problem) == 0
+    direct = cupy.full(shape, numpy.nan, dt)
+    tiled.av(problem, weights, v, direct)
+    assert bool((direct == staged).all())

@@ -42,6 +42,7 @@ MAX_HEAD_DIM = 256
 SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
 SCORE_HEADS = 8                      # most heads per warp of the scores kernel
 STAGE_BYTES = 16384                  # shared memory per warp for staged scores
+WEIGHT_STAGE_BYTES = 24576           # shared memory per warp for staged weights (av, dq)
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
@@ -189,15 +190,26 @@ def _scores(problem, a, b, rpb, out, fill):
            shared_mem=smem, name=expr, backend=NAME)
 
 
+def weight_stage_bytes(problem):
+    """Shared memory per warp of the forward weighted sums (0: gather from global memory).
+
+    A warp runs 16 // tiles heads (HB in na_tiled.cu) and stages 16 rows of K weights each.
+    """
+    heads = 16 // slice_tiles(problem)
+    size = 16 * heads * problem.num_neighbors * problem.dtype.itemsize
+    return size if size <= WEIGHT_STAGE_BYTES else 0
+
+
 def _weighted(problem, weights, x, out, inverse):
     """out_r = sum of weights * x over the window (or inverse window) of r."""
     p = make_params(problem, attn=weights, v=x, o=out)
     tiles = slice_tiles(problem)
     slices = _ceil_div(problem.head_dim, 8 * tiles)
+    stage = 0 if inverse else weight_stage_bytes(problem)
     expr = _weighted_expr(problem, inverse)
-    # A warp runs 16 // tiles heads (HB in na_tiled.cu).
     launch(get_kernel(SOURCE, expr), _grid(problem, 16 // tiles, slices), (32 * WARPS,),
-           (weights, x, out, p), name=expr, backend=NAME)
+           (weights, x, out, numpy.int32(stage > 0), p), shared_mem=WARPS * stage, name=expr,
+           backend=NAME)
 
 
 def _rpb_grad(problem, d_attn, d_rpb):
