@@ -324,7 +324,8 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           int kr[2 * KB];  // rows of keys group and group + 8 of each sub-block
 #pragma unroll
           for (int j = 0; j < 2 * KB; ++j) kr[j] = row_of(t0 + 8 * j + group);
-#pragma unroll
+          // Fully unrolled, DP 256 hoists every k-step's loads and spills; 4 at a time fits.
+#pragma unroll(DP > 128 ? 4 : DP / 8)
           for (int kk = 0; kk < DP / 8; ++kk) {
             unsigned a[4];
             if constexpr (Q_IN_REGS) {
