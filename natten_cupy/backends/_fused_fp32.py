@@ -121,29 +121,51 @@ def _halo_max(L, k, s, d, c, rows, inverse):
 
 
 def _reach(p3, micro):
-    """Rough per-axis extent of one group's walk: its rows' window union."""
-    return [m + k + st - 2 for m, k, st in zip(micro, p3.kernel_size, p3.stride)]
+    """Rough per-axis extent of one group's walk: its rows' window union (at most the axis)."""
+    return [min(m + k + st - 2, -(-L // d)) for m, k, st, L, d in
+            zip(micro, p3.kernel_size, p3.stride, p3.spatial, p3.dilation)]
+
+
+def _slab_walk(cta, micro, reach, halo, slab):
+    """Per group, the sum over slabs of the largest walk of any group in the slab (cells):
+    slabs end at barriers, so this is what a CTA's groups take, idling included. Groups are
+    modelled as interior ones (group c starts at c * micro on each axis)."""
+    total = 1
+    for a in range(3):
+        axis = 0
+        for lo in range(0, halo[a], slab[a]):
+            hi = min(lo + slab[a], halo[a])
+            axis += max(max(0, min(hi, c * micro[a] + reach[a]) - max(lo, c * micro[a]))
+                        for c in range(cta[a]))
+        total *= axis
+    return total
 
 
 def _choose_cta(p3, micro, groups, cells):
-    """Micro-tiles per CTA along each axis (product ``groups``): doubles, one axis at a time,
-    the axis that keeps the halo within ``cells`` (one slab: no slab barriers where groups
-    wait for each other) and, next, the halo per row smallest, while the box fits the axis."""
+    """Micro-tiles per CTA along each axis (product ``groups``), by a cost model: group walks
+    with barrier idling (``_slab_walk``) and rows past the extents, plus slab loads and
+    barriers. Candidates are the power-of-two splits whose box does not overshoot an axis."""
     longest = [-(-L // d) for L, d in zip(p3.spatial, p3.dilation)]
-    reach = _reach(p3, (1, 1, 1))
-    cta = [1, 1, 1]
-
-    def cost(c):
-        rows = [c[a] * micro[a] for a in range(3)]
-        halo = math.prod(min(r + e - 1, n) for r, e, n in zip(rows, reach, longest))
-        return halo > cells, halo / math.prod(min(r, n) for r, n in zip(rows, longest))
-
-    while math.prod(cta) < groups:
-        open_axes = [a for a in (2, 1, 0) if cta[a] * micro[a] < longest[a]] or [2]
-        best = min(open_axes, key=lambda a: cost([c * (2 if b == a else 1)
-                                                  for b, c in enumerate(cta)]))
-        cta[best] *= 2
-    return tuple(cta)
+    reach = _reach(p3, micro)
+    shift = groups.bit_length() - 1
+    best = None
+    for e0 in range(shift + 1):
+        for e1 in range(shift + 1 - e0):
+            cta = (1 << e0, 1 << e1, 1 << (shift - e0 - e1))
+            rows = [c * m for c, m in zip(cta, micro)]
+            if any(c > 1 and r - m >= n for c, r, m, n in zip(cta, rows, micro, longest)):
+                continue
+            halo = [min((c - 1) * m + e, n) for c, m, e, n in zip(cta, micro, reach, longest)]
+            slab = _slab(halo, reach, cells)
+            slabs = math.prod(-(-h // x) for h, x in zip(halo, slab))
+            pad = math.prod(-(-n // r) * r / n for r, n in zip(rows, longest))
+            cost = (3 * groups * _slab_walk(cta, micro, reach, halo, slab) * pad
+                    + 2 * math.prod(halo) + 4 * groups * slabs)
+            if best is None or cost < best[0]:
+                best = (cost, cta)
+    if best is None:  # every split overshoots (tiny problem): all along the innermost axis
+        return (1, 1, groups)
+    return best[1]
 
 
 def _slab(halo, reach, cells):
