@@ -16,6 +16,7 @@ Predictions and measurements: ``bench/results/NOTES-fused-fwd.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy
@@ -103,6 +104,7 @@ def refuse(problem):
     return None
 
 
+@functools.lru_cache(maxsize=512)
 def _halo_max(problem, cfg):
     """Largest key halo of a CTA's query box, per axis (exact, over every tile and group)."""
     out = []
@@ -149,9 +151,21 @@ def _readable(x):
     return all(s % per16 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
 
 
-def _launch_shape(problem, cfg, dp):
-    """(chunk_keys, stages, shared-memory bytes) for this problem."""
-    import cupy
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a launch needs besides the arrays (computed once per problem)."""
+    name: str         # kernel name expression
+    cfg: TileConfig
+    chunk: int        # keys per shared-memory buffer
+    stages: int       # 1: the whole halo resident; 2: chunks double-buffered
+    smem: int         # dynamic shared memory, bytes
+    ctas: int         # grid x: heads x tiles x dilation groups
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(problem):
+    cfg = _config(problem)
+    dp = _bucket(problem.head_dim)
     es = numpy.dtype(problem.dtype).itemsize
     q_bytes = cfg.num_warps * 16 * dp * es
     row_bytes = 2 * dp * es
@@ -159,36 +173,44 @@ def _launch_shape(problem, cfg, dp):
     if q_bytes + halo * row_bytes <= SINGLE_BUDGET:
         chunk, stages = halo, 1
     else:
-        step = 16 * cfg.kb  # chunks hold whole iterations where a warp's run is aligned
-        chunk = max(step, (STREAM_BUDGET - q_bytes) // (2 * row_bytes) // step * step)
+        # Whole iterations per chunk where they fit (a warp's run is then aligned), else
+        # 16-key multiples (wide TF32 rows).
+        step = 16 * cfg.kb
+        fit = (STREAM_BUDGET - q_bytes) // (2 * row_bytes)
+        chunk = fit // step * step if fit >= step else max(16, fit // 16 * 16)
         chunk, stages = min(chunk, halo), 2
-    smem = q_bytes + stages * chunk * row_bytes
-    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-    if smem > limit:
-        raise RuntimeError(f"fused forward needs {smem} bytes of shared memory, device has {limit}")
-    return chunk, stages, smem
+    ctas = problem.heads
+    for a in range(problem.rank):
+        glen = -(-problem.spatial[a] // problem.dilation[a])
+        ctas *= problem.dilation[a] * -(-glen // cfg.box[a])
+    return Plan(_name(problem.dtype, problem.rank, dp, cfg), cfg, chunk, stages,
+                q_bytes + stages * chunk * row_bytes, ctas)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_id):
+    import cupy
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 def forward(problem, q, k, v, out, lse):
     import cupy
-    cfg = _config(problem)
-    dp = _bucket(problem.head_dim)
+    plan = _plan(problem)
+    limit = _smem_limit(cupy.cuda.Device().id)
+    if plan.smem > limit:
+        raise RuntimeError(f"fused forward needs {plan.smem} bytes of shared memory per block, "
+                           f"the device allows {limit}")
+    if plan.ctas >= 2 ** 31 or problem.batch > 65535:
+        raise ValueError(f"problem too large for one fused-forward launch ({plan.ctas} CTAs, "
+                         f"batch {problem.batch})")
     q, k, v = (x if _readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
     dst = out if _readable(out) else cupy.empty(out.shape, out.dtype)
-    chunk, stages, smem = _launch_shape(problem, cfg, dp)
     params = make_params(problem, q=q, k=k, v=v, o=dst, lse=lse)
-    ctas = problem.heads
-    for a in range(3):
-        ext = problem.spatial[a] if a < problem.rank else 1
-        dil = problem.dilation[a] if a < problem.rank else 1
-        glen = -(-ext // dil)
-        ctas *= dil * -(-glen // cfg.box[a])
-    if ctas >= 2 ** 31 or problem.batch > 65535:
-        raise ValueError(f"problem too large for one fused-forward launch ({ctas} CTAs, "
-                         f"batch {problem.batch})")
-    fn = get_kernel(SOURCE, _name(problem.dtype, problem.rank, dp, cfg))
-    launch(fn, (ctas, 1, problem.batch), (32 * cfg.num_warps, 1, 1),
-           (q, k, v, dst, lse, params, numpy.int32(chunk), numpy.int32(stages)),
-           shared_mem=smem, name="na_fwd_fused", backend="fused", tile=cfg.box[:problem.rank])
+    cfg = plan.cfg
+    launch(get_kernel(SOURCE, plan.name), (plan.ctas, 1, problem.batch),
+           (32 * cfg.num_warps, 1, 1),
+           (q, k, v, dst, lse, params, numpy.int32(plan.chunk), numpy.int32(plan.stages)),
+           shared_mem=plan.smem, name="na_fwd_fused", backend="fused",
+           tile=cfg.box[:problem.rank])
     if dst is not out:
         out[...] = dst
