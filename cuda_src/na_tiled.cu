@@ -689,6 +689,10 @@ na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, long 
   const i64 first = (i64)blockIdx.x * rows_per_cta;
   const i64 last = min(first + rows_per_cta, rows);
   const int lane = threadIdx.x % 32;
+  // Per-axis slots of t = lane and of the step 32 (k0, k1, k2 mixed radix): the slot loop
+  // adds the step with carries instead of dividing.
+  const int l0[3] = {lane / (k1 * k2), (lane / k2) % k1, lane % k2};
+  const int st[3] = {32 / (k1 * k2), (32 / k2) % k1, 32 % k2};
   for (i64 row = first + threadIdx.x / 32; row < last; row += blockDim.x / 32) {
     int x[3];
     i64 rest = row;
@@ -704,11 +708,19 @@ na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, long 
       base += (s - ig + ax[a].kernel - 1) * rs[a];
     }
     const T* src = d_attn + offset6(p.d_attn, rest, x[0], x[1], x[2], h, 0);
+    int t0 = l0[0], t1 = l0[1], t2 = l0[2];
     for (int t = lane; t < K; t += 32) {
-      const int t2 = t % k2, t1 = (t / k2) % k1, t0 = t / (k1 * k2);
-      if (t0 >= n[0] || t1 >= n[1] || t2 >= n[2]) continue;
-      const int o = base + t0 * rs[0] + t1 * rs[1] + t2 - r_begin;
-      if (o >= 0 && o < r_count) atomicAdd(&part[o], to_float(src[(i64)t * p.d_attn[5]]));
+      if (t0 < n[0] && t1 < n[1] && t2 < n[2]) {
+        const int o = base + t0 * rs[0] + t1 * rs[1] + t2 - r_begin;
+        if (o >= 0 && o < r_count) atomicAdd(&part[o], to_float(src[(i64)t * p.d_attn[5]]));
+      }
+      t2 += st[2];
+      const int c2 = t2 >= k2;
+      t2 -= c2 ? k2 : 0;
+      t1 += st[1] + c2;
+      const int c1 = t1 >= k1;
+      t1 -= c1 ? k1 : 0;
+      t0 += st[0] + c1;
     }
   }
   __syncthreads();
