@@ -1,6 +1,7 @@
 """Device probe of the fused backward: correctness on small configs, then W2/W3 timings.
 
-Run on the GPU machine: ``PYTHONPATH=$PWD python3 bench/fused_bwd_probe.py``. Correctness is
+Run on the GPU machine: ``PYTHONPATH=$PWD python3 bench/fused_bwd_probe.py`` (or
+``... --time LABEL`` for the W2/W3 fp16 timings alone). Correctness is
 checked against a dense float64 NumPy computation written straight from SPEC section 1 (mask
 per axis, outer product over axes), on fresh random inputs with NaN-poisoned gradients.
 Timings are medians of CUDA-event timed runs after warm-up; the last lines are a short table.
@@ -231,7 +232,25 @@ def bench(name, spatial, ks, H, D, dt, reps=10):
     return name, ms, flops / ms / 1e9, first, split, finite, fwd_ms
 
 
+TIMED = (("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
+         ("W3 fp16", (16, 256, 256), (3, 5, 5), 8, 32, FLOAT16))
+
+
+def time_only(label, reps=20):
+    """``--time LABEL``: W2/W3 fp16 timings only, one table row per workload, tagged LABEL
+    (run once per source tree through PYTHONPATH to compare versions in one device call)."""
+    for spec in TIMED:
+        name, ms, tf, _, split, finite, fwd_ms = bench(*spec, reps=reps)
+        parts = " / ".join(f"{split.get(n, 0):.3f}" for n in
+                           ("na_bwd_delta", "na_bwd_fused_kv", "na_bwd_fused_q"))
+        print(f"| {label} | {name} | {ms:.3f} | {tf:.1f} | {parts} | {fwd_ms:.3f} | "
+              f"{fwd_ms + ms:.3f} | {finite} |", flush=True)
+    return 0
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--time":
+        return time_only(sys.argv[2])
     rng = numpy.random.default_rng(int(time.time()))
     ok = True
     print("correctness (max |err| / max |ref|, float64 dense reference):", flush=True)

@@ -11,7 +11,7 @@
 using namespace natten;
 
 // delta[b, x, h] = sum_e d_o[b, x, h, e] * o[b, x, h, e] in float32. `lanes` lanes (a power
-// of two <= 32) share one row, each reading 16 contiguous bytes at a time (last dims
+// of two <= 16) share one row, each reading 16 contiguous bytes at a time (last dims
 // contiguous, rows 16-byte aligned: the launcher guarantees it).
 template <typename T>
 __global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
@@ -32,6 +32,7 @@ __global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
   const T* drow = d_o + offset6(p.d_o, b, x0, x1, x2, h, 0);
   float acc = 0.f;
   constexpr int EPP = 16 / (int)sizeof(T);
+#pragma unroll 4
   for (int e = sub * EPP; e < p.head_dim; e += lanes * EPP) {
     const uint4 ov = *reinterpret_cast<const uint4*>(orow + e);
     const uint4 dv = *reinterpret_cast<const uint4*>(drow + e);
@@ -74,20 +75,21 @@ __device__ __forceinline__ void bwd_pass(
 
   // ---- which tile, dilation group, head-dim chunk, batch and head ----
   bwd::AxisTable ax[3];
-  int glen[3], tix[3], org[3], last[3];
-  i64 bx = blockIdx.x;
+  int glen[3], grp[3], tix[3], org[3], last[3];
+  unsigned bx = blockIdx.x;  // 32-bit index arithmetic: a 64-bit division is a ~70-instruction call
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
     const int L = (int)p.extent[a], d = (int)p.dilation[a];
-    const int ntile = ((L + d - 1) / d + tile[a] - 1) / tile[a];
+    const unsigned ntile = (unsigned)(((L + d - 1) / d + tile[a] - 1) / tile[a]);
     tix[a] = (int)(bx % ntile);
     bx /= ntile;
   }
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
     const int L = (int)p.extent[a], d = (int)p.dilation[a];
-    const int g = (int)(bx % d);
-    bx /= d;
+    const int g = (int)(bx % (unsigned)d);
+    bx /= (unsigned)d;
+    grp[a] = g;
     ax[a].base = tab_off[a] + g;
     ax[a].d = d;
     glen[a] = (L - g + d - 1) / d;
@@ -101,8 +103,8 @@ __device__ __forceinline__ void bwd_pass(
     if (org[a] >= glen[a]) return;  // whole CTA: this group is shorter than the grid
     last[a] = min(org[a] + tile[a] - 1, glen[a] - 1);
   }
-  // Full-axis coordinate of in-group index c (base - offset = dilation group).
-  auto full = [&](int a, int c) { return (i64)(ax[a].base - tab_off[a] + ax[a].d * c); };
+  // Full-axis coordinate of in-group index c.
+  auto full = [&](int a, int c) { return grp[a] + ax[a].d * c; };
 
   // ---- shared memory ----
   extern __shared__ __align__(16) unsigned char smem[];
@@ -211,32 +213,39 @@ __device__ __forceinline__ void bwd_pass(
   n[2] = max(min(chi[2] - clo[2], slab_rows), 1);
   n[1] = max(min(chi[1] - clo[1], slab_rows / n[2]), 1);
   n[0] = max(min(chi[0] - clo[0], slab_rows / (n[1] * n[2])), 1);
+  // Gathered rows of this (batch, head): the launcher makes their last dims contiguous.
+  const T* gat0_bh = gat0 + (b * sg0[0] + h * sg0[4]);
+  const T* gat1_bh = gat1 + (b * sg1[0] + h * sg1[4]);
+  const float* lse_bh = lse + (b * p.lse[0] + h * p.lse[4]);
+  const float* dlt_bh = delta + (b * p.delta[0] + h * p.delta[4]);
+  const unsigned lse_a = tc::smem_addr(lse_s), dlt_a = tc::smem_addr(dlt_s);
   for (int s0 = clo[0]; s0 < chi[0]; s0 += n[0])
   for (int s1 = clo[1]; s1 < chi[1]; s1 += n[1])
   for (int s2 = clo[2]; s2 < chi[2]; s2 += n[2]) {
     const int e0 = min(s0 + n[0], chi[0]), e1 = min(s1 + n[1], chi[1]), e2 = min(s2 + n[2], chi[2]);
     const int m1 = e1 - s1, m2 = e2 - s2;
     const int rows = (e0 - s0) * m1 * m2;
+    const bwd::FastDiv by_plane(m1 * m2), by_m2(m2);
     __syncthreads();  // every warp is done with the previous slab
+    // One 16-byte piece of both gathered tensors per thread and turn; the piece-0 thread of
+    // a row also copies its lse and delta (query rows of the dK/dV pass).
     for (int idx = threadIdx.x; idx < rows * CH; idx += blockDim.x) {
       const int r = idx / CH, piece = idx % CH;
-      const i64 f0 = full(0, s0 + r / (m1 * m2)), f1 = full(1, s1 + (r / m2) % m1),
-                f2 = full(2, s2 + r % m2);
+      const int c0 = by_plane.div(r), rem = r - c0 * by_plane.m, c1 = by_m2.div(rem);
+      const int x0 = full(0, s0 + c0), x1 = full(1, s1 + c1), x2 = full(2, s2 + rem - c1 * m2);
       const bool ok = piece * EPP < D;
-      const i64 g0 = ok ? offset6(sg0, b, f0, f1, f2, h, piece * EPP) : 0;
-      const i64 g1 = ok ? offset6(sg1, b, f0, f1, f2, h, piece * EPP) : 0;
-      tc::cp_async16(gat_s0 + r * RS + piece * EPP, gat0 + g0, ok);
-      tc::cp_async16(gat_s1 + r * RS + piece * EPP, gat1 + g1, ok);
-    }
-    tc::cp_async_commit();
-    if (OwnerIsKey) {
-      for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-        const i64 f0 = full(0, s0 + r / (m1 * m2)), f1 = full(1, s1 + (r / m2) % m1),
-                  f2 = full(2, s2 + r % m2);
-        lse_s[r] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
-        dlt_s[r] = delta[offset6(p.delta, b, f0, f1, f2, h, 0)];
+      const int e = ok ? piece * EPP : 0;
+      tc::cp_async16(gat_s0 + r * RS + piece * EPP,
+                     gat0_bh + (x0 * sg0[1] + x1 * sg0[2] + x2 * sg0[3] + e), ok);
+      tc::cp_async16(gat_s1 + r * RS + piece * EPP,
+                     gat1_bh + (x0 * sg1[1] + x1 * sg1[2] + x2 * sg1[3] + e), ok);
+      if (OwnerIsKey && piece == 0) {
+        bwd::cp_async4(lse_a + r * 4, lse_bh + (x0 * p.lse[1] + x1 * p.lse[2] + x2 * p.lse[3]));
+        bwd::cp_async4(dlt_a + r * 4,
+                       dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
       }
     }
+    tc::cp_async_commit();
     tc::cp_async_wait<0>();
     __syncthreads();
 
@@ -245,6 +254,7 @@ __device__ __forceinline__ void bwd_pass(
     const int k0 = max(min(whi[0], e0) - lo0, 0), k1 = max(min(whi[1], e1) - lo1, 0),
               k2 = max(min(whi[2], e2) - lo2, 0);
     const int count = k0 * k1 * k2;
+    const bwd::FastDiv by_k12(k1 * k2), by_k2(k2);
 #pragma unroll 1
     for (int base = 0; base < count; base += kNB) {
       {
@@ -257,7 +267,8 @@ __device__ __forceinline__ void bwd_pass(
         d.l2 = d.dl = 0.f;
         const int t = base + lane;
         if (t < count) {
-          const int c[3] = {lo0 + t / (k1 * k2), lo1 + (t / k2) % k1, lo2 + t % k2};
+          const int c0 = by_k12.div(t), rem = t - c0 * by_k12.m, c1 = by_k2.div(rem);
+          const int c[3] = {lo0 + c0, lo1 + c1, lo2 + rem - c1 * k2};
           d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
           d.mask = 0xffffu;
 #pragma unroll
@@ -267,7 +278,7 @@ __device__ __forceinline__ void bwd_pass(
                                      patch[a], inner[a], rep[a]);
           }
           if (OwnerIsKey) {
-            d.l2 = lse_s[d.row];
+            d.l2 = lse_s[d.row] * bwd::kLog2e;
             d.dl = dlt_s[d.row];
           }
         }

@@ -30,6 +30,25 @@ __device__ __forceinline__ unsigned axis_rows(int lo, int hi, int origin, int ex
   return ((1u << (y * inner)) - (1u << (x * inner))) * rep;
 }
 
+// floor(n / m) for 0 <= n < 2^21 and m >= 1 through a float reciprocal (a few instructions
+// instead of an integer division's ~25): (n + 0.5) / m lies at least 0.5 / m from an
+// integer, and the two roundings (of 1 / m and of the product) move it by less than
+// (n + 0.5) / m * 2^-22.9 < 0.25 / m. Slab rows and step counts stay far below 2^21.
+struct FastDiv {
+  int m;
+  float rm;
+  __device__ __forceinline__ explicit FastDiv(int m_)
+      : m(m_), rm(__frcp_rn((float)max(m_, 1))) {}
+  __device__ __forceinline__ int div(int n) const {
+    return __float2int_rz(__fmul_rn(__int2float_rn(n) + 0.5f, rm));
+  }
+};
+
+// 4-byte global->shared copy (cp.async.ca; the 16-byte one is in mma.cuh).
+__device__ __forceinline__ void cp_async4(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem), "l"(gmem));
+}
+
 // 2^x on the special-function unit (flushes denormals; P underflows to 0 like exp2f).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

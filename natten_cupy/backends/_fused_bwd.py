@@ -181,7 +181,9 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
                     delta=delta)
 
     rows = problem.batch * problem.num_tokens * problem.heads
-    lanes = min(32, 1 << (dp * q.dtype.itemsize // 16 - 1).bit_length())
+    # Lanes per row: each reads up to 64 bytes of o and of d_o (few threads doing the 64-bit
+    # index divisions, four 16-byte loads in flight per tensor).
+    lanes = 1 << max(dp * q.dtype.itemsize // 64 - 1, 0).bit_length()
     launch(get_kernel(SOURCE, f"na_bwd_delta<{ct}>"), (-(-rows * lanes // 256),), (256,),
            (out, d_out, delta, p, numpy.int32(lanes)), name="na_bwd_delta", backend="fused")
 
