@@ -40,7 +40,7 @@ class NAProblem:
     dtype: numpy.dtype
     allow_tf32: bool = False
     deterministic: bool = False
-    tile: tuple | None = None
+    tile: tuple | str | None = None   # a CTA query box, "autotune", or None (default)
 
     @property
     def num_neighbors(self):
@@ -166,10 +166,10 @@ def _check_scale(scale, head_dim):
 def _check_options(backend, tile):
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
-    if tile is not None:
+    if tile is not None and tile != "autotune":
         if not (isinstance(tile, (tuple, list)) and tile
                 and all(isinstance(t, numbers.Integral) and t > 0 for t in tile)):
-            raise ValueError(f"tile must be a tuple of positive ints, got {tile!r}")
+            raise ValueError(f"tile must be a tuple of positive ints or 'autotune', got {tile!r}")
         tile = tuple(int(t) for t in tile)
     return tile
 

@@ -8,12 +8,22 @@ This module only dispatches; the kernels' launchers live in three parts:
 * ``_fused_fp32``: exact-float32 forward and backward (tiled FMA, no TF32).
 
 Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (whichever it
-implements) and ``instantiations()``.
+implements) and ``instantiations()``; a part with several tile configurations lists them in
+``CONFIGS`` (per rank, each with a ``box``: the CTA's query box).
+
+``tile="autotune"`` times every candidate tile of the part once per problem signature (shape,
+geometry, dtype, device) on the caller's inputs and keeps the winner, in memory and in a JSON
+file under ``$NATTEN_CUPY_CACHE_DIR`` (default ``~/.cache/natten_cupy``), so later processes
+reuse it without timing again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
+import os
+import pathlib
 
 from .._dtypes import FLOAT32, HALF_TYPES
 
@@ -46,16 +56,112 @@ def refuse(op, problem):
     part = _part(name)
     if part is None:
         return f"{name} is not built yet"
+    if problem.tile == "autotune":
+        problem = dataclasses.replace(problem, tile=None)
     return part.refuse(problem)
 
 
 def fused_forward(problem, q, k, v, out, lse):
-    _part(_parts_for("fused_forward", problem)).forward(problem, q, k, v, out, lse)
+    part = _part(_parts_for("fused_forward", problem))
+    problem = _tuned(part, "fused_forward", problem,
+                     lambda p: part.forward(p, q, k, v, out, lse))
+    part.forward(problem, q, k, v, out, lse)
 
 
 def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
-    _part(_parts_for("fused_backward", problem)).backward(
-        problem, q, k, v, out, lse, d_out, dq, dk, dv)
+    part = _part(_parts_for("fused_backward", problem))
+    problem = _tuned(part, "fused_backward", problem,
+                     lambda p: part.backward(p, q, k, v, out, lse, d_out, dq, dk, dv))
+    part.backward(problem, q, k, v, out, lse, d_out, dq, dk, dv)
+
+
+# ---- autotuning ------------------------------------------------------------------------
+
+_tuned_memory = {}
+
+
+def _candidates(part, problem):
+    configs = getattr(part, "CONFIGS", {}).get(problem.rank, ())
+    boxes = []
+    for cfg in configs:
+        box = tuple(cfg.box[:problem.rank])
+        if box not in boxes:
+            boxes.append(box)
+    return boxes
+
+
+def _cache_file():
+    root = os.environ.get("NATTEN_CUPY_CACHE_DIR") or pathlib.Path.home() / ".cache" / "natten_cupy"
+    return pathlib.Path(root) / "autotune.json"
+
+
+def _signature(op, problem):
+    import cupy
+    dev = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    p = dataclasses.replace(problem, tile=None, scale=0.0)
+    return f"{name}|{op}|{p!r}"
+
+
+def _tuned(part, op, problem, run):
+    """``problem`` with its tile fixed: unchanged unless it asks for "autotune"."""
+    if problem.tile != "autotune":
+        return problem
+    boxes = _candidates(part, problem)
+    if len(boxes) < 2:
+        return dataclasses.replace(problem, tile=boxes[0] if boxes else None)
+    key = _signature(op, problem)
+    box = _tuned_memory.get(key)
+    if box is None:
+        path = _cache_file()
+        try:
+            box = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError):
+            box = None
+        if box is None:
+            box = _time_candidates(part, problem, boxes, run)
+            _store(path, key, box)
+        box = tuple(box)
+        _tuned_memory[key] = box
+    return dataclasses.replace(problem, tile=box)
+
+
+def _time_candidates(part, problem, boxes, run, reps=3):
+    """The box whose run is fastest (median of ``reps`` after one warm-up), by CUDA events."""
+    import cupy
+    best, best_ms = None, float("inf")
+    for box in boxes:
+        p = dataclasses.replace(problem, tile=box)
+        if part.refuse(p) is not None:
+            continue
+        run(p)
+        times = []
+        for _ in range(reps):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            run(p)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        ms = sorted(times)[len(times) // 2]
+        if ms < best_ms:
+            best, best_ms = box, ms
+    return list(best if best is not None else boxes[0])
+
+
+def _store(path, key, box):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = list(box)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs re-timing in the next process
 
 
 def _unsupported(*_args, **_kwargs):
