@@ -188,8 +188,8 @@ def test_gpu_backend_for_numpy_arrays(backend):
 @pytest.mark.parametrize("tile", [(0, 4), (), "64", (64, 2.0)])
 def test_bad_tile(tile):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=re.escape(f"tile must be a tuple of positive ints, "
-                                                   f"got {tile!r}")):
+    with pytest.raises(ValueError, match=re.escape(f"tile must be a tuple of positive ints or "
+                                                   f"'autotune', got {tile!r}")):
         natten_cupy.na1d(q, k, v, 3, tile=tile)
 
 
