@@ -8,6 +8,12 @@ and walks only the union of its rows' windows (inverse windows for dK/dV), so li
 to masked pairs; the other operand streams through shared memory in slabs of the CTA's halo.
 Each lane holds 16 head-dim columns of its rows (8 in dK/dV, whose rows carry four operands).
 
+Planning (``_plan``): the CTA's box of micro-tiles comes from a small cost model: every slab
+ends at a barrier, so a slab costs its largest group walk; boxes whose halo fits one slab, or
+whose groups need the same rows of each slab (W2 forward: 2 x 128 queries, slabs of 2 halo
+rows), win. Shared memory per CTA is half a multiprocessor's (two CTAs per SM, which is also
+what the registers allow).
+
 Backward: delta = rowsum(dO * O), then dQ (query-parallel) and dK/dV (key-parallel, P
 recomputed from lse); no atomics, so results are deterministic.
 """
