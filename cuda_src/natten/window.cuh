@@ -12,14 +12,15 @@ struct Axis {
 
   // Members of dilation group g: ceil((L - g) / d).
   __device__ __forceinline__ int group_len(int g) const {
-    return (extent - g + dilation - 1) / dilation;
+    return dilation == 1 ? extent : (extent - g + dilation - 1) / dilation;
   }
 
   // In-group window [start, end) of in-group query index ig, in a group of glen members.
   // Non-causal windows are shifted inward at borders (always `kernel` keys); causal windows
   // end at the query itself and are truncated at the start of the group.
   __device__ __forceinline__ void window(int ig, int glen, int& start, int& end) const {
-    const int leader_base = (ig / stride) * stride;
+    // stride 1 and dilation 1 are the common case: skip the integer divisions there.
+    const int leader_base = stride == 1 ? ig : (ig / stride) * stride;
     if (causal) {
       const int leader = min(leader_base + stride - 1, glen - 1);
       start = max(leader - kernel + 1, 0);
@@ -56,7 +57,7 @@ struct Axis {
   // Window of coordinate i in full-axis coordinates: its keys are first + dilation * t for
   // t in [0, count), and slot t of the unfused attention weights holds key first + dilation * t.
   __device__ __forceinline__ void query_window(int i, int& first, int& count) const {
-    const int g = i % dilation, ig = i / dilation;
+    const int g = dilation == 1 ? 0 : i % dilation, ig = dilation == 1 ? i : i / dilation;
     int s, e;
     window(ig, group_len(g), s, e);
     first = g + dilation * s;
