@@ -1,49 +1,14 @@
-// Fused NA backward on tensor cores (f16/bf16 m16n8k16, float as TF32 m16n8k8): delta =
-// rowsum(dO * O), then a key-parallel pass for dK, dV and a query-parallel pass for dQ.
+// Fused NA backward on tensor cores (f16/bf16 m16n8k16, float as TF32 m16n8k8): a query-
+// parallel pass for dQ and delta = rowsum(dO * O), then a key-parallel pass for dK, dV.
 // Threads: a CTA owns a multi-dimensional tile of one dilation group; each warp owns a compact
 // 16-row patch of it (the m16 rows) and walks, 32 rows at a time, only the rows its patch
 // reaches, gathered from a shared-memory slab (one row address per lane), no atomics.
-// Reads q, k, v, d_o, lse (and o for delta); writes delta, then dk, dv, then dq, each once.
+// Reads q, k, v, d_o, lse (and o for delta); writes dq and delta, then dk, dv, each once.
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/fused_bwd_tile.cuh"
 
 using namespace natten;
-
-// delta[b, x, h] = sum_e d_o[b, x, h, e] * o[b, x, h, e] in float32. `lanes` lanes (a power
-// of two <= 16) share one row, each reading 16 contiguous bytes at a time (last dims
-// contiguous, rows 16-byte aligned: the launcher guarantees it).
-template <typename T>
-__global__ void na_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
-                             float* __restrict__ delta, const NAParams p, const int lanes) {
-  const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
-  const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  i64 r = tid / lanes;
-  const int sub = (int)(tid % lanes);
-  const bool live = r < rows;
-  if (!live) r = rows - 1;
-  i64 rest = r;
-  const i64 h = rest % p.heads; rest /= p.heads;
-  const i64 x2 = rest % p.extent[2]; rest /= p.extent[2];
-  const i64 x1 = rest % p.extent[1]; rest /= p.extent[1];
-  const i64 x0 = rest % p.extent[0];
-  const i64 b = rest / p.extent[0];
-  const T* orow = o + offset6(p.o, b, x0, x1, x2, h, 0);
-  const T* drow = d_o + offset6(p.d_o, b, x0, x1, x2, h, 0);
-  float acc = 0.f;
-  constexpr int EPP = 16 / (int)sizeof(T);
-#pragma unroll 4
-  for (int e = sub * EPP; e < p.head_dim; e += lanes * EPP) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(orow + e);
-    const uint4 dv = *reinterpret_cast<const uint4*>(drow + e);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int t = 0; t < EPP; ++t) acc += to_float(oe[t]) * to_float(de[t]);
-  }
-  for (int off = lanes >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (live && sub == 0) delta[offset6(p.delta, b, x0, x1, x2, h, 0)] = acc;
-}
 
 namespace {
 
@@ -52,18 +17,19 @@ constexpr int kNB = 32;    // gathered rows per warp step
 
 // One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
 // queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
-// (q, d_o), gathered rows keys (k, v), output dq (scaled).
+// (q, d_o), gathered rows keys (k, v), output dq (scaled); this pass also computes the
+// owners' delta = rowsum(d_o * o) and writes it (chunk 0) for the dK/dV pass that follows.
 // Owner tensors own0/own1, gathered gat0/gat1; S = own0 gat0^T, dP = own1 gat1^T,
 // out0 += dS gat0, out1 += P gat1 (owners are keys only), over head-dim columns
 // [chunk * DC, chunk * DC + DC). Dp: head dim padded to a multiple of 16 (zero columns).
 template <typename T, int Dp, int DC, bool OwnerIsKey>
 __device__ __forceinline__ void bwd_pass(
     const T* __restrict__ own0, const T* __restrict__ own1, const T* __restrict__ gat0,
-    const T* __restrict__ gat1, const float* __restrict__ lse, const float* __restrict__ delta,
-    T* __restrict__ out0, T* __restrict__ out1, const NAParams& p, const i64* so0,
+    const T* __restrict__ gat1, const T* __restrict__ o, const float* __restrict__ lse,
+    float* __restrict__ delta, T* __restrict__ out0, T* __restrict__ out1, const NAParams& p, const i64* so0,
     const i64* so1, const i64* sg0, const i64* sg1, const i64* sw0, const i64* sw1,
     const int4* __restrict__ tab, const int (&tab_off)[3], const int (&tile)[3],
-    const int (&patch)[3], const int slab_rows, const int bh0) {
+    const int (&patch)[3], const int (&ntile)[3], const int slab_rows, const int bh0) {
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
   constexpr int EPP = 16 / (int)sizeof(T);  // elements per 16-byte piece
@@ -79,10 +45,8 @@ __device__ __forceinline__ void bwd_pass(
   unsigned bx = blockIdx.x;  // 32-bit index arithmetic: a 64-bit division is a ~70-instruction call
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
-    const int L = (int)p.extent[a], d = (int)p.dilation[a];
-    const unsigned ntile = (unsigned)(((L + d - 1) / d + tile[a] - 1) / tile[a]);
-    tix[a] = (int)(bx % ntile);
-    bx /= ntile;
+    tix[a] = (int)(bx % (unsigned)ntile[a]);
+    bx /= (unsigned)ntile[a];
   }
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
@@ -134,32 +98,61 @@ __device__ __forceinline__ void bwd_pass(
     return c[0] < glen[0] && c[1] < glen[1] && c[2] < glen[2];
   };
 
-  // Stage the owner rows (zeros where out of range or past the head dim).
-  for (int idx = lane; idx < 16 * CH; idx += 32) {
-    const int r = idx / CH, piece = idx % CH;
+  // Stage the owner rows (zeros where out of range or past the head dim): lane r < 16 finds
+  // row r's offsets, then the warp copies 32 consecutive 16-byte pieces per turn, each lane
+  // taking its row's offsets by shuffle (last dims contiguous: the launcher guarantees it).
+  {
     int c[3];
-    const bool ok = owner_coords(r, c) && piece * EPP < D;
-    i64 o0 = 0, o1 = 0;
-    if (ok) {
-      o0 = offset6(so0, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * EPP);
-      o1 = offset6(so1, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, piece * EPP);
+    const bool live = lane < 16 && owner_coords(lane, c);
+    i64 off0 = 0, off1 = 0;
+    if (live) {
+      off0 = offset6(so0, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, 0);
+      off1 = offset6(so1, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, 0);
     }
-    tc::cp_async16(own_s0 + (warp * 16 + r) * RS + piece * EPP, own0 + o0, ok);
-    tc::cp_async16(own_s1 + (warp * 16 + r) * RS + piece * EPP, own1 + o1, ok);
+#pragma unroll 4
+    for (int idx = lane; idx < 16 * CH; idx += 32) {
+      const int r = idx / CH, piece = idx % CH;
+      const i64 o0 = __shfl_sync(0xffffffffu, off0, r), o1 = __shfl_sync(0xffffffffu, off1, r);
+      const bool ok = __shfl_sync(0xffffffffu, (int)live, r) && piece * EPP < D;
+      const int e = ok ? piece * EPP : 0;
+      tc::cp_async16(own_s0 + (warp * 16 + r) * RS + piece * EPP, own0 + (ok ? o0 + e : 0), ok);
+      tc::cp_async16(own_s1 + (warp * 16 + r) * RS + piece * EPP, own1 + (ok ? o1 + e : 0), ok);
+    }
   }
   tc::cp_async_commit();
 
-  // Query owners: lse (log2 units) and delta of this lane's two accumulator rows.
+  // Query owners: lse (log2 units) and delta of this lane's two accumulator rows. The four
+  // lanes of a quad share a row: each sums every fourth 16-byte piece of d_o * o (rows ready:
+  // the launcher guarantees it), then the quad adds up; chunk 0 stores delta.
   float row_l2[2] = {0.f, 0.f}, row_dl[2] = {0.f, 0.f};
   if (!OwnerIsKey) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       int c[3];
-      if (owner_coords(group + 8 * hh, c)) {
-        const i64 f0 = full(0, c[0]), f1 = full(1, c[1]), f2 = full(2, c[2]);
+      const bool live = owner_coords(group + 8 * hh, c);
+      i64 f0 = 0, f1 = 0, f2 = 0;
+      float dl = 0.f;
+      if (live) {
+        f0 = full(0, c[0]);
+        f1 = full(1, c[1]);
+        f2 = full(2, c[2]);
         row_l2[hh] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
-        row_dl[hh] = delta[offset6(p.delta, b, f0, f1, f2, h, 0)];
+        const T* orow = o + offset6(p.o, b, f0, f1, f2, h, 0);
+        const T* drow = own1 + offset6(so1, b, f0, f1, f2, h, 0);
+#pragma unroll 2
+        for (int e = quad * EPP; e < D; e += 4 * EPP) {
+          const uint4 ov = *reinterpret_cast<const uint4*>(orow + e);
+          const uint4 dv = *reinterpret_cast<const uint4*>(drow + e);
+          const T* oe = reinterpret_cast<const T*>(&ov);
+          const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+          for (int t = 0; t < EPP; ++t) dl += to_float(oe[t]) * to_float(de[t]);
+        }
       }
+      dl += __shfl_xor_sync(0xffffffffu, dl, 1);
+      dl += __shfl_xor_sync(0xffffffffu, dl, 2);
+      row_dl[hh] = dl;
+      if (live && quad == 0 && col0 == 0) delta[offset6(p.delta, b, f0, f1, f2, h, 0)] = dl;
     }
   }
   // Owner-row bit patterns of the patch per axis (see bwd::axis_rows).
@@ -227,22 +220,33 @@ __device__ __forceinline__ void bwd_pass(
     const int rows = (e0 - s0) * m1 * m2;
     const bwd::FastDiv by_plane(m1 * m2), by_m2(m2);
     __syncthreads();  // every warp is done with the previous slab
-    // One 16-byte piece of both gathered tensors per thread and turn; the piece-0 thread of
-    // a row also copies its lse and delta (query rows of the dK/dV pass).
-    for (int idx = threadIdx.x; idx < rows * CH; idx += blockDim.x) {
-      const int r = idx / CH, piece = idx % CH;
-      const int c0 = by_plane.div(r), rem = r - c0 * by_plane.m, c1 = by_m2.div(rem);
-      const int x0 = full(0, s0 + c0), x1 = full(1, s1 + c1), x2 = full(2, s2 + rem - c1 * m2);
-      const bool ok = piece * EPP < D;
-      const int e = ok ? piece * EPP : 0;
-      tc::cp_async16(gat_s0 + r * RS + piece * EPP,
-                     gat0_bh + (x0 * sg0[1] + x1 * sg0[2] + x2 * sg0[3] + e), ok);
-      tc::cp_async16(gat_s1 + r * RS + piece * EPP,
-                     gat1_bh + (x0 * sg1[1] + x1 * sg1[2] + x2 * sg1[3] + e), ok);
-      if (OwnerIsKey && piece == 0) {
-        bwd::cp_async4(lse_a + r * 4, lse_bh + (x0 * p.lse[1] + x1 * p.lse[2] + x2 * p.lse[3]));
-        bwd::cp_async4(dlt_a + r * 4,
-                       dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
+    // Each warp stages 32-row chunks: lane r finds row base + r's offsets (and copies its
+    // lse and delta: query rows of the dK/dV pass), then the warp copies the chunk's 16-byte
+    // pieces, 32 consecutive ones per turn (coalesced), offsets by shuffle.
+    for (int base = warp * 32; base < rows; base += kWarps * 32) {
+      const int r = base + lane;
+      i64 off0 = 0, off1 = 0;
+      if (r < rows) {
+        const int c0 = by_plane.div(r), rem = r - c0 * by_plane.m, c1 = by_m2.div(rem);
+        const int x0 = full(0, s0 + c0), x1 = full(1, s1 + c1), x2 = full(2, s2 + rem - c1 * m2);
+        off0 = x0 * sg0[1] + x1 * sg0[2] + x2 * sg0[3];
+        off1 = x0 * sg1[1] + x1 * sg1[2] + x2 * sg1[3];
+        if (OwnerIsKey) {
+          bwd::cp_async4(lse_a + r * 4, lse_bh + (x0 * p.lse[1] + x1 * p.lse[2] + x2 * p.lse[3]));
+          bwd::cp_async4(dlt_a + r * 4,
+                         dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
+        }
+      }
+#pragma unroll 4
+      for (int idx = lane; idx < 32 * CH; idx += 32) {
+        const int j = idx / CH, piece = idx % CH;
+        const i64 o0 = __shfl_sync(0xffffffffu, off0, j), o1 = __shfl_sync(0xffffffffu, off1, j);
+        if (base + j < rows) {
+          const bool ok = piece * EPP < D;
+          const int e = ok ? piece * EPP : 0;
+          tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, gat0_bh + (o0 + e), ok);
+          tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, gat1_bh + (o1 + e), ok);
+        }
       }
     }
     tc::cp_async_commit();
@@ -314,23 +318,21 @@ __device__ __forceinline__ void bwd_pass(
     }
   }
 
-  // ---- write this lane's rows once ----
+  // ---- write this lane's rows once (last dims contiguous, rows 16-byte aligned: the
+  // launcher guarantees it), two adjacent columns per store ----
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     int c[3];
     if (!owner_coords(group + 8 * hh, c)) continue;
     const i64 f0 = full(0, c[0]), f1 = full(1, c[1]), f2 = full(2, c[2]);
-    const i64 w0 = offset6(sw0, b, f0, f1, f2, h, 0), w1 = offset6(sw1, b, f0, f1, f2, h, 0);
+    T* row0 = out0 + offset6(sw0, b, f0, f1, f2, h, 0);
+    T* row1 = out1 + offset6(sw1, b, f0, f1, f2, h, 0);
 #pragma unroll
     for (int j = 0; j < DC / 8; ++j) {
       const int col = col0 + j * 8 + quad * 2;
       if (col < D) {
-        out0[w0 + col * sw0[5]] = from_float<T>(acc0[j][hh * 2] * p.scale);
-        out0[w0 + (col + 1) * sw0[5]] = from_float<T>(acc0[j][hh * 2 + 1] * p.scale);
-        if (OwnerIsKey) {
-          out1[w1 + col * sw1[5]] = from_float<T>(acc1[j][hh * 2]);
-          out1[w1 + (col + 1) * sw1[5]] = from_float<T>(acc1[j][hh * 2 + 1]);
-        }
+        bwd::pack_store(row0 + col, acc0[j][hh * 2] * p.scale, acc0[j][hh * 2 + 1] * p.scale);
+        if (OwnerIsKey) bwd::pack_store(row1 + col, acc1[j][hh * 2], acc1[j][hh * 2 + 1]);
       }
     }
   }
@@ -351,30 +353,36 @@ template <int Dp, bool OwnerIsKey> struct MinBlocks {
 }  // namespace
 
 // dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * heads from
-// bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a].
+// bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA tile
+// t, warp patch p, tiles per dilation group n.
 template <typename T, int Dp, int DC>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, true>::value)
 na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
-                const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                 const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                 const int t0, const int t1, const int t2, const int p0, const int p1,
-                const int p2, const int slab_rows, const int bh0) {
+                const int p2, const int n0, const int n1, const int n2, const int slab_rows,
+                const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, tab_off[3] = {0, tab1, tab2};
-  bwd_pass<T, Dp, DC, true>(k, v, q, d_o, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk,
-                            p.dv, tab, tab_off, tile, patch, slab_rows, bh0);
+  const int ntile[3] = {n0, n1, n2};
+  bwd_pass<T, Dp, DC, true>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk,
+                            p.dv, tab, tab_off, tile, patch, ntile, slab_rows, bh0);
 }
 
-// dQ: owners are queries. Same grid and arguments as na_bwd_fused_kv.
+// dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o; runs
+// first (the dK/dV pass reads the delta it writes).
 template <typename T, int Dp, int DC>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, false>::value)
 na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               const T* __restrict__ d_o, const float* __restrict__ lse,
-               const float* __restrict__ delta, T* __restrict__ dq,
+               const T* __restrict__ d_o, const T* __restrict__ o, const float* __restrict__ lse,
+               float* __restrict__ delta, T* __restrict__ dq,
                const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                const int t0, const int t1, const int t2, const int p0, const int p1,
-               const int p2, const int slab_rows, const int bh0) {
+               const int p2, const int n0, const int n1, const int n2, const int slab_rows,
+               const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, tab_off[3] = {0, tab1, tab2};
-  bwd_pass<T, Dp, DC, false>(q, d_o, k, v, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
-                             p.dq, tab, tab_off, tile, patch, slab_rows, bh0);
+  const int ntile[3] = {n0, n1, n2};
+  bwd_pass<T, Dp, DC, false>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
+                             p.dq, tab, tab_off, tile, patch, ntile, slab_rows, bh0);
 }

@@ -102,14 +102,14 @@ def _yardstick(case, q, k, v, d_out, out, lse):
                                hosts[4], lse, hosts[3])
 
 
-def _run_fused(cp, problem, dev, shape, dtype):
-    grads = [_upload(cp, numpy.full(shape, numpy.nan, dtype)) for _ in range(3)]
+def _run_fused(cp, problem, dev, shape, dtype, grad_layout="canonical"):
+    grads = [_layout(cp, numpy.full(shape, numpy.nan, dtype), grad_layout) for _ in range(3)]
     q, k, v, d_out, out, lse = dev
     run_fused_backward(problem, get_backend("fused"), d_out, q, k, v, out, lse, *grads)
     return [_download(cp, g) for g in grads]
 
 
-def check_case(case, rng, layout="canonical"):
+def check_case(case, rng, layout="canonical", grad_layout="canonical"):
     """Run one case; returns [(error, yardstick error)] for dq, dk, dv."""
     import cupy as cp
     q, k, v, d_out, out, lse, truth = _inputs(case, rng)
@@ -118,7 +118,7 @@ def check_case(case, rng, layout="canonical"):
     assert fused.refuse("fused_backward", problem) is None, fused.refuse("fused_backward",
                                                                          problem)
     dev = [_layout(cp, x, layout) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
-    got = _run_fused(cp, problem, dev, q.shape, q.dtype)
+    got = _run_fused(cp, problem, dev, q.shape, q.dtype, grad_layout)
     low = _yardstick(case, q, k, v, d_out, out, lse)
     result = []
     for name, g, t, y in zip(("dq", "dk", "dv"), got, truth, low):
@@ -143,6 +143,15 @@ def test_fused_backward_matches_reference(case, rng):
 @pytest.mark.parametrize("layout", ["heads_first", "strided_last"])
 def test_fused_backward_strided_inputs(layout, rng):
     check_case(((17, 15), (5, 4), (2, 1), (1, 2), (True, False), 3, 64, F16), rng, layout)
+
+
+@pytest.mark.parametrize("layout,dtype", [("heads_first", F16), ("strided_last", F16),
+                                          ("strided_last", BF16)])
+def test_fused_backward_strided_outputs(layout, dtype, rng):
+    """Gradients written in place through any strides (rows that are not 16-byte ready go
+    through a contiguous stand-in)."""
+    check_case(((17, 15), (5, 4), (2, 1), (1, 2), (True, False), 3, 64, dtype), rng,
+               grad_layout=layout)
 
 
 def test_fused_backward_deterministic_is_bitwise_reproducible(rng):

@@ -1,13 +1,14 @@
 """Fused backward on tensor cores (float16, bfloat16; float32 as TF32 when the caller allows
 it): launcher of ``cuda_src/na_fused_bwd.cu``.
 
-Three launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not):
+Two launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not):
 
-1. ``na_bwd_delta``: delta = rowsum(dO * O) in float32, [B, *spatial, H];
-2. ``na_bwd_fused_kv``: dK, dV. A CTA owns a tile of keys of one dilation group; each warp
-   owns 16 keys forming a compact patch (1-D 16, 2-D 4x4, 3-D 1x4x4) and walks only the
-   queries whose windows reach its patch, 32 at a time, gathered from a shared-memory slab;
-3. ``na_bwd_fused_q``: dQ, the same walk with queries as owners and keys gathered.
+1. ``na_bwd_fused_q``: dQ, and delta = rowsum(dO * O) in float32 [B, *spatial, H]. A CTA
+   owns a tile of queries of one dilation group; each warp owns 16 queries forming a compact
+   patch (1-D 16, 2-D 4x4, 3-D 1x4x4) and walks only the keys its patch's windows reach, 32
+   at a time, gathered from a shared-memory slab;
+2. ``na_bwd_fused_kv``: dK, dV, the same walk with keys as owners and the queries whose
+   windows reach them gathered (with the delta of pass 1).
 
 Window arithmetic comes from per-axis tables built here (``_axis_table``) and cached on the
 device. Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; the
@@ -70,7 +71,6 @@ def instantiations():
     out = []
     for dt in HALF_TYPES + (FLOAT32,):
         ct = c_type(dt)
-        out.append((SOURCE, f"na_bwd_delta<{ct}>"))
         for dp in D_BUCKETS:
             out += [(SOURCE, name) for name in _names(ct, dp)]
     return out
@@ -89,6 +89,15 @@ def _rows_ready(x):
 def _ready(x):
     import cupy
     return x if _rows_ready(x) else cupy.ascontiguousarray(x)
+
+
+def _writable(x):
+    """x when the kernels may write it (rows ready: they store pairs of columns), else a
+    contiguous stand-in of the same shape, copied into x after the launches."""
+    import cupy
+    if _rows_ready(x):
+        return x
+    return cupy.empty(x.shape, dtype=f"u{x.dtype.itemsize}").view(x.dtype)
 
 
 def _axis_table(extent, kernel, stride, dilation, causal):
@@ -176,30 +185,26 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     ct = c_type(problem.dtype)
     dp = _bucket(problem.head_dim)
     q, k, v, out, d_out = (_ready(x) for x in (q, k, v, out, d_out))
+    grads = (dq, dk, dv)
+    dq, dk, dv = (_writable(x) for x in grads)
     delta = cupy.empty(lse.shape, dtype=numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta)
 
-    rows = problem.batch * problem.num_tokens * problem.heads
-    # Lanes per row: each reads up to 64 bytes of o and of d_o (few threads doing the 64-bit
-    # index divisions, four 16-byte loads in flight per tensor).
-    lanes = 1 << max(dp * q.dtype.itemsize // 64 - 1, 0).bit_length()
-    launch(get_kernel(SOURCE, f"na_bwd_delta<{ct}>"), (-(-rows * lanes // 256),), (256,),
-           (out, d_out, delta, p, numpy.int32(lanes)), name="na_bwd_delta", backend="fused")
-
     tile, patch = TILES[problem.rank]
     nwarps = math.prod(t // w for t, w in zip(tile, patch))
-    ntiles = math.prod(-(-(-(-L // d)) // t) for L, d, t in
-                       zip(problem.spatial + (1,) * (3 - problem.rank),
-                           problem.dilation + (1,) * (3 - problem.rank), tile))
+    per_axis = [-(-(-(-L // d)) // t) for L, d, t in
+                zip(problem.spatial + (1,) * (3 - problem.rank),
+                    problem.dilation + (1,) * (3 - problem.rank), tile)]
+    ntiles = math.prod(per_axis)
     groups = math.prod(problem.dilation)
-    geo = [numpy.int32(x) for x in tile + patch]
+    geo = [numpy.int32(x) for x in tile + patch + tuple(per_axis)]
     bh = problem.batch * problem.heads
     tab, tab_off, reach = _geometry(problem, tile)
     name_kv, name_q = _names(ct, dp)
     for name, chunk, owner_is_key, ptrs in (
-            (name_kv, min(dp, KV_CHUNK), True, (q, k, v, d_out, lse, delta, dk, dv)),
-            (name_q, min(dp, Q_CHUNK), False, (q, k, v, d_out, lse, delta, dq))):
+            (name_q, min(dp, Q_CHUNK), False, (q, k, v, d_out, out, lse, delta, dq)),
+            (name_kv, min(dp, KV_CHUNK), True, (q, k, v, d_out, lse, delta, dk, dv))):
         slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key)
         fn = get_kernel(SOURCE, name)
         gx = ntiles * groups * (dp // chunk)
@@ -208,3 +213,7 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
                    (*ptrs, tab, p, numpy.int32(tab_off[1]), numpy.int32(tab_off[2]), *geo,
                     numpy.int32(slab), numpy.int32(bh0)), shared_mem=smem,
                    name=name.split("<")[0], backend="fused", tile=tile)
+    for dst, src in zip(grads, (dq, dk, dv)):
+        if src is not dst:
+            unsigned = f"u{dst.dtype.itemsize}"
+            dst.view(unsigned)[...] = src.view(unsigned)
