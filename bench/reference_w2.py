@@ -5,11 +5,12 @@ wall and CPU time (the dev machine is shared: wall time depends on its load), th
 GFLOP/s (forward 4*B*N*H*K*D, backward counted as 2.5x forward) and the
 process's peak resident memory.
 
-Measured on the 2-core, 24 GB CPU dev machine (NumPy 2.4, float32), 2026-11-30, while other
-jobs shared the machine (load average 5-10 on 2 cores, so wall time is inflated; CPU time is
-the process's own):
-    forward   128.1 s wall,  47.2 s CPU, peak RSS 5.12 GiB (inputs q, k, v, d_out: 4.04 GiB)
-    backward  512.7 s wall, 207.0 s CPU, peak RSS 8.19 GiB (adds out, lse, dq, dk, dv)
+Measured on the 2-core, 24 GB CPU dev machine (NumPy 2.4, float32), 2026-11-30, with the
+machine nearly idle (load average about 1-2):
+    forward    28.9 s wall,  28.2 s CPU, 3.0 GFLOP/s, peak RSS 5.12 GiB (inputs 4.04 GiB)
+    backward  156.1 s wall, 151.3 s CPU, 1.4 GFLOP/s, peak RSS 8.19 GiB
+(peak RSS counts the inputs q, k, v, d_out; backward adds out, lse, dq, dk, dv.) Under load
+(load average 5-10) the same run took 128 s / 513 s wall for 47 s / 207 s of CPU.
 
 Usage (from the repository root):
     PYTHONPATH=. python bench/reference_w2.py [--extent 1024] [--kernel 9] [--heads 8] [--dim 32]
