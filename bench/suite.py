@@ -409,12 +409,15 @@ def environment():
         env["cupy"] = cupy.__version__
     except Exception as e:  # noqa: BLE001
         env["cupy_error"] = repr(e)
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                       capture_output=True, text=True,
-                                       timeout=5).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    # The device machine gets the tree without .git: the runner passes the commit along.
+    env["commit"] = os.environ.get("NATTEN_CUPY_COMMIT", "")
+    if not env["commit"]:
+        try:
+            env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True,
+                                           timeout=5).stdout.strip()
+        except Exception:  # noqa: BLE001
+            pass
     from natten_cupy.backends import NAMES, get_backend
     env["backends"] = [n for n in NAMES if get_backend(n) is not None]
     return env
