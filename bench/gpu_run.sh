@@ -41,10 +41,17 @@ fi
 if [ "$mode" != tests ]; then
   echo "== benchmarks"
   t0=$(date +%s)
-  if [ -n "$quick" ]; then bargs=(--budget-s 150); else bargs=(--budget-s 330); fi
-  "$PY" bench/suite.py --out "$OUT/bench.json" "${bargs[@]}" > "$OUT/bench.log" 2>&1 \
+  # The targets' groups, most important first; naive and unfused chains on W2 and W3 only.
+  groups=${BENCH_GROUPS:-W2:fp16,W3:fp16,W2:fp32,W2:tf32,W2:bf16,W3:fp32,W1:fp16,W3b:fp16,W2b:fp16,SA:fp16}
+  if [ -n "$quick" ]; then budget=150; else budget=${BENCH_BUDGET_S:-300}; fi
+  "$PY" bench/suite.py --out "$OUT/bench.json" --groups "$groups" --others-on W2,W3 \
+      --budget-s "$budget" > "$OUT/bench.log" 2>&1 \
       || { echo "   bench failed:"; tail -n 25 "$OUT/bench.log"; status=1; }
   echo "   bench done in $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s)
+  timeout 150 "$PY" bench/cold_start.py --out "$OUT/cold_start.json" > "$OUT/cold_start.log" 2>&1 \
+      || echo "   cold start failed or timed out (see cold_start.log)"
+  echo "   cold start done in $(( $(date +%s) - t0 )) s"; tail -n 6 "$OUT/cold_start.log"
   [ -f "$OUT/bench.json" ] && "$PY" bench/report.py "$OUT/bench.json" --summary
 fi
 exit $status

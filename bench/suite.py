@@ -78,6 +78,11 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(wl.DTYPES)} (tf32: fp32 I/O, TF32 math)")
     p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                    help="comma list of natten_cupy backends to time (reference is opt-in)")
+    p.add_argument("--groups", default="",
+                   help="comma list of WORKLOAD:dtype pairs; replaces --workloads x --dtypes")
+    p.add_argument("--others-on", default="",
+                   help="comma list of workloads on which ours beyond the best backend "
+                        "(naive, unfused chains) run; default: all")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="stop starting new items after this many seconds")
@@ -96,6 +101,16 @@ def parse_args(argv=None):
     args.workloads = _pick(args.workloads, wl.WORKLOADS, "workload")
     args.dtypes = _pick(args.dtypes, wl.DTYPES, "dtype")
     args.backends = [b for b in args.backends.split(",") if b]
+    if args.groups:
+        pairs = [g.split(":") for g in args.groups.split(",") if g]
+        bad = [g for g in pairs if len(g) != 2 or g[0] not in wl.WORKLOADS or g[1] not in wl.DTYPES]
+        if bad:
+            p.error(f"--groups: bad entries {bad}")
+        args.groups = [tuple(g) for g in pairs]
+        args.workloads = list(dict.fromkeys(w for w, _ in args.groups))
+    else:
+        args.groups = [(w, d) for w in args.workloads for d in args.dtypes]
+    args.others_on = [w for w in args.others_on.split(",") if w] or list(wl.WORKLOADS)
     return args
 
 
@@ -373,7 +388,7 @@ def plan_group(w, spec, args):
     # Best of ours first, then the peers (their compile is shared across token orders),
     # then the slower implementations of ours.
     items += peer_list
-    for name, backend, path in ours[1:]:
+    for name, backend, path in (ours[1:] if w.id in args.others_on else []):
         items.append((name, "ours", lambda n=name, b=backend, p=path: Ours(n, b, p, w, spec)))
     return items
 
@@ -388,7 +403,7 @@ def list_plan(args):
     for wid in args.workloads:
         w = wl.WORKLOADS[wid]
         print(f"{wid}: {w.describe()}  ({w.flops() / 1e9:.1f} GFLOP fwd)")
-        for dt in args.dtypes:
+        for dt in [d for g, d in args.groups if g == wid]:
             spec = wl.dtype_spec(dt)
             names = [n for n, _, _ in plan_group(w, spec, args)]
             print(f"  {dt:<5} floor {w.floor_ms(dt):.3f} / {w.floor_ms(dt, True):.3f} ms: "
@@ -462,8 +477,7 @@ def main(argv=None):
         "published_peers": {f"{k[0]}/{k[1]}": v for k, v in wl.PUBLISHED_PEERS.items()},
         "results": [],
     }
-    groups = [(wl.WORKLOADS[wid], wl.dtype_spec(dt)) for wid in args.workloads
-              for dt in args.dtypes]
+    groups = [(wl.WORKLOADS[wid], wl.dtype_spec(dt)) for wid, dt in args.groups]
     plans = [plan_group(w, spec, args) for w, spec in groups]
     total = sum(len(p) for p in plans)
     context_lost = None
