@@ -1,7 +1,8 @@
 """Device probe of the fused backward: correctness on small configs, then W2/W3 timings.
 
 Run on the GPU machine: ``PYTHONPATH=$PWD python3 bench/fused_bwd_probe.py`` (or
-``... --time LABEL`` for the W2/W3 fp16 timings alone). Correctness is
+``... --time LABEL [--no-fwd]`` for the W2/W3 fp16 timings alone, ``--no-fwd`` leaving the
+forward out, e.g. while the forward kernel is being edited in the tree). Correctness is
 checked against a dense float64 NumPy computation written straight from SPEC section 1 (mask
 per axis, outer product over axes), on fresh random inputs with NaN-poisoned gradients.
 Timings are medians of CUDA-event timed runs after warm-up; the last lines are a short table.
@@ -174,7 +175,7 @@ class Recorder:
         self.events.append((name, start, stop))
 
 
-def bench(name, spatial, ks, H, D, dt, reps=10):
+def bench(name, spatial, ks, H, D, dt, reps=10, fwd=True):
     rank = len(spatial)
     shape = (1,) + spatial + (H, D)
     rs = cupy.random.default_rng(0)
@@ -194,7 +195,7 @@ def bench(name, spatial, ks, H, D, dt, reps=10):
     fwd_ms = float("nan")
     try:  # the forward helper's kernel, when present: real out/lse, and its time
         from natten_cupy.backends import _fused_fwd
-        if _fused_fwd.refuse(problem) is None:
+        if fwd and _fused_fwd.refuse(problem) is None:
             view = (lambda x: x) if numpy.dtype(dt) == FLOAT32 else (lambda x: x.view(dt))
             for i in range(4):
                 a, b = cupy.cuda.Event(), cupy.cuda.Event()
@@ -237,11 +238,11 @@ TIMED = (("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
          ("W3 fp16", (16, 256, 256), (3, 5, 5), 8, 32, FLOAT16))
 
 
-def time_only(label, reps=20):
+def time_only(label, reps=20, fwd=True):
     """``--time LABEL``: W2/W3 fp16 timings only, one table row per workload, tagged LABEL
     (run once per source tree through PYTHONPATH to compare versions in one device call)."""
     for spec in TIMED:
-        name, ms, tf, _, split, finite, fwd_ms = bench(*spec, reps=reps)
+        name, ms, tf, _, split, finite, fwd_ms = bench(*spec, reps=reps, fwd=fwd)
         parts = " / ".join(f"{split.get(n, 0):.3f}" for n in
                            ("na_bwd_delta", "na_bwd_fused_kv", "na_bwd_fused_q"))
         print(f"| {label} | {name} | {ms:.3f} | {tf:.1f} | {parts} | {fwd_ms:.3f} | "
@@ -250,8 +251,8 @@ def time_only(label, reps=20):
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--time":
-        return time_only(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--time":
+        return time_only(sys.argv[2], fwd=sys.argv[3:] != ["--no-fwd"])
     rng = numpy.random.default_rng(int(time.time()))
     ok = True
     print("correctness (max |err| / max |ref|, float64 dense reference):", flush=True)

@@ -29,7 +29,8 @@ __device__ __forceinline__ void bwd_pass(
     float* __restrict__ delta, T* __restrict__ out0, T* __restrict__ out1, const NAParams& p, const i64* so0,
     const i64* so1, const i64* sg0, const i64* sg1, const i64* sw0, const i64* sw1,
     const int4* __restrict__ tab, const int (&tab_off)[3], const int (&tile)[3],
-    const int (&patch)[3], const int (&ntile)[3], const int slab_rows, const int bh0) {
+    const int (&patch)[3], const int (&lpatch)[3], const int (&ntile)[3], const int slab_rows,
+    const int bh0) {
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
   constexpr int EPP = 16 / (int)sizeof(T);  // elements per 16-byte piece
@@ -51,12 +52,15 @@ __device__ __forceinline__ void bwd_pass(
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
     const int L = (int)p.extent[a], d = (int)p.dilation[a];
-    const int g = (int)(bx % (unsigned)d);
-    bx /= (unsigned)d;
+    int g = 0;
+    if (d > 1) {  // uniform branch: no divisions without dilation
+      g = (int)(bx % (unsigned)d);
+      bx /= (unsigned)d;
+    }
     grp[a] = g;
     ax[a].base = tab_off[a] + g;
     ax[a].d = d;
-    glen[a] = (L - g + d - 1) / d;
+    glen[a] = d > 1 ? (L - g + d - 1) / d : L;
   }
   const int col0 = (int)bx * DC;
   const int bh = bh0 + (int)blockIdx.y;  // batch * heads < 2^31 (launcher)
@@ -80,79 +84,65 @@ __device__ __forceinline__ void bwd_pass(
   float* lse_s = reinterpret_cast<float*>(desc + kWarps * kNB);  // owners are keys only
   float* dlt_s = lse_s + slab_rows;
 
-  // ---- this warp's patch ----
+  // ---- this warp's patch (tile and patch extents are powers of two: shifts, no divisions) ----
   int wpos[3];
   {
     int w = warp;
 #pragma unroll
     for (int a = 2; a >= 0; --a) {
-      const int nw = tile[a] / patch[a];
-      wpos[a] = org[a] + (w % nw) * patch[a];
-      w /= nw;
+      const int lw = __ffs(tile[a] >> lpatch[a]) - 1;  // log2 of the warps along this axis
+      wpos[a] = org[a] + ((w & ((1 << lw) - 1)) << lpatch[a]);
+      w >>= lw;
     }
   }
   auto owner_coords = [&](int r, int (&c)[3]) {
-    c[2] = wpos[2] + r % patch[2];
-    c[1] = wpos[1] + (r / patch[2]) % patch[1];
-    c[0] = wpos[0] + r / (patch[1] * patch[2]);
+    c[2] = wpos[2] + (r & (patch[2] - 1));
+    c[1] = wpos[1] + ((r >> lpatch[2]) & (patch[1] - 1));
+    c[0] = wpos[0] + (r >> (lpatch[1] + lpatch[2]));
     return c[0] < glen[0] && c[1] < glen[1] && c[2] < glen[2];
   };
 
-  // Stage the owner rows (zeros where out of range or past the head dim): lane r < 16 finds
+  // Stage owner rows (zeros where out of range or past the head dim): lane r < 16 finds
   // row r's offsets, then the warp copies 32 consecutive 16-byte pieces per turn, each lane
-  // taking its row's offsets by shuffle (last dims contiguous: the launcher guarantees it).
-  {
-    int c[3];
-    const bool live = lane < 16 && owner_coords(lane, c);
-    i64 off0 = 0, off1 = 0;
-    if (live) {
-      off0 = offset6(so0, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, 0);
-      off1 = offset6(so1, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, 0);
-    }
+  // taking its row's offset by shuffle (last dims contiguous: the launcher guarantees it).
+  // Query owners stage o where q goes first: delta is summed from shared memory once both
+  // o and d_o have landed, then q replaces o.
+  int oc[3];
+  const bool olive = lane < 16 && owner_coords(lane, oc);
+  i64 off0 = 0, off1 = 0, offo = 0;
+  if (olive) {
+    const i64 f0 = full(0, oc[0]), f1 = full(1, oc[1]), f2 = full(2, oc[2]);
+    off0 = offset6(so0, b, f0, f1, f2, h, 0);
+    off1 = offset6(so1, b, f0, f1, f2, h, 0);
+    if (!OwnerIsKey) offo = offset6(p.o, b, f0, f1, f2, h, 0);
+  }
+  auto stage = [&](T* dst, const T* src, i64 off, T* dst2, const T* src2, i64 off2,
+                   bool two) {
 #pragma unroll 4
     for (int idx = lane; idx < 16 * CH; idx += 32) {
-      const int r = idx / CH, piece = idx % CH;
-      const i64 o0 = __shfl_sync(0xffffffffu, off0, r), o1 = __shfl_sync(0xffffffffu, off1, r);
-      const bool ok = __shfl_sync(0xffffffffu, (int)live, r) && piece * EPP < D;
+      const int r = idx / CH, piece = idx % CH, at = (warp * 16 + r) * RS + piece * EPP;
+      const bool ok = __shfl_sync(0xffffffffu, (int)olive, r) && piece * EPP < D;
       const int e = ok ? piece * EPP : 0;
-      tc::cp_async16(own_s0 + (warp * 16 + r) * RS + piece * EPP, own0 + (ok ? o0 + e : 0), ok);
-      tc::cp_async16(own_s1 + (warp * 16 + r) * RS + piece * EPP, own1 + (ok ? o1 + e : 0), ok);
+      const i64 o_r = __shfl_sync(0xffffffffu, off, r);
+      tc::cp_async16(dst + at, src + (ok ? o_r + e : 0), ok);
+      if (two) {
+        const i64 o2 = __shfl_sync(0xffffffffu, off2, r);
+        tc::cp_async16(dst2 + at, src2 + (ok ? o2 + e : 0), ok);
+      }
     }
-  }
+  };
+  stage(own_s0, OwnerIsKey ? own0 : o, OwnerIsKey ? off0 : offo, own_s1, own1, off1, true);
   tc::cp_async_commit();
 
-  // Query owners: lse (log2 units) and delta of this lane's two accumulator rows. The four
-  // lanes of a quad share a row: each sums every fourth 16-byte piece of d_o * o (rows ready:
-  // the launcher guarantees it), then the quad adds up; chunk 0 stores delta.
+  // Query owners: lse (log2 units) of this lane's two accumulator rows (delta below).
   float row_l2[2] = {0.f, 0.f}, row_dl[2] = {0.f, 0.f};
   if (!OwnerIsKey) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       int c[3];
-      const bool live = owner_coords(group + 8 * hh, c);
-      i64 f0 = 0, f1 = 0, f2 = 0;
-      float dl = 0.f;
-      if (live) {
-        f0 = full(0, c[0]);
-        f1 = full(1, c[1]);
-        f2 = full(2, c[2]);
-        row_l2[hh] = lse[offset6(p.lse, b, f0, f1, f2, h, 0)] * bwd::kLog2e;
-        const T* orow = o + offset6(p.o, b, f0, f1, f2, h, 0);
-        const T* drow = own1 + offset6(so1, b, f0, f1, f2, h, 0);
-#pragma unroll 2
-        for (int e = quad * EPP; e < D; e += 4 * EPP) {
-          const uint4 ov = *reinterpret_cast<const uint4*>(orow + e);
-          const uint4 dv = *reinterpret_cast<const uint4*>(drow + e);
-          const T* oe = reinterpret_cast<const T*>(&ov);
-          const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-          for (int t = 0; t < EPP; ++t) dl += to_float(oe[t]) * to_float(de[t]);
-        }
-      }
-      dl += __shfl_xor_sync(0xffffffffu, dl, 1);
-      dl += __shfl_xor_sync(0xffffffffu, dl, 2);
-      row_dl[hh] = dl;
-      if (live && quad == 0 && col0 == 0) delta[offset6(p.delta, b, f0, f1, f2, h, 0)] = dl;
+      if (owner_coords(group + 8 * hh, c))
+        row_l2[hh] = lse[offset6(p.lse, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, 0)] *
+                     bwd::kLog2e;
     }
   }
   // Owner-row bit patterns of the patch per axis (see bwd::axis_rows).
@@ -181,6 +171,38 @@ __device__ __forceinline__ void bwd_pass(
       }
       bwd::reach<OwnerIsKey>(tab, ax[a], org[a], last[a], clo[a], chi[a]);
     }
+  }
+
+  // Query owners: delta = rowsum(d_o * o) of this lane's two rows, from shared memory (the
+  // reach lookups above were in flight meanwhile). The four lanes of a quad share a row and
+  // sum every fourth 16-byte piece (zero-filled past the head dim); chunk 0 stores it. Then q
+  // replaces o, landing with the first slab.
+  if (!OwnerIsKey) {
+    tc::cp_async_wait<0>();
+    __syncwarp();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = warp * 16 + group + 8 * hh;
+      float dl = 0.f;
+#pragma unroll
+      for (int piece = quad; piece < CH; piece += 4) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(own_s0 + r * RS + piece * EPP);
+        const uint4 dv = *reinterpret_cast<const uint4*>(own_s1 + r * RS + piece * EPP);
+        const T* oe = reinterpret_cast<const T*>(&ov);
+        const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+        for (int t = 0; t < EPP; ++t) dl += to_float(oe[t]) * to_float(de[t]);
+      }
+      dl += __shfl_xor_sync(0xffffffffu, dl, 1);
+      dl += __shfl_xor_sync(0xffffffffu, dl, 2);
+      row_dl[hh] = dl;
+      int c[3];
+      if (quad == 0 && col0 == 0 && owner_coords(group + 8 * hh, c))
+        delta[offset6(p.delta, b, full(0, c[0]), full(1, c[1]), full(2, c[2]), h, 0)] = dl;
+    }
+    __syncwarp();  // every lane is done reading o
+    stage(own_s0, own0, off0, nullptr, nullptr, 0, false);
+    tc::cp_async_commit();
   }
 
   float acc0[DC / 8][4], acc1[NACC1][4];
@@ -354,7 +376,7 @@ template <int Dp, bool OwnerIsKey> struct MinBlocks {
 
 // dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * heads from
 // bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA tile
-// t, warp patch p, tiles per dilation group n.
+// t and warp patch p (powers of two), log2 l of p, tiles per dilation group n.
 template <typename T, int Dp, int DC>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, true>::value)
 na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -362,12 +384,14 @@ na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                 const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                 const int t0, const int t1, const int t2, const int p0, const int p1,
-                const int p2, const int n0, const int n1, const int n2, const int slab_rows,
+                const int p2, const int l0, const int l1, const int l2, const int n0,
+               const int n1, const int n2, const int slab_rows,
                 const int bh0) {
-  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, tab_off[3] = {0, tab1, tab2};
-  const int ntile[3] = {n0, n1, n2};
+  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
+  const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
   bwd_pass<T, Dp, DC, true>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk,
-                            p.dv, tab, tab_off, tile, patch, ntile, slab_rows, bh0);
+                            p.dv, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
+                            bh0);
 }
 
 // dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o; runs
@@ -379,10 +403,12 @@ na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                float* __restrict__ delta, T* __restrict__ dq,
                const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                const int t0, const int t1, const int t2, const int p0, const int p1,
-               const int p2, const int n0, const int n1, const int n2, const int slab_rows,
+               const int p2, const int l0, const int l1, const int l2, const int n0,
+               const int n1, const int n2, const int slab_rows,
                const int bh0) {
-  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, tab_off[3] = {0, tab1, tab2};
-  const int ntile[3] = {n0, n1, n2};
+  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
+  const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
   bwd_pass<T, Dp, DC, false>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
-                             p.dq, tab, tab_off, tile, patch, ntile, slab_rows, bh0);
+                             p.dq, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
+                            bh0);
 }

@@ -38,7 +38,8 @@ SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fi
 MAX_GRID_Y = 65535
 
 # (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes. Every tile
-# holds exactly 4 patches of 16 rows (kWarps in na_fused_bwd.cu).
+# holds exactly 4 patches of 16 rows (kWarps in na_fused_bwd.cu); all extents are powers of
+# two (the kernels shift and mask instead of dividing).
 TILES = {
     1: ((64, 1, 1), (16, 1, 1)),
     2: ((8, 8, 1), (4, 4, 1)),
@@ -198,7 +199,10 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
                     problem.dilation + (1,) * (3 - problem.rank), tile)]
     ntiles = math.prod(per_axis)
     groups = math.prod(problem.dilation)
-    geo = [numpy.int32(x) for x in tile + patch + tuple(per_axis)]
+    if any(x & (x - 1) for x in tile + patch):
+        raise ValueError(f"tile {tile} and patch {patch} extents must be powers of two")
+    lpatch = tuple(int(x).bit_length() - 1 for x in patch)
+    geo = [numpy.int32(x) for x in tile + patch + lpatch + tuple(per_axis)]
     bh = problem.batch * problem.heads
     tab, tab_off, reach = _geometry(problem, tile)
     name_kv, name_q = _names(ct, dp)
