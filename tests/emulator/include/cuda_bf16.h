@@ -1,0 +1,26 @@
+// CPU stand-in for <cuda_bf16.h> (tests/emulator only): just what natten's kernels use.
+#pragma once
+#include <cstdint>
+#include <cstring>
+struct __nv_bfloat16 {
+  uint16_t bits;  // the top 16 bits of a float
+};
+inline float __bfloat162float(__nv_bfloat16 h) {
+  const uint32_t u = (uint32_t)h.bits << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  __nv_bfloat16 h;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    h.bits = (uint16_t)((u >> 16) | 0x40);
+    return h;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  h.bits = (uint16_t)(u >> 16);
+  return h;
+}
