@@ -35,20 +35,20 @@ WORKLOADS = {
     "SA64": ((16384,), (16384,), 16, 64),
     "SA128": ((16384,), (16384,), 16, 128),
 }
-# (workload, dtype, tile: None for the default, a query box, or a TileConfig to try)
+# (workload, dtype, tile: None for the default, a query box, or a TileConfig to try). Configs
+# with lines=False time the flat walk (before the line walk) side by side.
 def _runs():
     from natten_cupy.backends._fused_fwd import TileConfig as C
+    flat2, flat3 = C((4, 4, 1), (2, 2, 1), 2, False), C((1, 4, 4), (2, 2, 1), 2, False)
     return [
-        ("W2", "float16", None), ("W2", "float16", (16, 8)),
-        ("W2", "float16", C((4, 4, 1), (2, 2, 1), 1)), ("W2", "float16", C((2, 8, 1), (4, 1, 1), 2)),
-        ("W2", "bfloat16", None), ("W2", "float32", None),
-        ("W3", "float16", None), ("W3", "float16", (4, 4, 4)),
-        ("W3", "float16", C((1, 4, 4), (2, 2, 1), 1)),
-        ("W3b", "float16", None), ("W2b", "float16", None),
-        ("W1", "float16", (64,)), ("W1", "float16", (128,)),
-        ("W1", "float16", C((16, 1, 1), (4, 1, 1), 2)),
+        ("W2", "float16", flat2), ("W2", "float16", None), ("W2", "float16", (16, 8)),
+        ("W2", "float16", C((2, 8, 1), (4, 1, 1), 2, False)),
+        ("W2", "bfloat16", None), ("W2", "float32", flat2), ("W2", "float32", None),
+        ("W3", "float16", flat3), ("W3", "float16", None), ("W3", "float16", (4, 4, 4)),
+        ("W3b", "float16", flat3), ("W3b", "float16", None),
+        ("W2b", "float16", None), ("W2b", "float16", C((4, 4, 1), (2, 2, 1), 2)),
+        ("W1", "float16", None), ("W1", "float16", (128,)),
         ("SA64", "float16", None), ("SA128", "float16", None),
-        ("SA64", "float16", C((16, 1, 1), (4, 1, 1), 2)),
     ]
 
 
@@ -151,17 +151,18 @@ def time_all():
             tile = None
             key = (len(spatial), _fused_fwd._bucket(dim))
             saved, _fused_fwd.DEFAULT[key] = _fused_fwd.DEFAULT[key], trial
+        _fused_fwd._plan.cache_clear()  # plans are cached per problem, not per DEFAULT
         dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
         q, k, v = _inputs(cp, (1,) + spatial + (heads, dim), dtype)
         prob = _args.check_fused(len(spatial), q, k, v, kernel, 1, 1, False, None, "fused",
                                  allow_tf32=dname == "float32", tile=tile)
         why = fused.refuse("fused_forward", prob)
-        if why:
-            rows.append((wid, dname, tile, None, why))
-            continue
         out = cp.empty_like(q)
         lse = cp.empty(q.shape[:-1], cp.float32)
         try:
+            if why:
+                raise ValueError(why)
+            kname = _fused_fwd._plan(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
             for _ in range(2):
                 fused.fused_forward(prob, q, k, v, out, lse)
             times = []
@@ -175,25 +176,28 @@ def time_all():
             ms = float(numpy.median(times))
             spread = (max(times) - min(times)) / ms
             ok = _finite(cp, out) and _finite(cp, lse)
-            rows.append((wid, dname, tile, ms, f"spread {spread:.0%}{'' if ok else ' NONFINITE!'}",
+            rows.append((wid, dname, tile, ms,
+                         f"spread {spread:.0%}{'' if ok else ' NONFINITE!'} {kname}",
                          prob.flops_forward()))
         except Exception as e:
             rows.append((wid, dname, tile, None, f"{type(e).__name__}: {str(e)[:200]}"))
         if trial is not None:
             _fused_fwd.DEFAULT[key] = saved
-            rows[-1] = (rows[-1][0], rows[-1][1], f"{trial.patch}x{trial.warps}k{trial.kb}") + rows[-1][3:]
+            name = f"{trial.patch[:2]}x{trial.warps[:2]}k{trial.kb}{'' if trial.lines else ' flat'}"
+            rows[-1] = (rows[-1][0], rows[-1][1], name) + rows[-1][3:]
+            _fused_fwd._plan.cache_clear()
         del q, k, v, out, lse
         cp.get_default_memory_pool().free_all_blocks()
-    print(f"{'id':<6}{'dtype':<9}{'tile':<26}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
+    print(f"{'id':<6}{'dtype':<9}{'tile':<30}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
     for r in rows:
         wid, dname, tile, ms, note = r[:5]
         if ms is None:
-            print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<26}{'-':>8}  {note}")
+            print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<30}{'-':>8}  {note}")
             continue
         tflops = r[5] / ms / 1e9
         peer = FLEX.get((wid, dname)) or SDPA.get(WORKLOADS[wid][3] if wid.startswith("SA") else 0)
         ratio = f"{peer / ms:.2f}" if peer else "-"
-        print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<26}{ms:8.3f}{tflops:9.1f}"
+        print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<30}{ms:8.3f}{tflops:9.1f}"
               f"{peer or 0:9.2f}{ratio:>8}  {note}")
 
 

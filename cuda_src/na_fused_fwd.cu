@@ -1,9 +1,10 @@
 // Fused neighborhood-attention forward on tensor cores: out = softmax(scale * q k^T) v over each query's window, and lse (natural log), flash-style (online softmax, nothing in memory).
-// One CTA = a box of queries of one dilation group, head and batch; each warp owns a compact 16-query patch (the m16 rows of its mma) and walks only its patch's key halo, 16 keys at a time, gathering key rows from shared memory (ldmatrix or per-lane loads take any row).
+// One CTA = a box of queries of one dilation group, head and batch; each warp owns a compact 16-query patch (the m16 rows of its mma) and walks only its patch's key halo, line by line in 8-key groups (2-D, 3-D) or flat 16 keys at a time, gathering key rows from shared memory (ldmatrix or per-lane loads take any row).
 // Reads q, k, v (last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit); writes out and lse (float32).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/fused_tile.cuh"
+#include "natten/fused_fwd_lines.cuh"
 
 namespace natten {
 namespace fused_fwd {
@@ -69,13 +70,17 @@ using namespace natten::fused_fwd;
 
 // T: element type; RANK: axes in use (the others are inert); DP: padded head dim (32, 64, 128, 256); P*: warp patch (P0 P1 P2 = 16);
 // W*: warps per CTA along each axis (the CTA's query box is (W0 P0, W1 P1, W2 P2)); KB: 16-key
-// sub-blocks a warp takes per iteration (independent mma chains, one softmax reduction).
-template <typename T, int RANK, int DP, int P0, int P1, int P2, int W0, int W1, int W2, int KB>
+// sub-blocks a warp takes per iteration (independent mma chains, one softmax reduction); LINES
+// (2-D, 3-D): walk the warp halo line by line in 8-key groups (LineWalk), else in flat row-major
+// order.
+template <typename T, int RANK, int DP, int P0, int P1, int P2, int W0, int W1, int W2, int KB,
+          bool LINES>
 __global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP, KB))
 na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const NAParams p, int chunk_keys,
              int stages) {
   static_assert(P0 * P1 * P2 == 16, "a warp patch holds 16 queries");
+  static_assert(!LINES || RANK >= 2, "the line walk is for 2-D and 3-D");
   constexpr int NW = W0 * W1 * W2, NT = 32 * NW;
   constexpr int EPC = Elem<T>::per_chunk;  // elements per 16-byte chunk
   constexpr int CPR = DP / EPC;            // 16-byte chunks per shared-memory row
@@ -127,7 +132,10 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
   }
   const int total = hl[0] * hl[1] * hl[2];
-  const int nchunks = (total + chunk_keys - 1) / chunk_keys;
+  // Keys per chunk: the line walk cuts chunks at CTA-halo lines, so that no warp line
+  // straddles two chunks (the launcher makes chunk_keys at least one line).
+  const int ck = LINES ? chunk_keys / hl[RANK - 1] * hl[RANK - 1] : chunk_keys;
+  const int nchunks = (total + ck - 1) / ck;
 
   // ---- warp geometry: patch, its key halo box inside the CTA halo, common box ----
   const int wa[3] = {warp / (W1 * W2), (warp / W2) % W1, warp % W2};
@@ -148,6 +156,9 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     clo[a] -= s;
     chi[a] -= s;
   }
+  constexpr int CA = RANK - 1;  // column axis of the line walk
+  LineWalk<RANK> walk;
+  if constexpr (LINES) walk.init(wo, wn, hl);
   Split<RANK> split;
   split.n2 = wn[2];
   split.n1n2 = wn[1] * wn[2];
@@ -211,11 +222,11 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   }
   tc::cp_async_commit();
 
-  // Stage chunk ch of the CTA halo (flat keys [ch * chunk_keys, ...)) into buffer ch % stages.
+  // Stage chunk ch of the CTA halo (flat keys [ch * ck, ...)) into buffer ch % stages.
   auto load_chunk = [&](int ch) {
     T* const ks = kv_s + (ch % stages) * 2 * chunk_keys * DP;
     T* const vs = ks + chunk_keys * DP;
-    const int f0 = ch * chunk_keys, nk = min(chunk_keys, total - f0);
+    const int f0 = ch * ck, nk = min(ck, total - f0);
     for (int i = tid; i < nk * CPR; i += NT) {
       const int r = i / CPR, c = i % CPR;
       const int f = f0 + r;
@@ -282,9 +293,17 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
       const T* const ks = kv_s + (ch % stages) * 2 * chunk_keys * DP;
       const T* const vs = ks + chunk_keys * DP;
-      const int f0 = ch * chunk_keys;
-      const int t_lo = fused::count_before(wo, wn, hl, f0);
-      const int t_hi = fused::count_before(wo, wn, hl, min(f0 + chunk_keys, total));
+      const int f0 = ch * ck, f1 = min(f0 + ck, total);
+      // The warp's part of this chunk: flat walk, halo indices [it_lo, it_hi); line walk,
+      // 8-key groups [it_lo, it_hi) of whole lines.
+      int it_lo, it_hi;
+      if constexpr (LINES) {
+        walk.range(wo, wn, hl, f0, f1, nchunks == 1, it_lo, it_hi);
+      } else {
+        it_lo = fused::count_before(wo, wn, hl, f0);
+        it_hi = fused::count_before(wo, wn, hl, f1);
+      }
+      const int t_hi = it_hi;
 
       // Shared-memory row of the key at warp-halo coordinates (a0, a1, a2).
       auto row_at = [&](int a0, int a1, int a2) {
@@ -297,33 +316,60 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         return row_at(a0, a1, a2);
       };
 
-      // One iteration: KB sub-blocks of 16 keys, warp-halo flat indices [t0, t0 + 16 KB).
-      for (int t0 = warp_active ? t_lo : t_hi; t0 < t_hi; t0 += 16 * KB) {
-        float s[2 * KB][4];  // s[j][e]: row group + 8 (e >> 1), key t0 + 8 j + 2 quad + (e & 1)
+      // One iteration: KB sub-blocks of 16 keys, 8-key groups j = 0 .. 2 KB - 1: flat walk,
+      // warp-halo flat indices [t0 + 8 j, +8); line walk, groups t0 + j.
+      constexpr int STEP = LINES ? 2 * KB : 16 * KB;
+      for (int t0 = warp_active ? it_lo : it_hi; t0 < it_hi; t0 += STEP) {
+        float s[2 * KB][4];  // s[j][e]: row group + 8 (e >> 1), key 2 quad + (e & 1) of group j
 #pragma unroll
         for (int j = 0; j < 2 * KB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 
-        // Rows this lane addresses (key kib of each sub-block), and whether every key of the
-        // iteration lies inside every query's window (then nothing is masked).
+        // Line walk: per group, line coordinates, first column, chunk row of column 0.
+        int gl0[2 * KB], gl1[2 * KB], gcol[2 * KB], grow[2 * KB];
+        if constexpr (LINES) {
+#pragma unroll
+          for (int j = 0; j < 2 * KB; ++j) {
+            walk.group(min(t0 + j, it_hi - 1), gl0[j], gl1[j], gcol[j], grow[j]);
+            grow[j] -= f0;
+          }
+        }
+        // Shared-memory row of key c (0..7) of group j (line walk: padding columns past the
+        // line's end read its last key, masked).
+        auto key_row = [&](int j, int c) {
+          if constexpr (LINES) {
+            return grow[j] + min(gcol[j] + c, wn[CA] - 1);
+          } else {
+            return row_of(t0 + 8 * j + c);
+          }
+        };
+
+        // Rows this lane addresses (key kib of each sub-block), and (flat walk) whether every
+        // key of the iteration lies inside every query's window (then nothing is masked; the
+        // line walk always masks: its groups of 8 rarely lie inside every window).
         int krow[KB];
         bool inside = true;
 #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
-          const int t = t0 + 16 * kb + kib;
-          int a0, a1, a2;
-          split(min(t, t_hi - 1), a0, a1, a2);
-          krow[kb] = row_at(a0, a1, a2);
-          inside &= t < t_hi && a0 >= clo[0] && a0 < chi[0] && a1 >= clo[1] && a1 < chi[1] &&
-                    a2 >= clo[2] && a2 < chi[2];
+          if constexpr (LINES) {
+            krow[kb] = kib < 8 ? key_row(2 * kb, kib) : key_row(2 * kb + 1, kib - 8);
+            __builtin_assume(krow[kb] >= 0);
+          } else {
+            const int t = t0 + 16 * kb + kib;
+            int a0, a1, a2;
+            split(min(t, t_hi - 1), a0, a1, a2);
+            krow[kb] = row_at(a0, a1, a2);
+            inside &= t < t_hi && a0 >= clo[0] && a0 < chi[0] && a1 >= clo[1] && a1 < chi[1] &&
+                      a2 >= clo[2] && a2 < chi[2];
+          }
         }
-        inside = __all_sync(0xffffffffu, inside);
+        if constexpr (!LINES) inside = __all_sync(0xffffffffu, inside);
 
         // ---- S = Q K^T ----
         if constexpr (TF32) {
           const float* const kf = reinterpret_cast<const float*>(ks);
           int kr[2 * KB];  // rows of keys group and group + 8 of each sub-block
 #pragma unroll
-          for (int j = 0; j < 2 * KB; ++j) kr[j] = row_of(t0 + 8 * j + group);
+          for (int j = 0; j < 2 * KB; ++j) kr[j] = key_row(j, group);
           // Fully unrolled, DP 256 hoists every k-step's loads and spills; 4 at a time fits.
 #pragma unroll(DP > 128 ? 4 : DP / 8)
           for (int kk = 0; kk < DP / 8; ++kk) {
@@ -371,7 +417,26 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         for (int j = 0; j < 2 * KB; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
-        if (!inside) {
+        if constexpr (LINES) {
+          // Row ri sees key column c of group j when its window on the line axes holds the
+          // group's line and its window on the column axis holds c (windows lie inside the
+          // warp halo, so padding columns are masked too).
+#pragma unroll
+          for (int j = 0; j < 2 * KB; ++j) {
+#pragma unroll
+            for (int ri = 0; ri < 2; ++ri) {
+              const int wl0 = ri && AX8 == 0 ? wlo8 : wlo[0], ws0 = ri && AX8 == 0 ? wsz8 : wsz[0];
+              const int wl1 = ri && AX8 == 1 ? wlo8 : wlo[1], ws1 = ri && AX8 == 1 ? wsz8 : wsz[1];
+              const int wlc = ri && AX8 == CA ? wlo8 : wlo[CA], wsc = ri && AX8 == CA ? wsz8 : wsz[CA];
+              bool line_ok = t0 + j < it_hi && (unsigned)(gl0[j] - wl0) < (unsigned)ws0;
+              if (RANK == 3) line_ok &= (unsigned)(gl1[j] - wl1) < (unsigned)ws1;
+              const unsigned n = line_ok ? wsc : 0u;
+              const unsigned d = gcol[j] + 2 * quad - wlc;
+              if (!(d < n)) s[j][2 * ri] = NEG_INF;
+              if (!(d + 1 < n)) s[j][2 * ri + 1] = NEG_INF;
+            }
+          }
+        } else if (!inside) {
 #pragma unroll
           for (int j = 0; j < 2 * KB; ++j) {
             const int t = t0 + 8 * j + 2 * quad;
@@ -431,7 +496,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           for (int j = 0; j < 2 * KB; ++j) {
             const unsigned a[4] = {tc::to_tf32(s[j][0]), tc::to_tf32(s[j][2]),
                                    tc::to_tf32(s[j][1]), tc::to_tf32(s[j][3])};
-            const int r0 = row_of(t0 + 8 * j + 2 * quad), r1 = row_of(t0 + 8 * j + 2 * quad + 1);
+            const int r0 = key_row(j, 2 * quad), r1 = key_row(j, 2 * quad + 1);
 #pragma unroll
             for (int n = 0; n < DO / 8; ++n) {
               const int col = pass * DO + n * 8 + group;

@@ -38,6 +38,10 @@ CASES = [
     ((45, 33), (9, 7), 1, 1, False, 2, 32, F32, None),       # TF32
     ((7, 13, 9), (3, 5, 3), (1, 2, 1), (2, 1, 1), False, 1, 48, F32, None),
     ((257,), 64, 1, 1, True, 2, 128, F32, None),
+    ((37, 45), 9, 1, 1, False, 2, 32, F16, None),           # 2x8 patches, 9x9 (W2's shape)
+    ((40, 40), 15, (1, 2), 1, (False, True), 1, 128, F32, None),  # TF32, streamed
+    ((40, 44), 21, 1, (1, 2), False, 1, 64, F32, None),     # TF32, streamed by lines
+    ((10, 20, 21), (5, 9, 9), 1, (1, 1, 2), False, 1, 64, F16, None),  # 3-D streamed by lines
 ]
 
 

@@ -3,8 +3,10 @@ float32 as TF32 when the caller allows it.
 
 A CTA owns a box of queries of one dilation group; each warp a compact 16-query patch. The
 CTA stages its key halo in shared memory (streamed in double-buffered chunks when it does not
-fit) and each warp walks only its own patch's halo, 16 keys at a time, masking per element
-only in blocks that hold keys outside some query's window.
+fit) and each warp walks only its own patch's halo: in 2-D and 3-D line by line (a line: keys
+that differ on the last axis only) in groups of 8 keys, so that masking is one interval test
+per column, else (1-D, and tiles whose lines would pad badly) 16 keys at a time in flat
+row-major order.
 
 Tile configurations are data (``CONFIGS``): per rank, the warp patch and the warps per CTA
 along each axis; ``DEFAULT`` picks one per (rank, head-dim bucket) and ``problem.tile`` (the
@@ -36,6 +38,7 @@ class TileConfig:
     patch: tuple   # queries per warp along (axis0, axis1, axis2); product 16
     warps: tuple   # warps per CTA along (axis0, axis1, axis2)
     kb: int        # 16-key sub-blocks a warp takes per iteration
+    lines: bool = True   # walk the warp halo by lines (2-D, 3-D; else flat, 16 keys at a time)
 
     @property
     def box(self):
@@ -47,14 +50,20 @@ class TileConfig:
 
 
 # Per rank: the default first, then an alternative compiled for float16/bfloat16 up to head
-# dim 64 (reachable through ``problem.tile``). On the H200 the two time within noise of each
-# other on W2, W3, W1 and self-attention (NOTES-fused-fwd.md).
+# dim 64 (reachable through ``problem.tile``). A line of the warp halo holds patch + kernel - 1
+# keys, padded to 8: the 2x8 patch makes a 9x9 window's lines exactly 16 wide, the 1x4x4 patch
+# a 3x5x5 window's 8. Chosen by the H200 timings in NOTES-fused-fwd.md (v3): the line walk is
+# faster where lines pad little (W2 -3%, W2 TF32 -12%, W3 -12%), slower where they pad much
+# (W3b 10 -> 16: +10%; 13x13 with 2x8 patches: +23%), and no faster in 1-D.
 CONFIGS = {
-    1: (TileConfig((16, 1, 1), (4, 1, 1), 4), TileConfig((16, 1, 1), (8, 1, 1), 4)),
-    2: (TileConfig((4, 4, 1), (2, 2, 1), 2), TileConfig((4, 4, 1), (4, 2, 1), 2)),
+    1: (TileConfig((16, 1, 1), (4, 1, 1), 4, False), TileConfig((16, 1, 1), (8, 1, 1), 4, False)),
+    2: (TileConfig((2, 8, 1), (4, 1, 1), 2), TileConfig((4, 4, 1), (4, 2, 1), 2, False)),
     3: (TileConfig((1, 4, 4), (2, 2, 1), 2), TileConfig((2, 2, 4), (2, 2, 1), 2)),
 }
 DEFAULT = {(rank, dp): CONFIGS[rank][0] for rank in (1, 2, 3) for dp in BUCKETS}
+# Head dim 128 and up (larger windows, e.g. W2b's 13x13): the flat walk, as before v3.
+DEFAULT.update({(2, dp): TileConfig((4, 4, 1), (2, 2, 1), 2, False) for dp in (128, 256)})
+DEFAULT.update({(3, dp): TileConfig((1, 4, 4), (2, 2, 1), 2, False) for dp in (128, 256)})
 
 # Shared-memory budget of one CTA: whole halo in one buffer when it fits, else two chunks.
 SINGLE_BUDGET = 80 * 1024
@@ -71,8 +80,8 @@ def _bucket(head_dim):
 
 def _compiled_for(cfg, rank, dtype, dp):
     """Whether ``cfg`` is among the instantiations for this rank, dtype and head-dim bucket."""
-    return (cfg == DEFAULT[(rank, dp)] or cfg == CONFIGS[rank][0]
-            or (dtype in HALF_TYPES and dp <= 64))
+    return (cfg == DEFAULT[(rank, dp)]
+            or (cfg in CONFIGS[rank] and dtype in HALF_TYPES and dp <= 64))
 
 
 def _config(problem):
@@ -81,6 +90,8 @@ def _config(problem):
     if problem.tile is None:
         return DEFAULT[(problem.rank, dp)]
     want = tuple(problem.tile) + (1,) * (3 - len(problem.tile))
+    if DEFAULT[(problem.rank, dp)].box == want:
+        return DEFAULT[(problem.rank, dp)]
     for cfg in CONFIGS[problem.rank]:
         if cfg.box == want:
             if _compiled_for(cfg, problem.rank, problem.dtype, dp):
@@ -126,14 +137,14 @@ def _halo_max(problem, cfg):
 def _name(dtype, rank, dp, cfg):
     p, w = cfg.patch, cfg.warps
     return (f"na_fwd_fused<{c_type(dtype)}, {rank}, {dp}, {p[0]}, {p[1]}, {p[2]}, "
-            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}>")
+            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}, {'true' if cfg.lines else 'false'}>")
 
 
 def instantiations():
     out = []
     for dtype in HALF_TYPES + (FLOAT32,):
         for rank, cfgs in CONFIGS.items():
-            for cfg in cfgs:
+            for cfg in cfgs + tuple(DEFAULT[(rank, dp)] for dp in BUCKETS):
                 for dp in BUCKETS:
                     if _compiled_for(cfg, rank, dtype, dp):
                         out.append((SOURCE, _name(dtype, rank, dp, cfg)))
@@ -169,15 +180,18 @@ def _plan(problem):
     es = numpy.dtype(problem.dtype).itemsize
     q_bytes = cfg.num_warps * 16 * dp * es
     row_bytes = 2 * dp * es
-    halo = math.prod(_halo_max(problem, cfg))
+    hmax = _halo_max(problem, cfg)
+    halo = math.prod(hmax)
     if q_bytes + halo * row_bytes <= SINGLE_BUDGET:
         chunk, stages = halo, 1
     else:
-        # Whole iterations per chunk where they fit (a warp's run is then aligned), else
-        # 16-key multiples (wide TF32 rows).
+        # Whole iterations per chunk where they fit, else 16-key multiples (wide TF32 rows);
+        # the line walk (2-D, 3-D) cuts chunks at halo lines, so at least one line.
         step = 16 * cfg.kb
         fit = (STREAM_BUDGET - q_bytes) // (2 * row_bytes)
         chunk = fit // step * step if fit >= step else max(16, fit // 16 * 16)
+        if cfg.lines and problem.rank >= 2:
+            chunk = max(chunk, hmax[problem.rank - 1])
         chunk, stages = min(chunk, halo), 2
     ctas = problem.heads
     for a in range(problem.rank):
