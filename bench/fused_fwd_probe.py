@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py check [i n]  # tests' cases (i-th of n parts)
     PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py time     # BENCH.md workloads, ms and TFLOP/s
     PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py small    # one small case (for compute-sanitizer)
+    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py split    # W2 over window sizes: fixed vs per-iteration cost
 
 Timings: CUDA events around each launch after two warm-up runs, median of 15; inputs are
 fresh standard-normal arrays (never zeros). FLOPs are BENCH.md's useful FLOPs, 4 B N H K D.
@@ -201,6 +202,55 @@ def time_all():
               f"{peer or 0:9.2f}{ratio:>8}  {note}")
 
 
+def _time_ms(fn, reps=15):
+    import cupy as cp
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(numpy.median(times))
+
+
+def split():
+    """W2's grid, heads and head dim over square windows 3..13: ms against key-loop iterations
+    per warp, and the least-squares line ms = fixed + per_iteration * iterations (the fixed
+    part: CTA prologue, halo load, epilogue; the slope: one 32-key iteration of every warp)."""
+    import cupy as cp
+    from natten_cupy import _args
+    from natten_cupy.backends import _fused_fwd, get_backend
+    fused = get_backend("fused")
+    C = _fused_fwd.TileConfig
+    q, k, v = _inputs(cp, (1, 1024, 1024, 8, 32), numpy.dtype(numpy.float16))
+    out = cp.empty_like(q)
+    lse = cp.empty(q.shape[:-1], cp.float32)
+    key = (2, 32)
+    saved = _fused_fwd.DEFAULT[key]
+    for cfg in (C((2, 8, 1), (4, 1, 1), 2), C((4, 4, 1), (2, 2, 1), 2, False)):
+        _fused_fwd.DEFAULT[key] = cfg
+        _fused_fwd._plan.cache_clear()
+        its, mss = [], []
+        for ks in (3, 5, 7, 9, 11, 13):
+            prob = _args.check_fused(2, q, k, v, ks, 1, 1, False, None, "fused")
+            wn = [p + ks - 1 for p in cfg.patch[:2]]
+            keys = wn[0] * -(-wn[1] // 8) * 8 if cfg.lines else wn[0] * wn[1]
+            it = -(-keys // (16 * cfg.kb))
+            ms = _time_ms(lambda: fused.fused_forward(prob, q, k, v, out, lse))
+            its.append(it)
+            mss.append(ms)
+            print(f"{str(cfg.patch[:2]) + (' lines' if cfg.lines else ' flat'):<16} k {ks:>2}  "
+                  f"iterations/warp {it:>3}  {ms:7.3f} ms  {prob.flops_forward() / ms / 1e9:6.1f} TFLOP/s")
+        slope, fixed = numpy.polyfit(its, mss, 1)
+        print(f"  fit: {fixed:.3f} ms fixed + {slope:.3f} ms per iteration")
+    _fused_fwd.DEFAULT[key] = saved
+    _fused_fwd._plan.cache_clear()
+
+
 def small():
     import cupy as cp
     cp.cuda.set_allocator(None)
@@ -213,5 +263,5 @@ def small():
 
 
 if __name__ == "__main__":
-    {"warm": warm, "check": check, "time": time_all, "small": small}[sys.argv[1]](
+    {"warm": warm, "check": check, "time": time_all, "small": small, "split": split}[sys.argv[1]](
         *(int(a) for a in sys.argv[2:]))
