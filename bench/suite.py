@@ -18,9 +18,12 @@ SDPA) goes through the same steps:
 5. CUDA-event timing after warm-up, medians: forward, forward+backward (random dO), and
    backward as their difference.
 
-One failing implementation records its error and the run goes on. The run stops starting
-new items when ``--budget-s`` is spent; each group gets a fair share of what is left. The
-JSON is rewritten after every item, so an interrupted run still leaves its results.
+One failing implementation records its error and the run goes on. The run has two phases
+within ``--budget-s``: phase 1 runs every group's core items (our best implementation and the
+best peer), with fewer repetitions (down to ``--min-reps``) where the budget cannot cover them
+all; phase 2 then runs the other items group by group, each only if its estimated cost fits
+what is left. Results are listed group by group in plan order. The JSON is rewritten after
+every item, so an interrupted run still leaves its results.
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-3, "tf32": 2e-2}
 L2_BYTES = 50 * 2 ** 20
 # The unfused chain is skipped where its attention weights alone would exceed this.
 MAX_ATTN_BYTES = 8 * 2 ** 30
-# What torch.compile of FlexAttention forward+backward takes for a new shape (about).
-FLEX_COMPILE_S = 40.0
+# Planning estimates of what an item takes besides its timed repetitions (setup, first calls,
+# check): torch.compile of FlexAttention forward+backward for a new shape (H200 runs: 5-8 s,
+# about 10 s more for the first in a process), anything else.
+FLEX_COMPILE_S = 15.0
+SETUP_S = 3.0
 # "cuda" for real runs; "cpu" runs the same control flow on NumPy/eager torch (smoke tests).
 DEVICE = {"name": "cuda"}
 
@@ -257,6 +263,11 @@ class Memory:
         return False
 
 
+def _from_host(ref, like):
+    import torch
+    return torch.from_numpy(ref).to(like.device)
+
+
 def _rel_err(a, b):
     a, b = a.float(), b.float()
     scale = float(b.abs().max())
@@ -266,18 +277,25 @@ def _rel_err(a, b):
     return err / scale if scale > 0 else err
 
 
-def _reps(t_ms, limit_s, lo, hi):
-    return max(lo, min(hi, int(limit_s * 1e3 / max(t_ms, 1e-3))))
+def _reps(t_ms, limit_ms, lo, hi):
+    return max(lo, min(hi, int(limit_ms / max(t_ms, 1e-3))))
 
 
-def run_item(impl, w, spec, group, args, deadline):
+def _to_host(t):
+    """A reference output kept between phases: a NumPy copy (bfloat16 as float32)."""
+    import torch
+    t = t.detach()
+    return (t.float() if t.dtype == torch.bfloat16 else t).to("cpu", copy=True).numpy()
+
+
+def run_item(impl, w, spec, group, args, measure_s):
     """Measure one implementation; returns its record (raises Skip or errors).
 
     Compiling calls are timed on their own (wall clock). The per-item limit ``args.item_s``
     applies to calls after compilation: an implementation whose single forward, times 3.5 for
     a backward at 2.5x, exceeds it is timed once and its backward is not run; one whose
-    forward+backward exceeds it is timed once. Repetitions also shrink to fit what is left
-    of the group's share (``deadline``).
+    forward+backward exceeds it is timed once. Otherwise the repetitions fill
+    min(``args.item_s``, ``measure_s``), within [``args.min_reps``, ``args.max_reps``].
     """
     rec = {"notes": []}
     notes = rec["notes"]
@@ -302,27 +320,27 @@ def run_item(impl, w, spec, group, args, deadline):
     rec["first_fwdbwd_ms"] = (time.perf_counter() - t0) * 1e3
     rec["peak_extra_bytes"] = m.peak
     if group.get("ref") is None:
-        group["ref"] = (impl.name, tuple(t.clone() for t in outs))
+        group["ref"] = (impl.name, tuple(_to_host(t) for t in outs))
     ref_name, ref = group["ref"]
-    errs = {n: _rel_err(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs, ref)}
+    errs = {n: _rel_err(a, _from_host(b, a))
+            for n, a, b in zip(("out", "dq", "dk", "dv"), outs, ref)}
     tol = TOLERANCE["tf32" if spec["tf32"] else spec["name"]]
     rec.update(checked_against=ref_name, rel_err=errs,
                check_ok=all(e <= (tol if n == "out" else 2 * tol) for n, e in errs.items()))
     del outs
 
     t_fb = _timed(impl.forward_backward, 1)[0]
-    budget_ms = min(limit_ms, 1e3 * max(0.0, deadline - time.time()))
-    if t_f + t_fb > budget_ms:
+    budget_ms = min(limit_ms, 1e3 * max(0.0, measure_s))
+    if t_f + t_fb > limit_ms:
         f_times, fb_times = [t_f], [t_fb]
         notes.append(f"one repetition: a forward+backward takes {t_fb / 1e3:.2f} s")
     else:
-        share_f = t_f / (t_f + t_fb)
-        r_f = _reps(t_f, budget_ms * share_f, args.min_reps, args.max_reps)
-        r_fb = _reps(t_fb, budget_ms * (1 - share_f), args.min_reps, args.max_reps)
+        # As many forwards as forward+backwards: together they fill the budget.
+        reps = _reps(t_f + t_fb, budget_ms, args.min_reps, args.max_reps)
         for _ in range(max(0, min(args.warmup, int(budget_ms / (t_f + t_fb)) - 2))):
             impl.forward_backward()
-        f_times = _timed(impl.forward, r_f)
-        fb_times = _timed(impl.forward_backward, r_fb)
+        f_times = _timed(impl.forward, reps)
+        fb_times = _timed(impl.forward_backward, reps)
     _finish(rec, w, spec, f_times, fb_times)
     return rec
 
@@ -479,43 +497,57 @@ def main(argv=None):
     }
     groups = [(wl.WORKLOADS[wid], wl.dtype_spec(dt)) for wid, dt in args.groups]
     plans = [plan_group(w, spec, args) for w, spec in groups]
-    total = sum(len(p) for p in plans)
+    schedule = make_schedule(plans)
+    last = {gi: pos for pos, (gi, _, _) in enumerate(schedule)}
+    # What a group needs across phases: the check reference (on the host), whether its
+    # FlexAttention is compiled, our best's fwd + fwd+bwd seconds; inputs only while it runs.
+    states = [{"inputs": None, "ref": None} for _ in groups]
+    records = {}
     context_lost = None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("bench", total=total)
-        for gi, ((w, spec), plan) in enumerate(zip(groups, plans)):
-            g_start = time.time()
-            share = max(0.0, deadline - g_start) / (len(groups) - gi)
-            g_deadline = min(deadline, g_start + share)
-            group = {"inputs": None, "ref": None}
-            for ii, (name, kind, factory) in enumerate(plan):
-                rec = {"workload": w.id, "dtype": spec["key"], "impl": name, "kind": kind,
-                       "floor_fwd_ms": w.floor_ms(spec["key"]),
-                       "floor_bwd_ms": w.floor_ms(spec["key"], True)}
-                progress.update(task, description=f"{w.id} {spec['key']} {name}")
-                now = time.time()
-                if context_lost:
-                    rec.update(status="not run", reason=f"CUDA context lost ({context_lost})")
-                elif now >= deadline or (ii > 0 and (now >= g_deadline or
-                                                     now + _least_cost(name, group) >= deadline)):
-                    rec.update(status="not run", reason="time budget spent")
+        task = progress.add_task("bench", total=len(schedule))
+        for pos, (gi, ii, phase) in enumerate(schedule):
+            (w, spec), (name, kind, factory), state = groups[gi], plans[gi][ii], states[gi]
+            rec = {"workload": w.id, "dtype": spec["key"], "impl": name, "kind": kind,
+                   "floor_fwd_ms": w.floor_ms(spec["key"]),
+                   "floor_bwd_ms": w.floor_ms(spec["key"], True)}
+            progress.update(task, description=f"{w.id} {spec['key']} {name} (phase {phase})")
+            left = deadline - time.time()
+            fixed, least = item_cost_s(name, w, spec, state, args)
+            if context_lost:
+                rec.update(status="not run", reason=f"CUDA context lost ({context_lost})")
+            elif phase == 2 and least > left:
+                rec.update(status="not run", reason="time budget spent")
+            else:
+                if phase == 1:
+                    # Phase 1 runs regardless; what is left beyond the least every remaining
+                    # core item needs is shared out for repetitions.
+                    todo = [(g, i) for g, i, ph in schedule[pos:] if ph == 1]
+                    spare = left - sum(item_cost_s(plans[g][i][0], *groups[g], states[g],
+                                                   args)[1] for g, i in todo)
+                    measure_s = max(0.0, spare) / len(todo)
                 else:
-                    rec.update(_run_one(name, factory, w, spec, group, args,
-                                        max(g_deadline, now + 1.0) if ii == 0 else g_deadline))
-                    if name.startswith("flex") and rec["status"] == "ok":
-                        group["flex_compiled"] = True
-                    # Shares are for measuring: compiling extends the group's, not the run's.
-                    g_deadline = min(deadline, g_deadline + _compile_s(rec))
-                    if rec["status"] == "error" and not _cuda_alive():
-                        context_lost = f"after {w.id} {spec['key']} {name}"
-                data["results"].append(rec)
-                data["meta"]["elapsed_s"] = time.time() - t_start
-                write_json(args.out, data)
-                progress.console.print(_line(rec))
-                progress.advance(task)
-            group.clear()
-            _free()
+                    measure_s = left - fixed
+                rec.update(_run_one(name, factory, w, spec, state, args, measure_s))
+                if rec["status"] == "ok":
+                    if name.startswith("flex"):
+                        state["flex_compiled"] = True
+                    if kind == "ours" and "pair_s" not in state and rec.get("fwdbwd_ms"):
+                        state["pair_s"] = (rec["fwd_ms"] + rec["fwdbwd_ms"]) / 1e3
+                if rec["status"] == "error" and not _cuda_alive():
+                    context_lost = f"after {w.id} {spec['key']} {name}"
+            records[gi, ii] = rec
+            if pos + 1 == len(schedule) or schedule[pos + 1][0] != gi:
+                state["inputs"] = None          # regenerated from the seed if needed again
+                if last[gi] == pos:
+                    state.clear()
+                _free()
+            data["results"] = [records[k] for k in sorted(records)]
+            data["meta"]["elapsed_s"] = time.time() - t_start
+            write_json(args.out, data)
+            progress.console.print(_line(rec))
+            progress.advance(task)
     data["meta"]["elapsed_s"] = time.time() - t_start
     try:
         import report
@@ -528,23 +560,34 @@ def main(argv=None):
     return 0
 
 
-def _compile_s(rec):
-    """Seconds the first calls of an item took beyond a steady-state call."""
-    extra = 0.0
-    for first, steady in (("first_fwd_ms", "fwd_ms"), ("first_fwdbwd_ms", "fwdbwd_ms")):
-        if rec.get(first) is not None:
-            extra += max(0.0, rec[first] - (rec.get(steady) or 0.0))
-    return extra / 1e3
+def make_schedule(plans):
+    """[(group index, item index, phase)]: phase 1 the core items of every group (the first
+    of ours and the first peer of its plan), then phase 2 the others, group by group."""
+    core = []
+    for plan in plans:
+        firsts = {}
+        for ii, (_, kind, _) in enumerate(plan):
+            firsts.setdefault(kind, ii)
+        core.append(sorted(firsts.values()))
+    return ([(gi, ii, 1) for gi, c in enumerate(core) for ii in c]
+            + [(gi, ii, 2) for gi, plan in enumerate(plans) for ii in range(len(plan))
+               if ii not in core[gi]])
 
 
-def _least_cost(name, group):
-    """Seconds an item needs at least: FlexAttention's first item of a group compiles."""
-    if name.startswith("flex") and not group.get("flex_compiled"):
-        return FLEX_COMPILE_S
-    return 2.0
+def item_cost_s(name, w, spec, state, args):
+    """Estimated seconds (fixed, least) of an item before it runs. fixed: setup, compiling
+    (FlexAttention: once per group) and checking. least: fixed plus its first, sizing and
+    fewest (``--min-reps``) timed calls of forward and forward+backward, taking those from
+    BENCH.md's figures for a peer, else from our best's in this group (0 before it ran)."""
+    published = wl.PUBLISHED_PEERS.get((w.id, spec["key"]), {}).get(name)
+    pair = sum(published) / 1e3 if published else state.get("pair_s") or 0.0
+    fixed = (FLEX_COMPILE_S if name.startswith("flex") and not state.get("flex_compiled")
+             else SETUP_S)
+    calls = 2 + (args.min_reps if pair <= args.item_s else 0)
+    return fixed, fixed + calls * pair
 
 
-def _run_one(name, factory, w, spec, group, args, deadline):
+def _run_one(name, factory, w, spec, group, args, measure_s):
     t0 = time.time()
     impl = None
     try:
@@ -555,7 +598,7 @@ def _run_one(name, factory, w, spec, group, args, deadline):
             guess_s = impl.check_available(group["inputs"][0][0])
             if guess_s is not None and guess_s > args.item_s:
                 raise Skip(f"predicted too slow: about {guess_s:.0f} s per forward")
-        rec = run_item(impl, w, spec, group, args, deadline)
+        rec = run_item(impl, w, spec, group, args, measure_s)
         rec["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - one failure must not end the run
         if type(e).__name__ == "Skip":
