@@ -209,12 +209,16 @@ def on_device(x, case):
         inverse = numpy.argsort(order)
         host = numpy.ascontiguousarray(x.transpose(inverse))
         assert host.shape == buffer_shape
-        return _upload(cupy, host).transpose(order)
-    return _upload(cupy, numpy.ascontiguousarray(x))
+        return upload(cupy, host).transpose(order)
+    return upload(cupy, numpy.ascontiguousarray(x))
 
 
-def _upload(cupy, host):
-    # Through 16-bit integers, so that bfloat16 needs no CuPy-side dtype support to copy.
+def upload(cupy, host):
+    """A NumPy array as a contiguous CuPy array of the same dtype.
+
+    16-bit types travel as 16-bit integers, so bfloat16 needs no CuPy-side dtype support.
+    """
+    host = numpy.ascontiguousarray(host)
     if host.dtype.itemsize == 2:
         return cupy.asarray(host.view(numpy.uint16)).view(host.dtype)
     return cupy.asarray(host)
@@ -383,7 +387,7 @@ def check_backend(case, backend_name):
     if why is not None:
         return why
     x, truth, yard = references(case)
-    xd = {n: on_device(a, case) if n != "rpb" else _upload(cupy, a) for n, a in x.items()}
+    xd = {n: on_device(a, case) if n != "rpb" else upload(cupy, a) for n, a in x.items()}
     y = run(case, backend, xd, cupy)
     cupy.cuda.get_current_stream().synchronize()
     compare(case, {n: to_host(a) for n, a in y.items()}, truth, yard,

@@ -14,6 +14,7 @@ import pytest
 from natten_cupy import _args
 from natten_cupy._dtypes import BFLOAT16
 from natten_cupy.backends import get_backend
+from gpu_cases import to_host, upload
 from natten_cupy.ops import run_fused_backward, run_fused_forward
 
 pytestmark = pytest.mark.gpu
@@ -43,28 +44,15 @@ CASES = [
 ]
 
 
-def _upload(cp, host):
-    # Through 16-bit integers, so that bfloat16 needs no CuPy-side dtype support.
-    host = numpy.ascontiguousarray(host)
-    if host.dtype.itemsize == 2:
-        return cp.asarray(host.view(numpy.uint16)).view(host.dtype)
-    return cp.asarray(host)
-
-
-def _download(cp, x):
-    if x.dtype.itemsize == 2:
-        return cp.asnumpy(x.view(cp.uint16)).view(x.dtype).astype(F64)
-    return cp.asnumpy(x).astype(F64)
-
 
 def _layout(cp, host, layout):
     rank = host.ndim - 3
     if layout == "heads_first":  # [B, H, *spatial, D] buffers permuted to canonical (no copy)
         to_hf = (0, rank + 1) + tuple(range(1, rank + 1)) + (rank + 2,)
-        return _upload(cp, host.transpose(to_hf)).transpose(tuple(numpy.argsort(to_hf)))
+        return upload(cp, host.transpose(to_hf)).transpose(tuple(numpy.argsort(to_hf)))
     if layout == "strided_last":  # last dim not contiguous: the launcher copies
-        return _upload(cp, numpy.stack([host, host], axis=-1))[..., 0]
-    return _upload(cp, host)
+        return upload(cp, numpy.stack([host, host], axis=-1))[..., 0]
+    return upload(cp, host)
 
 
 def _problem(x, case, deterministic=False):
@@ -106,7 +94,7 @@ def _run_fused(cp, problem, dev, shape, dtype, grad_layout="canonical"):
     grads = [_layout(cp, numpy.full(shape, numpy.nan, dtype), grad_layout) for _ in range(3)]
     q, k, v, d_out, out, lse = dev
     run_fused_backward(problem, get_backend("fused"), d_out, q, k, v, out, lse, *grads)
-    return [_download(cp, g) for g in grads]
+    return [to_host(g) for g in grads]
 
 
 def check_case(case, rng, layout="canonical", grad_layout="canonical"):
@@ -159,7 +147,7 @@ def test_fused_backward_deterministic_is_bitwise_reproducible(rng):
     case = ((30, 29), (7, 5), 1, (1, 2), (False, True), 2, 64, BF16)
     q, k, v, d_out, out, lse, _ = _inputs(case, rng)
     problem = _problem(q, case, deterministic=True)
-    dev = [_upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
+    dev = [upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
     runs = [_run_fused(cp, problem, dev, q.shape, q.dtype) for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -172,7 +160,7 @@ def test_fused_backward_self_attention_equals_dense(rng):
     L, H, D = 96, 2, 64
     case = ((L,), L, 1, 1, False, H, D, F16)
     q, k, v, d_out, out, lse, _ = _inputs(case, rng)
-    dev = [_upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
+    dev = [upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
     dq, dk, dv = _run_fused(cp, _problem(q, case), dev, q.shape, F16)
     qf, kf, vf, df = (x.astype(F64)[0].transpose(1, 0, 2) for x in (q, k, v, d_out))
     s = qf @ kf.transpose(0, 2, 1) * D ** -0.5

@@ -11,6 +11,7 @@ import pytest
 from natten_cupy import _args
 from natten_cupy._dtypes import BFLOAT16
 from natten_cupy.backends import get_backend
+from gpu_cases import to_host, upload
 from natten_cupy.ops import run_fused_forward
 
 pytestmark = pytest.mark.gpu
@@ -48,19 +49,6 @@ CASES = [
 F64 = numpy.dtype(numpy.float64)
 
 
-def _upload(cp, host):
-    # Through 16-bit integers, so that bfloat16 needs no CuPy-side dtype support.
-    host = numpy.ascontiguousarray(host)
-    if host.dtype.itemsize == 2:
-        return cp.asarray(host.view(numpy.uint16)).view(host.dtype)
-    return cp.asarray(host)
-
-
-def _download(cp, x):
-    if x.dtype.itemsize == 2:
-        return cp.asnumpy(x.view(cp.uint16)).view(x.dtype).astype(F64)
-    return cp.asnumpy(x).astype(F64)
-
 
 def _problem(x, case, allow_tf32=False):
     spatial, ks, st, dl, ca, _, _, _, tile = case
@@ -86,19 +74,19 @@ def check_case(case, rng, layout="canonical"):
     if layout == "heads_first":  # [B, H, *spatial, D] buffers permuted to canonical (no copy)
         to_hf = (0, rank + 1) + tuple(range(1, rank + 1)) + (rank + 2,)
         back = tuple(numpy.argsort(to_hf))
-        dev = [_upload(cp, x.transpose(to_hf)).transpose(back) for x in host]
+        dev = [upload(cp, x.transpose(to_hf)).transpose(back) for x in host]
     elif layout == "strided_last":  # last dim not contiguous: the launcher copies
-        dev = [_upload(cp, numpy.stack([x, x], axis=-1))[..., 0] for x in host]
+        dev = [upload(cp, numpy.stack([x, x], axis=-1))[..., 0] for x in host]
     else:
-        dev = [_upload(cp, x) for x in host]
+        dev = [upload(cp, x) for x in host]
     tf32 = dtype == F32
     fused = get_backend("fused")
     prob = _problem(host[0], case, allow_tf32=tf32)
     assert fused.refuse("fused_forward", prob) is None, fused.refuse("fused_forward", prob)
-    out = _upload(cp, numpy.full(shape, numpy.nan, dtype))
+    out = upload(cp, numpy.full(shape, numpy.nan, dtype))
     lse = cp.full(shape[:-1], cp.nan, dtype=cp.float32)
     run_fused_forward(prob, fused, *dev, out, lse)
-    out, lse = _download(cp, out), _download(cp, lse)
+    out, lse = to_host(out), to_host(lse)
     h64 = [x.astype(F64) for x in host]
     ref_out, ref_lse = _reference(_problem(h64[0], case), *h64)
     low_out, _ = _reference(prob, *host)
@@ -128,14 +116,14 @@ def test_fused_forward_self_attention_equals_dense(rng):
     L, H, D = 160, 2, 64
     host = [rng.standard_normal((1, L, H, D)).astype(F16) for _ in range(3)]
     prob = _problem(host[0], ((L,), L, 1, 1, False, H, D, F16, None))
-    out = _upload(cp, numpy.full(host[0].shape, numpy.nan, F16))
+    out = upload(cp, numpy.full(host[0].shape, numpy.nan, F16))
     lse = cp.empty((1, L, H), cp.float32)
-    run_fused_forward(prob, get_backend("fused"), *(_upload(cp, x) for x in host), out, lse)
+    run_fused_forward(prob, get_backend("fused"), *(upload(cp, x) for x in host), out, lse)
     qf, kf, vf = (x.astype(F64)[0].transpose(1, 0, 2) for x in host)
     s = qf @ kf.transpose(0, 2, 1) * D ** -0.5
     p = numpy.exp(s - s.max(-1, keepdims=True))
     dense = (p / p.sum(-1, keepdims=True)) @ vf
-    assert float(numpy.abs(_download(cp, out)[0].transpose(1, 0, 2) - dense).max()) < 3e-3
+    assert float(numpy.abs(to_host(out)[0].transpose(1, 0, 2) - dense).max()) < 3e-3
 
 
 def test_refuses_exact_fp32_and_odd_head_dims():
