@@ -9,6 +9,7 @@ adds autograd.
 from __future__ import annotations
 
 import functools
+import inspect
 
 from . import ops as _ops
 
@@ -38,13 +39,17 @@ _AVB_DOC = """Backward of na{n}d_av: (d_attn, dv)."""
 _AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
 
 
-def _bind(fn, rank, name, doc):
+def _for_rank(fn, rank, name, doc):
+    """``fn`` with its leading ``rank`` argument fixed, named and documented for that rank
+    (its signature is ``fn``'s without ``rank``). Also used by ``natten_cupy.torch``."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         return fn(rank, *args, **kwargs)
     call.__name__ = call.__qualname__ = name
     call.__doc__ = doc.format(n=rank, axes=_AXES[rank])
-    call.__wrapped__ = None
+    sig = inspect.signature(fn)
+    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+    del call.__wrapped__
     return call
 
 
@@ -57,7 +62,7 @@ for _n in (1, 2, 3):
                                ("_qk_backward", _ops.qk_backward, _QKB_DOC),
                                ("_av_backward", _ops.av_backward, _AVB_DOC)):
         _name = f"na{_n}d{_suffix}"
-        globals()[_name] = _bind(_fn, _n, _name, _doc)
+        globals()[_name] = _for_rank(_fn, _n, _name, _doc)
         __all__.append(_name)
 del _n, _suffix, _fn, _doc, _name
 

@@ -18,8 +18,6 @@ Tensors are ``[B, *spatial, H, D]`` with any strides; unfused weights ``[B, *spa
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import math
 from typing import Optional
 
@@ -27,7 +25,7 @@ import numpy
 import torch
 from torch import Tensor, nn
 
-from . import _args, ops
+from . import _AXES, _args, _for_rank, ops
 from ._dtypes import BFLOAT16
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
@@ -327,8 +325,6 @@ def na_av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="a
     return _av(attn, v, ks, dl, ca, backend, bool(allow_tf32))
 
 
-_AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
-
 _NA_DOC = """{n}-D fused neighborhood attention with autograd.
 
     q, k, v: torch tensors ``[B, {axes}, H, D]`` (any strides, CPU or CUDA).
@@ -349,19 +345,6 @@ _AV_DOC = """{n}-D unfused attention-weighted values with autograd.
     attn ``[B, {axes}, H, K]`` (e.g. the softmax of ``na{n}d_qk``), v ``[B, {axes}, H, D]``;
     returns ``[B, {axes}, H, D]``. Slots outside a causal window are ignored.
     """
-
-
-def _for_rank(fn, rank, name, doc):
-    """``fn`` with its leading ``rank`` argument fixed, named and documented for that rank."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return fn(rank, *args, **kwargs)
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = doc.format(n=rank, axes=_AXES[rank])
-    sig = inspect.signature(fn)
-    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
-    del call.__wrapped__
-    return call
 
 
 na1d, na2d, na3d = (_for_rank(na, n, f"na{n}d", _NA_DOC) for n in (1, 2, 3))

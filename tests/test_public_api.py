@@ -1,0 +1,26 @@
+"""The public functions as Python sees them: names, signatures, docstrings (help() works)."""
+
+import inspect
+
+import pytest
+
+import natten_cupy
+
+NAMES = [f"na{n}d{suffix}" for n in (1, 2, 3)
+         for suffix in ("", "_backward", "_qk", "_av", "_qk_backward", "_av_backward")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_array_api_signature_drops_rank(name):
+    fn = getattr(natten_cupy, name)
+    params = list(inspect.signature(fn).parameters)
+    assert "rank" not in params
+    assert params[0] in ("q", "d_out", "d_attn", "attn")
+    assert fn.__name__ == name and fn.__doc__
+
+
+def test_torch_api_signature_drops_rank():
+    nt = pytest.importorskip("natten_cupy.torch")
+    for name in ("na2d", "na2d_qk", "na2d_av"):
+        params = list(inspect.signature(getattr(nt, name)).parameters)
+        assert params[0] in ("q", "attn") and "rank" not in params
