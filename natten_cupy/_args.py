@@ -238,6 +238,7 @@ def _check_attn(name, attn, rank, q_like, num_neighbors):
 
 def _check_rpb(rpb, problem, name="rpb"):
     _check_array(name, rpb)
+    _check_dtype(name, rpb)
     want = (problem.heads,) + tuple(2 * k - 1 for k in problem.kernel_size)
     if tuple(rpb.shape) != want:
         raise ValueError(f"{name} shape {_shape_text(rpb.shape)} must be [H, 2k-1, ...] = "

@@ -262,6 +262,8 @@ def test_rpb_shape_and_dtype():
         natten_cupy.na2d_qk(q, k, 3, rpb=arr(2, 5, 5, dtype=numpy.float16))
     with pytest.raises(TypeError, match="rpb must be an array"):
         natten_cupy.na2d_qk(q, k, 3, rpb=[[0.0]])
+    with pytest.raises(TypeError, match="rpb has dtype int64; supported: float64"):
+        natten_cupy.na2d_qk(q, k, 3, rpb=numpy.zeros((2, 5, 5), dtype=numpy.int64))
 
 
 # ---- interop errors (_arrays) ---------------------------------------------------------
