@@ -47,7 +47,11 @@ def _device_kind(name, x, family):
     if not hasattr(x, "__dlpack_device__"):
         raise TypeError(f"{name} must be an array (NumPy, CuPy, or a DLPack tensor), "
                         f"got {type(x).__name__}")
-    dev_type = int(x.__dlpack_device__()[0])
+    try:
+        dev_type = int(x.__dlpack_device__()[0])
+    except (ValueError, TypeError, RuntimeError, BufferError) as e:  # e.g. torch "meta"
+        raise TypeError(f"{name} lives on a device DLPack cannot describe ({e}); only CPU "
+                        "and CUDA arrays are supported") from None
     if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
         return "cpu"
     if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):

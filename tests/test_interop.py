@@ -146,6 +146,13 @@ def test_unsupported_objects_raise_type_error(bad):
         natten_cupy.na2d_av(x["d_attn"], bad, KERNEL)
 
 
+def test_torch_meta_tensor_raises_type_error():
+    x = torch.empty(SHAPE, device="meta")
+    q = torch.zeros(SHAPE)
+    with pytest.raises(TypeError, match="k lives on a device DLPack cannot describe"):
+        natten_cupy.na2d(q, x, q, KERNEL)
+
+
 def test_torch_unsupported_dtype():
     x = {n: to_torch(a) for n, a in inputs(numpy.float32).items()}
     with pytest.raises(TypeError, match="k has dtype torch.int32; supported"):
