@@ -131,9 +131,19 @@ class Inputs:
         return x
 
 
+def _resolve_neg(x):
+    """A torch tensor with its lazy negation applied (``x.conj().imag`` and other views carry
+    a neg bit that DLPack drops: exporting one as is would hand over the un-negated values).
+    Copies only such views."""
+    if _family(x) == "torch" and x.is_neg():
+        return x.resolve_neg()
+    return x
+
+
 def _as_numpy(x):
     if isinstance(x, numpy.ndarray):
         return x
+    x = _resolve_neg(x)
     if _family(x) == "torch" and str(x.dtype) == "torch.bfloat16":
         # NumPy's DLPack import knows no bfloat16: share the bits as int16, view as ml_dtypes'.
         import torch
@@ -144,7 +154,7 @@ def _as_numpy(x):
 def _as_cupy(cupy, x):
     if isinstance(x, cupy.ndarray):
         return x
-    return cupy.from_dlpack(x)
+    return cupy.from_dlpack(_resolve_neg(x))
 
 
 def _caller_stream(cupy, family, present):

@@ -146,6 +146,17 @@ def test_unsupported_objects_raise_type_error(bad):
         natten_cupy.na2d_av(x["d_attn"], bad, KERNEL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_negative_views_are_read_negated(dtype):
+    q = torch.randn(SHAPE).to(dtype)
+    neg = torch.complex(torch.zeros(SHAPE), q.float()).conj().imag.to(dtype) \
+        if dtype == torch.float32 else torch._neg_view(q)
+    assert neg.is_neg()
+    got = natten_cupy.na2d(neg, q, q, KERNEL)
+    want = natten_cupy.na2d(-q, q, q, KERNEL)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_torch_meta_tensor_raises_type_error():
     x = torch.empty(SHAPE, device="meta")
     q = torch.zeros(SHAPE)
