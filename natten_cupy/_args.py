@@ -164,7 +164,10 @@ def _check_scale(scale, head_dim):
 
 
 def _check_options(backend, tile):
-    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {', '.join(BACKEND_NAMES)}, "
+                        f"got {backend!r}")
+    if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
     if tile is not None and tile != "autotune":
         if not (isinstance(tile, (tuple, list)) and tile

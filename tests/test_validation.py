@@ -166,11 +166,20 @@ def test_non_finite_scale(scale):
 
 # ---- backends and options -------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["cuda", "Reference", 3, None])
+@pytest.mark.parametrize("backend", ["cuda", "Reference"])
 def test_bad_backend_name(backend):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=re.escape(
             f"backend must be one of auto, reference, naive, tiled, fused, got {backend!r}")):
+        natten_cupy.na1d(q, k, v, 3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", [3, None])
+def test_bad_backend_type(backend):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=re.escape(
+            "backend must be a str, one of auto, reference, naive, tiled, fused, got "
+            f"{backend!r}")):
         natten_cupy.na1d(q, k, v, 3, backend=backend)
 
 
