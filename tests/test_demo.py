@@ -19,3 +19,10 @@ def test_demo_rejects_unknown_command():
                          text=True, timeout=120)
     assert res.returncode == 2
     assert "invalid choice" in res.stderr
+
+
+def test_demo_help_states_the_default_sizes():
+    res = subprocess.run([sys.executable, "-m", "natten_cupy", "demo", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0
+    assert "default 128 GPU, 96 CPU" in " ".join(res.stdout.split())
