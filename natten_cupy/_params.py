@@ -37,14 +37,11 @@ def _canonical6(x, rank, kind):
     """
     st = element_strides(x)
     out = [0] * 6
-    if kind == "rpb":
-        out[0] = st[0]
-        for a in range(rank):
-            out[1 + a] = st[1 + a]
-        return out
     out[0] = st[0]
     for a in range(rank):
         out[1 + a] = st[1 + a]
+    if kind == "rpb":
+        return out
     out[4] = st[1 + rank]
     if kind == "full":
         out[5] = st[2 + rank]
