@@ -155,7 +155,7 @@ def _geometry(rank, shape, kernel_size, stride, dilation, is_causal):
 
 def _check_scale(scale, head_dim):
     if scale is None:
-        return head_dim ** -0.5 if head_dim > 0 else 1.0
+        return head_dim ** -0.5   # head_dim > 0: _make rejects 0 first
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     if not math.isfinite(float(scale)):
