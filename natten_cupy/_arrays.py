@@ -15,7 +15,7 @@ import numpy
 
 from ._dtypes import BFLOAT16
 
-__all__ = ["Inputs"]
+__all__ = ["Inputs", "check_one_device"]
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -60,6 +60,13 @@ def _device_kind(name, x, family):
                     "arrays are supported")
 
 
+def check_one_device(kinds):
+    """``kinds``: {argument name: 'cpu' or 'gpu'}; ValueError naming each if they differ."""
+    if len(set(kinds.values())) > 1:
+        where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
+        raise ValueError(f"all arrays must be on the same device, got {where}")
+
+
 class Inputs:
     """The caller's arrays, seen as NumPy or CuPy arrays, and the way back."""
 
@@ -80,9 +87,7 @@ class Inputs:
                                 f"got {type(x).__name__}")
         families = {n: _family(x) for n, x in present}
         kinds = {n: _device_kind(n, x, families[n]) for n, x in present}
-        if len(set(kinds.values())) > 1:
-            where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
-            raise ValueError(f"all arrays must be on the same device, got {where}")
+        check_one_device(kinds)
         fams = set(families.values())
         family = fams.pop() if len(fams) == 1 else "mixed"
         for n, x in present:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _AXES, _args, _for_rank, ops
+from ._arrays import check_one_device
 from ._dtypes import BFLOAT16
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
@@ -44,10 +45,7 @@ def _check_tensors(named):
         if x.device.type not in ("cpu", "cuda"):
             raise TypeError(f"{n} lives on device {x.device}; only CPU and CUDA tensors are "
                             "supported")
-    kinds = {n: ("gpu" if x.is_cuda else "cpu") for n, x in present}
-    if len(set(kinds.values())) > 1:
-        where = ", ".join(f"{n} on {k.upper()}" for n, k in kinds.items())
-        raise ValueError(f"all arrays must be on the same device, got {where}")
+    check_one_device({n: ("gpu" if x.is_cuda else "cpu") for n, x in present})
     devices = {x.device for _, x in present}
     if len(devices) > 1:
         raise ValueError("all arrays must be on the same GPU, got devices "
