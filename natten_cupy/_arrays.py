@@ -163,9 +163,11 @@ def _as_cupy(cupy, x):
 
 
 def _caller_stream(cupy, family, present):
-    """PyTorch's current stream for torch inputs, CuPy's current stream otherwise."""
+    """PyTorch's current stream for torch inputs, else CuPy's current stream of the arrays'
+    GPU (CuPy keeps one per device: the current device's would not serve arrays elsewhere)."""
+    x = present[0][1]
     if family == "torch":
         import torch
-        dev = present[0][1].device
-        return cupy.cuda.Stream.from_external(torch.cuda.current_stream(dev))
-    return cupy.cuda.get_current_stream()
+        return cupy.cuda.Stream.from_external(torch.cuda.current_stream(x.device))
+    device_id = x.device.id if isinstance(x, cupy.ndarray) else int(x.__dlpack_device__()[1])
+    return cupy.cuda.get_current_stream(device_id)

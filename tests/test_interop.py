@@ -157,6 +157,28 @@ def test_torch_negative_views_are_read_negated(dtype):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_launch_stream_is_the_current_stream_of_the_arrays_gpu():
+    """CuPy keeps a current stream per device: arrays on GPU 1 launch on GPU 1's, whatever
+    device is current (checked with a stand-in CuPy module, no GPU needed)."""
+    from natten_cupy import _arrays
+
+    class FakeCuda:
+        @staticmethod
+        def get_current_stream(device_id=-1):
+            return ("stream of device", device_id)
+
+    class FakeCupy:
+        cuda = FakeCuda
+        ndarray = type(None)
+
+    class OnGpu1:
+        def __dlpack_device__(self):
+            return (2, 1)
+
+    got = _arrays._caller_stream(FakeCupy, "dlpack", [("q", OnGpu1())])
+    assert got == ("stream of device", 1)
+
+
 def test_torch_meta_tensor_raises_type_error():
     x = torch.empty(SHAPE, device="meta")
     q = torch.zeros(SHAPE)
