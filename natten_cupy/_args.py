@@ -100,10 +100,15 @@ def normalize_axes(name, value, rank, kind):
     raise TypeError(f"{name} must be {what} or a tuple of {rank}, got {value!r}")
 
 
+def not_an_array(name, x):
+    """The TypeError for argument ``name`` that is no usable array."""
+    return TypeError(f"{name} must be an array (NumPy, CuPy, or a DLPack tensor), "
+                     f"got {type(x).__name__}")
+
+
 def _check_array(name, x):
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
-        raise TypeError(f"{name} must be an array (NumPy, CuPy, or a DLPack tensor), "
-                        f"got {type(x).__name__}")
+        raise not_an_array(name, x)
 
 
 def _check_dtype(name, x):

@@ -13,6 +13,7 @@ import contextlib
 
 import numpy
 
+from ._args import not_an_array
 from ._dtypes import BFLOAT16
 
 __all__ = ["Inputs", "check_one_device"]
@@ -45,8 +46,7 @@ def _device_kind(name, x, family):
     if family == "cupy":
         return "gpu"
     if not hasattr(x, "__dlpack_device__"):
-        raise TypeError(f"{name} must be an array (NumPy, CuPy, or a DLPack tensor), "
-                        f"got {type(x).__name__}")
+        raise not_an_array(name, x)
     try:
         dev_type = int(x.__dlpack_device__()[0])
     except (ValueError, TypeError, RuntimeError, BufferError) as e:  # e.g. torch "meta"
@@ -83,8 +83,7 @@ class Inputs:
         present = [(n, x) for n, x in named if x is not None]
         for n, x in present:
             if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-                raise TypeError(f"{n} must be an array (NumPy, CuPy, or a DLPack tensor), "
-                                f"got {type(x).__name__}")
+                raise not_an_array(n, x)
         families = {n: _family(x) for n, x in present}
         kinds = {n: _device_kind(n, x, families[n]) for n, x in present}
         check_one_device(kinds)
