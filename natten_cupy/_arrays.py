@@ -16,7 +16,7 @@ import numpy
 from ._args import not_an_array
 from ._dtypes import BFLOAT16
 
-__all__ = ["Inputs", "check_one_device"]
+__all__ = ["Inputs", "array_module", "check_one_device"]
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -67,6 +67,41 @@ def check_one_device(kinds):
         raise ValueError(f"all arrays must be on the same device, got {where}")
 
 
+def array_module(named):
+    """numpy or cupy: where the arrays of ``named`` (as for ``Inputs.gather``) run.
+
+    Raises what ``Inputs.gather`` raises for non-arrays, mixed devices, tensors that require
+    grad and a missing CuPy, without touching a GPU: a call can pick its backend (and refuse)
+    before any GPU work."""
+    return _place(named)[0]
+
+
+def _place(named):
+    """(numpy or cupy, family, present (name, array) pairs); checks only, no GPU work."""
+    present = [(n, x) for n, x in named if x is not None]
+    for n, x in present:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise not_an_array(n, x)
+    families = {n: _family(x) for n, x in present}
+    kinds = {n: _device_kind(n, x, families[n]) for n, x in present}
+    check_one_device(kinds)
+    fams = set(families.values())
+    family = fams.pop() if len(fams) == 1 else "mixed"
+    for n, x in present:
+        if families[n] == "torch" and getattr(x, "requires_grad", False):
+            raise TypeError(
+                f"{n} requires grad; the array-level calls do not record autograd. Use "
+                "natten_cupy.torch (autograd) or pass a detached tensor")
+    on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
+    if not on_gpu:
+        return numpy, family, present
+    cupy = _cupy()
+    if cupy is None:
+        raise TypeError("GPU arrays were given but CuPy is not installed "
+                        "(pip install natten_cupy[cuda13] or [cuda12])")
+    return cupy, family, present
+
+
 class Inputs:
     """The caller's arrays, seen as NumPy or CuPy arrays, and the way back."""
 
@@ -80,28 +115,11 @@ class Inputs:
     @classmethod
     def gather(cls, named):
         """``named``: list of (argument name, array or None). Nones pass through."""
-        present = [(n, x) for n, x in named if x is not None]
-        for n, x in present:
-            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-                raise not_an_array(n, x)
-        families = {n: _family(x) for n, x in present}
-        kinds = {n: _device_kind(n, x, families[n]) for n, x in present}
-        check_one_device(kinds)
-        fams = set(families.values())
-        family = fams.pop() if len(fams) == 1 else "mixed"
-        for n, x in present:
-            if families[n] == "torch" and getattr(x, "requires_grad", False):
-                raise TypeError(
-                    f"{n} requires grad; the array-level calls do not record autograd. Use "
-                    "natten_cupy.torch (autograd) or pass a detached tensor")
-        on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
-        if not on_gpu:
+        xp, family, present = _place(named)
+        if xp is numpy:
             arrays = [None if x is None else _as_numpy(x) for _, x in named]
             return cls(numpy, family, None, arrays, None)
-        cupy = _cupy()
-        if cupy is None:
-            raise TypeError("GPU arrays were given but CuPy is not installed "
-                            "(pip install natten_cupy[cuda13] or [cuda12])")
+        cupy = xp
         stream = _caller_stream(cupy, family, present)
         with stream:
             arrays = [None if x is None else _as_cupy(cupy, x) for _, x in named]

@@ -1,10 +1,11 @@
 """Public array-level calls (no autograd): validate, select, launch, hand back.
 
 Every call takes the same four steps: validate and normalize the arguments (``_args``),
-gather the arrays as NumPy/CuPy (``_arrays``), select a backend (logging why others were
-refused), and let the backend launch its kernels into freshly allocated outputs. The
-``run_*`` functions are the same calls on already-gathered arrays with caller-allocated
-outputs; the PyTorch layer uses them so that torch allocates every output.
+select a backend (logging why others were refused) for where the arrays live, gather the
+arrays as NumPy/CuPy (``_arrays``; the first step that may touch a GPU), and let the backend
+launch its kernels into freshly allocated outputs. The ``run_*`` functions are the same calls
+on already-gathered arrays with caller-allocated outputs; the PyTorch layer uses them so that
+torch allocates every output.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import numpy
 
 from . import _args
-from ._arrays import Inputs
+from ._arrays import Inputs, array_module
 from ._dtypes import accumulator_dtype
 from .backends import get_backend, PREFERENCE
 
@@ -96,8 +97,9 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
                   deterministic=False, tile=None):
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                                 backend, allow_tf32, deterministic, tile)
-    ins = Inputs.gather([("q", q), ("k", k), ("v", v)])
-    be = select_backend("fused_forward", problem, ins.xp, backend)
+    named = [("q", q), ("k", k), ("v", v)]
+    be = select_backend("fused_forward", problem, array_module(named), backend)
+    ins = Inputs.gather(named)
     xp = ins.xp
     with ins.on_device():
         qa, ka, va = ins.arrays
@@ -115,9 +117,9 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                          dilation, is_causal, scale, backend, allow_tf32,
                                          deterministic, tile)
-    ins = Inputs.gather([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
-                         ("lse", lse)])
-    be = select_backend("fused_backward", problem, ins.xp, backend)
+    named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)]
+    be = select_backend("fused_backward", problem, array_module(named), backend)
+    ins = Inputs.gather(named)
     xp = ins.xp
     with ins.on_device():
         do_a, qa, ka, va, oa, la = ins.arrays
@@ -130,8 +132,9 @@ def qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backen
        allow_tf32=False):
     problem = _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend,
                              allow_tf32)
-    ins = Inputs.gather([("q", q), ("k", k), ("rpb", rpb)])
-    be = select_backend("qk", problem, ins.xp, backend)
+    named = [("q", q), ("k", k), ("rpb", rpb)]
+    be = select_backend("qk", problem, array_module(named), backend)
+    ins = Inputs.gather(named)
     with ins.on_device():
         qa, ka, ra = ins.arrays
         attn = _empty(ins.xp, tuple(qa.shape[:-1]) + (problem.num_neighbors,), qa.dtype)
@@ -143,8 +146,9 @@ def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto
        allow_tf32=False):
     problem = _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend,
                              allow_tf32)
-    ins = Inputs.gather([("attn", attn), ("v", v)])
-    be = select_backend("av", problem, ins.xp, backend)
+    named = [("attn", attn), ("v", v)]
+    be = select_backend("av", problem, array_module(named), backend)
+    ins = Inputs.gather(named)
     with ins.on_device():
         aa, va = ins.arrays
         out = _empty(ins.xp, va.shape, va.dtype)
@@ -156,8 +160,9 @@ def qk_backward(rank, d_attn, q, k, kernel_size, *, dilation=1, is_causal=False,
                 backend="auto", allow_tf32=False):
     problem = _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal,
                                       rpb, backend, allow_tf32)
-    ins = Inputs.gather([("d_attn", d_attn), ("q", q), ("k", k), ("rpb", rpb)])
-    be = select_backend("qk_backward", problem, ins.xp, backend)
+    named = [("d_attn", d_attn), ("q", q), ("k", k), ("rpb", rpb)]
+    be = select_backend("qk_backward", problem, array_module(named), backend)
+    ins = Inputs.gather(named)
     with ins.on_device():
         da, qa, ka, ra = ins.arrays
         dq = _empty(ins.xp, qa.shape, qa.dtype)
@@ -175,8 +180,9 @@ def av_backward(rank, d_out, attn, v, kernel_size, *, dilation=1, is_causal=Fals
                 backend="auto", allow_tf32=False):
     problem = _args.check_av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal,
                                       backend, allow_tf32)
-    ins = Inputs.gather([("d_out", d_out), ("attn", attn), ("v", v)])
-    be = select_backend("av_backward", problem, ins.xp, backend)
+    named = [("d_out", d_out), ("attn", attn), ("v", v)]
+    be = select_backend("av_backward", problem, array_module(named), backend)
+    ins = Inputs.gather(named)
     with ins.on_device():
         do_a, aa, va = ins.arrays
         d_attn = _empty(ins.xp, aa.shape, aa.dtype)

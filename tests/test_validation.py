@@ -5,6 +5,7 @@ and the value given (SPEC section 5), before any work; the caller's arrays are u
 """
 
 import re
+import types
 
 import numpy
 import pytest
@@ -321,6 +322,19 @@ def test_gpu_arrays_without_cupy(monkeypatch):
     gpu = [FakeTensor(x, device_type=2) for x in (q, k, v)]
     with pytest.raises(TypeError, match="GPU arrays were given but CuPy is not installed"):
         natten_cupy.na1d(*gpu, 3)
+
+
+def test_backend_refusal_comes_before_any_gpu_work(monkeypatch):
+    """A backend that cannot run the problem is refused before the arrays are imported into
+    CuPy (no stream is asked for, no DLPack import runs)."""
+    def touched(*args):
+        raise AssertionError("GPU touched before the backend was chosen")
+    monkeypatch.setattr(_arrays, "_caller_stream", touched)
+    monkeypatch.setattr(_arrays, "_as_cupy", touched)
+    monkeypatch.setattr(_arrays, "_cupy", lambda: types.ModuleType("stand_in_for_cupy"))
+    gpu = [FakeTensor(x, device_type=2) for x in qkv(dtype=numpy.float64)]
+    with pytest.raises(ValueError, match="backend 'fused' cannot run fused_forward"):
+        natten_cupy.na1d(*gpu, 3, backend="fused")
 
 
 # ---- empty problems, untouched inputs ---------------------------------------------------
