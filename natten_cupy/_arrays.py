@@ -77,7 +77,8 @@ def array_module(named):
 
 
 def _place(named):
-    """(numpy or cupy, family, present (name, array) pairs); checks only, no GPU work."""
+    """(numpy or cupy, family, present (name, array) pairs, GPU id or None); checks only,
+    no GPU work."""
     present = [(n, x) for n, x in named if x is not None]
     for n, x in present:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -94,12 +95,20 @@ def _place(named):
                 "natten_cupy.torch (autograd) or pass a detached tensor")
     on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
     if not on_gpu:
-        return numpy, family, present
+        return numpy, family, present, None
     cupy = _cupy()
     if cupy is None:
         raise TypeError("GPU arrays were given but CuPy is not installed "
                         "(pip install natten_cupy[cuda13] or [cuda12])")
-    return cupy, family, present
+    devices = {_device_id(cupy, x) for _, x in present}
+    if len(devices) > 1:
+        raise ValueError(f"all arrays must be on the same GPU, got devices {sorted(devices)}")
+    return cupy, family, present, devices.pop()
+
+
+def _device_id(cupy, x):
+    """The GPU a CuPy array or a CUDA DLPack tensor lives on."""
+    return x.device.id if isinstance(x, cupy.ndarray) else int(x.__dlpack_device__()[1])
 
 
 class Inputs:
@@ -115,18 +124,14 @@ class Inputs:
     @classmethod
     def gather(cls, named):
         """``named``: list of (argument name, array or None). Nones pass through."""
-        xp, family, present = _place(named)
+        xp, family, present, device_id = _place(named)
         if xp is numpy:
             arrays = [None if x is None else _as_numpy(x) for _, x in named]
             return cls(numpy, family, None, arrays, None)
-        cupy = xp
-        stream = _caller_stream(cupy, family, present)
+        stream = _caller_stream(xp, family, present, device_id)
         with stream:
-            arrays = [None if x is None else _as_cupy(cupy, x) for _, x in named]
-        devices = {a.device.id for a in arrays if a is not None}
-        if len(devices) > 1:
-            raise ValueError(f"all arrays must be on the same GPU, got devices {sorted(devices)}")
-        return cls(cupy, family, stream, arrays, devices.pop())
+            arrays = [None if x is None else _as_cupy(xp, x) for _, x in named]
+        return cls(xp, family, stream, arrays, device_id)
 
     @contextlib.contextmanager
     def on_device(self):
@@ -179,12 +184,10 @@ def _as_cupy(cupy, x):
     return cupy.from_dlpack(_resolve_neg(x))
 
 
-def _caller_stream(cupy, family, present):
+def _caller_stream(cupy, family, present, device_id):
     """PyTorch's current stream for torch inputs, else CuPy's current stream of the arrays'
     GPU (CuPy keeps one per device: the current device's would not serve arrays elsewhere)."""
-    x = present[0][1]
     if family == "torch":
         import torch
-        return cupy.cuda.Stream.from_external(torch.cuda.current_stream(x.device))
-    device_id = x.device.id if isinstance(x, cupy.ndarray) else int(x.__dlpack_device__()[1])
+        return cupy.cuda.Stream.from_external(torch.cuda.current_stream(present[0][1].device))
     return cupy.cuda.get_current_stream(device_id)

@@ -175,7 +175,8 @@ def test_launch_stream_is_the_current_stream_of_the_arrays_gpu():
         def __dlpack_device__(self):
             return (2, 1)
 
-    got = _arrays._caller_stream(FakeCupy, "dlpack", [("q", OnGpu1())])
+    got = _arrays._caller_stream(FakeCupy, "dlpack", [("q", OnGpu1())],
+                                 _arrays._device_id(FakeCupy, OnGpu1()))
     assert got == ("stream of device", 1)
 
 

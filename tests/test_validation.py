@@ -316,6 +316,16 @@ def test_mixing_cpu_and_gpu_arrays():
         natten_cupy.na1d(q, FakeTensor(k, device_type=2), v, 3)
 
 
+def test_arrays_on_two_gpus_before_any_gpu_work(monkeypatch):
+    monkeypatch.setattr(_arrays, "_cupy", lambda: types.SimpleNamespace(ndarray=type(None)))
+    q, k, v = qkv()
+    gpu = [FakeTensor(x, device_type=2) for x in (q, k, v)]
+    gpu[2]._dev = (2, 1)
+    with pytest.raises(ValueError, match=re.escape("all arrays must be on the same GPU, got "
+                                                   "devices [0, 1]")):
+        natten_cupy.na1d(*gpu, 3, backend="reference")
+
+
 def test_gpu_arrays_without_cupy(monkeypatch):
     q, k, v = qkv()
     monkeypatch.setattr(_arrays, "_cupy", lambda: None)
@@ -331,7 +341,7 @@ def test_backend_refusal_comes_before_any_gpu_work(monkeypatch):
         raise AssertionError("GPU touched before the backend was chosen")
     monkeypatch.setattr(_arrays, "_caller_stream", touched)
     monkeypatch.setattr(_arrays, "_as_cupy", touched)
-    monkeypatch.setattr(_arrays, "_cupy", lambda: types.ModuleType("stand_in_for_cupy"))
+    monkeypatch.setattr(_arrays, "_cupy", lambda: types.SimpleNamespace(ndarray=type(None)))
     gpu = [FakeTensor(x, device_type=2) for x in qkv(dtype=numpy.float64)]
     with pytest.raises(ValueError, match="backend 'fused' cannot run fused_forward"):
         natten_cupy.na1d(*gpu, 3, backend="fused")
