@@ -60,8 +60,9 @@ class NAProblem:
         return DTYPE_NAMES[self.dtype]
 
     def flops_forward(self):
-        """Useful FLOPs of the fused forward (BENCH.md): 4 * B * N * H * K * D."""
-        return 4 * self.batch * self.num_tokens * self.heads * self.num_neighbors * self.head_dim
+        """Useful FLOPs of the fused forward (``profiler.flops``: 4 * B * N * H * K * D)."""
+        from .profiler import flops
+        return flops(self.batch, self.num_tokens, self.heads, self.num_neighbors, self.head_dim)
 
 
 def _shape_text(shape):
