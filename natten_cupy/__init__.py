@@ -15,26 +15,49 @@ from . import ops as _ops
 
 __version__ = "0.1.0"
 
-_FUSED_DOC = """{n}-D fused neighborhood attention (no attention matrix in memory).
-
-    q, k, v: ``[B, {axes}, H, D]``. kernel_size, stride, dilation: int or per-axis tuple;
-    is_causal: bool or per-axis tuple. scale defaults to ``D ** -0.5``. Returns ``out``
-    (same shape and dtype as q) and, with ``return_lse=True``, also ``lse`` ``[B, {axes}, H]``
-    (float32; float64 for float64 inputs). ``backend``: auto, reference, naive, fused.
-    ``allow_tf32`` lets float32 inputs use TF32 tensor cores.
+_FUSED_OPTIONS = """
+    kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or
+    per-axis tuple; ``scale`` defaults to ``D ** -0.5``. ``backend``: auto, reference, naive,
+    fused. ``allow_tf32`` lets float32 inputs use TF32 tensor cores. ``tile``: the fused
+    forward's CTA query box (a tuple) or ``"autotune"``. ``deterministic`` is accepted; every
+    fused-op kernel is deterministic already (no atomics).
     """
 
-_FUSED_BWD_DOC = """Backward of na{n}d: returns (dq, dk, dv) from d_out, q, k, v, out, lse."""
+_UNFUSED_OPTIONS = """
+    kernel_size, dilation: int or per-axis tuple; is_causal: bool or per-axis
+    tuple; stride is 1. ``backend``: auto, reference, naive, tiled. ``allow_tf32`` lets
+    float32 inputs use TF32 tensor cores (tiled).
+    """
+
+_FUSED_DOC = """{n}-D fused neighborhood attention (no attention matrix in memory).
+
+    q, k, v: ``[B, {axes}, H, D]``. Returns ``out`` (same shape and dtype as q) and, with
+    ``return_lse=True``, also ``lse`` ``[B, {axes}, H]`` (float32; float64 for float64
+    inputs).
+    """ + _FUSED_OPTIONS
+
+_FUSED_BWD_DOC = """Backward of na{n}d: returns (dq, dk, dv) from d_out, q, k, v, out, lse.
+
+    Pass the forward's options again.
+    """ + _FUSED_OPTIONS
 
 _QK_DOC = """{n}-D unfused attention logits: ``[B, {axes}, H, K]``, K = prod(kernel_size).
 
     Slot t (row-major over kernel offsets) holds ``scale``-free ``<q_i, k_j> + rpb`` for the
     t-th key of the window; slots outside a causal window hold -inf. ``rpb``:
     ``[H, 2k_0-1, ...]`` relative positional bias.
-    """
-_AV_DOC = """{n}-D unfused attention-weighted values: ``out_i = sum_t attn[i, t] v_{{j(i, t)}}``."""
-_QKB_DOC = """Backward of na{n}d_qk: (dq, dk), or (dq, dk, d_rpb) when ``rpb`` is given."""
-_AVB_DOC = """Backward of na{n}d_av: (d_attn, dv)."""
+    """ + _UNFUSED_OPTIONS
+
+_AV_DOC = """{n}-D unfused attention-weighted values: ``out_i = sum_t attn[i, t] v_{{j(i, t)}}``.
+
+    Slots outside a causal window are ignored.
+    """ + _UNFUSED_OPTIONS
+
+_QKB_DOC = """Backward of na{n}d_qk: (dq, dk), or (dq, dk, d_rpb) when ``rpb`` is given.
+    """ + _UNFUSED_OPTIONS
+
+_AVB_DOC = """Backward of na{n}d_av: (d_attn, dv).
+    """ + _UNFUSED_OPTIONS
 
 _AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
 

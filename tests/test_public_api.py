@@ -24,3 +24,12 @@ def test_torch_api_signature_drops_rank():
     for name in ("na2d", "na2d_qk", "na2d_av"):
         params = list(inspect.signature(getattr(nt, name)).parameters)
         assert params[0] in ("q", "attn") and "rank" not in params
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_array_api_docstring_names_every_keyword(name):
+    fn = getattr(natten_cupy, name)
+    params = inspect.signature(fn).parameters.values()
+    missing = [p.name for p in params
+               if p.kind == p.KEYWORD_ONLY and p.name not in fn.__doc__]
+    assert not missing, f"{name}'s docstring does not mention {missing}"
