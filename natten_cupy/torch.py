@@ -323,12 +323,20 @@ def na_av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="a
     return _av(attn, v, ks, dl, ca, backend, bool(allow_tf32))
 
 
+_UNFUSED_OPTIONS = """
+    kernel_size, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple; stride
+    is 1. ``backend``: auto, reference (CPU tensors run here), naive, tiled. ``allow_tf32``
+    lets float32 inputs use TF32 tensor cores (tiled).
+    """
+
 _NA_DOC = """{n}-D fused neighborhood attention with autograd.
 
     q, k, v: torch tensors ``[B, {axes}, H, D]`` (any strides, CPU or CUDA).
     kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple;
     scale defaults to ``D ** -0.5``. Returns ``out`` like q. Gradients flow to q, k and v.
-    ``backend``: auto, reference (CPU tensors run here), naive, fused.
+    ``backend``: auto, reference (CPU tensors run here), naive, fused. ``allow_tf32`` lets
+    float32 inputs use TF32 tensor cores; ``deterministic`` is accepted (every fused-op kernel
+    is deterministic already).
     """
 
 _QK_DOC = """{n}-D unfused attention logits with autograd: ``[B, {axes}, H, K]``.
@@ -336,13 +344,13 @@ _QK_DOC = """{n}-D unfused attention logits with autograd: ``[B, {axes}, H, K]``
     K = prod(kernel_size), slots row-major over kernel offsets; no scale is applied; slots
     outside a causal window hold -inf. ``rpb`` ``[H, 2k_0-1, ...]`` (optional) is added and
     receives a gradient.
-    """
+    """ + _UNFUSED_OPTIONS
 
 _AV_DOC = """{n}-D unfused attention-weighted values with autograd.
 
     attn ``[B, {axes}, H, K]`` (e.g. the softmax of ``na{n}d_qk``), v ``[B, {axes}, H, D]``;
     returns ``[B, {axes}, H, D]``. Slots outside a causal window are ignored.
-    """
+    """ + _UNFUSED_OPTIONS
 
 
 na1d, na2d, na3d = (_for_rank(na, n, f"na{n}d", _NA_DOC) for n in (1, 2, 3))

@@ -33,3 +33,13 @@ def test_array_api_docstring_names_every_keyword(name):
     missing = [p.name for p in params
                if p.kind == p.KEYWORD_ONLY and p.name not in fn.__doc__]
     assert not missing, f"{name}'s docstring does not mention {missing}"
+
+
+@pytest.mark.parametrize("name", ["na2d", "na2d_qk", "na2d_av"])
+def test_torch_docstring_names_every_keyword(name):
+    nt = pytest.importorskip("natten_cupy.torch")
+    fn = getattr(nt, name)
+    params = inspect.signature(fn).parameters.values()
+    missing = [p.name for p in params
+               if p.kind == p.KEYWORD_ONLY and p.name not in fn.__doc__]
+    assert not missing, f"torch {name}'s docstring does not mention {missing}"
