@@ -213,6 +213,12 @@ def on_device(x, case):
     return upload(cupy, numpy.ascontiguousarray(x))
 
 
+def inputs_on_device(x, case):
+    """A case's NumPy inputs on the GPU (rpb as is, the rest as ``on_device`` lays them out)."""
+    import cupy
+    return {n: on_device(a, case) if n != "rpb" else upload(cupy, a) for n, a in x.items()}
+
+
 def upload(cupy, host):
     """A NumPy array as a contiguous CuPy array of the same dtype.
 
@@ -387,7 +393,7 @@ def check_backend(case, backend_name):
     if why is not None:
         return why
     x, truth, yard = references(case)
-    xd = {n: on_device(a, case) if n != "rpb" else upload(cupy, a) for n, a in x.items()}
+    xd = inputs_on_device(x, case)
     y = run(case, backend, xd, cupy)
     cupy.cuda.get_current_stream().synchronize()
     compare(case, {n: to_host(a) for n, a in y.items()}, truth, yard,

@@ -115,9 +115,7 @@ def test_non_default_stream(backend):
     x, truth, yard = gpu_cases.references(case)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        xd = {n: gpu_cases.on_device(a, case) for n, a in x.items() if n != "rpb"}
-        if "rpb" in x:
-            xd["rpb"] = cupy.asarray(x["rpb"])
+        xd = gpu_cases.inputs_on_device(x, case)
         # q is spoiled, slow work is queued, then q is restored, all on the stream: an op
         # launched on any other stream would likely read the spoiled q and fail.
         first = next(iter(xd))
@@ -142,9 +140,7 @@ def test_graph_capture(backend):
     x, truth, yard = gpu_cases.references(case)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        xd = {n: gpu_cases.on_device(a, case) for n, a in x.items() if n != "rpb"}
-        if "rpb" in x:
-            xd["rpb"] = cupy.asarray(x["rpb"])
+        xd = gpu_cases.inputs_on_device(x, case)
         gpu_cases.run(case, mod, xd, cupy)  # compile and warm the memory pool first
         outputs = gpu_cases.run(case, mod, xd, cupy)
         for a in outputs.values():
