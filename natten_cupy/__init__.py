@@ -90,6 +90,11 @@ for _n in (1, 2, 3):
 del _n, _suffix, _fn, _doc, _name
 
 
+from ._softmax import softmax, softmax_backward  # noqa: E402
+
+__all__ += ["softmax", "softmax_backward"]
+
+
 def profile(*args, **kwargs):
     """Record every kernel natten_cupy launches inside the block (see natten_cupy.profile)."""
     from .profiler import Profiler

@@ -20,6 +20,7 @@ import numpy
 
 from . import _args
 from .backends import NAMES, PREFERENCE, get_backend
+from ._softmax import softmax, softmax_backward
 from .profiler import Profiler, flops, floor_ms
 
 __all__ = ["main", "parse_args", "build_problem", "dry_run", "unfused_forward",
@@ -217,31 +218,14 @@ def dry_run(problem, args, console):
 
 # ---- the unfused chain (also used by bench/suite.py) --------------------------------------
 
-def _softmax(xp, logits, scale):
-    acc = numpy.float64 if logits.dtype == numpy.float64 else numpy.float32
-    x = logits.astype(acc) * acc(scale)
-    x -= x.max(axis=-1, keepdims=True)
-    xp.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
-    return x.astype(logits.dtype, copy=False)
-
-
-def _softmax_backward(p, d_p, scale):
-    acc = numpy.float64 if p.dtype == numpy.float64 else numpy.float32
-    pa, da = p.astype(acc), d_p.astype(acc)
-    ds = pa * (da - (pa * da).sum(axis=-1, keepdims=True)) * acc(scale)
-    return ds.astype(p.dtype, copy=False)
-
-
 def unfused_forward(rank, q, k, v, kernel_size, *, dilation=1, is_causal=False, scale=None,
                     backend="auto", allow_tf32=False):
-    """out, attn (probabilities) of the chain qk -> softmax (CuPy/NumPy) -> av."""
+    """out, attn (probabilities) of the chain qk -> softmax -> av (natten_cupy's kernels)."""
     from . import ops
-    xp = _xp(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = ops.qk(rank, q, k, kernel_size, dilation=dilation, is_causal=is_causal,
                     backend=backend, allow_tf32=allow_tf32)
-    attn = _softmax(xp, logits, scale)
+    attn = softmax(logits, scale)
     out = ops.av(rank, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
                  backend=backend, allow_tf32=allow_tf32)
     return out, attn
@@ -254,17 +238,10 @@ def unfused_backward(rank, d_out, q, k, v, attn, kernel_size, *, dilation=1, is_
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     d_attn, dv = ops.av_backward(rank, d_out, attn, v, kernel_size, dilation=dilation,
                                  is_causal=is_causal, backend=backend, allow_tf32=allow_tf32)
-    d_logits = _softmax_backward(attn, d_attn, scale)
+    d_logits = softmax_backward(attn, d_attn, scale)
     dq, dk = ops.qk_backward(rank, d_logits, q, k, kernel_size, dilation=dilation,
                              is_causal=is_causal, backend=backend, allow_tf32=allow_tf32)
     return dq, dk, dv
-
-
-def _xp(a):
-    if isinstance(a, numpy.ndarray):
-        return numpy
-    import cupy
-    return cupy
 
 
 def random_array(xp, shape, dtype_name, rng_seed):

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from natten_cupy import _compile
+from natten_cupy import _compile, _softmax
 from natten_cupy.backends import NAMES, get_backend
 
 ARCHS = ("sm_80", "sm_90")
@@ -24,6 +24,8 @@ def _by_source():
         for source, expr in backend.instantiations():
             if expr not in groups[source]:
                 groups[source].append(expr)
+    for source, expr in _softmax.instantiations():
+        groups[source].append(expr)
     return dict(groups)
 
 

@@ -18,11 +18,13 @@ are cast to the output dtype at the end (lse is float32, float64 for float64 inp
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy
 
 from .. import _window
+from .._launch import region
 from .._dtypes import DTYPE_NAMES, accumulator_dtype
 
 try:
@@ -48,6 +50,17 @@ def instantiations():
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+def _recorded(op):
+    """On CuPy arrays, the op's array operations count as one profiler entry."""
+    @functools.wraps(op)
+    def run(problem, *arrays):
+        if cupy is None or not any(isinstance(a, cupy.ndarray) for a in arrays):
+            return op(problem, *arrays)
+        with region(f"reference.{op.__name__} (CuPy array ops)", NAME):
+            return op(problem, *arrays)
+    return run
+
 
 def _xp(x):
     return numpy if cupy is None else cupy.get_array_module(x)
@@ -176,6 +189,7 @@ def _masked(xp, valid, x, fill):
 
 # ---- fused -----------------------------------------------------------------------------
 
+@_recorded
 def fused_forward(problem, q, k, v, out, lse):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
@@ -195,6 +209,7 @@ def fused_forward(problem, q, k, v, out, lse):
     _store(lse, m_out)
 
 
+@_recorded
 def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
@@ -236,6 +251,7 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
 
 # ---- unfused ---------------------------------------------------------------------------
 
+@_recorded
 def qk(problem, q, k, rpb, attn):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
@@ -256,6 +272,7 @@ def qk(problem, q, k, rpb, attn):
     _store(attn, a)
 
 
+@_recorded
 def av(problem, attn, v, out):
     xp = _xp(v)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
@@ -270,6 +287,7 @@ def av(problem, attn, v, out):
     _store(out, o)
 
 
+@_recorded
 def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
@@ -306,6 +324,7 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
         d_rpb += rpb_acc.reshape(d_rpb.shape).astype(d_rpb.dtype)
 
 
+@_recorded
 def av_backward(problem, d_out, attn, v, d_attn, dv):
     xp = _xp(v)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors

@@ -1,0 +1,172 @@
+"""Per-kernel times and bandwidth of the unfused chain (qk -> softmax -> av and back), tiled
+next to naive, on the BENCH workloads W2 and W3.
+
+For every kernel the chain launches: median ms over the timed repetitions (profiler events),
+the bytes it must move (its operands read once, its result written once) and the fraction of
+the copy bandwidth (BENCH.md: 4.28 TB/s) that is. Also the whole chain, forward and
+forward+backward, per backend side by side (CUDA events, medians), and its speedup over naive.
+
+    python bench/tiled_probe.py --out probe.json [--workloads W2,W3] [--dtypes fp16,fp32,tf32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cupy  # noqa: E402
+
+import natten_cupy  # noqa: E402
+from natten_cupy import ops  # noqa: E402
+from natten_cupy.profile import random_array  # noqa: E402
+from natten_cupy.profiler import COPY_BANDWIDTH  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+DTYPES = {"fp16": ("float16", False), "bf16": ("bfloat16", False), "fp32": ("float32", False),
+          "tf32": ("float32", True)}
+
+
+def _median_ms(fn, reps):
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
+
+
+def _kernels(fn, reps):
+    """[(name, backend, median ms)] of the kernels fn launches, in launch order."""
+    runs = []
+    for _ in range(reps):
+        with natten_cupy.profile() as prof:
+            fn()
+        runs.append(prof.records)
+    out = []
+    for i, r in enumerate(runs[0]):
+        out.append((r["name"], r["backend"], statistics.median(run[i]["ms"] for run in runs)))
+    return out
+
+
+def probe(w, dtype, tf32, backends, reps, slow_reps):
+    shape = w.shape
+    s = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
+    q, k, v, do = (random_array(cupy, shape, dtype, i) for i in range(4))
+    kw = dict(dilation=w.dilation, is_causal=w.causal, allow_tf32=tf32)
+    scale = w.dim ** -0.5
+    tensor = q.size * s                      # one of q, k, v, out, ...
+    weights = q.size // w.dim * w.neighbors * s
+    # Bytes each step must move: (reads, writes), per kernel of the tiled backend.
+    need = {
+        "qk": 2 * tensor + weights,
+        "softmax": 2 * weights,
+        "av": weights + 2 * tensor,
+        "av_backward.d_attn": 2 * tensor + weights,
+        "av_backward.dv": weights + 2 * tensor,
+        "softmax_backward": 3 * weights,
+        "qk_backward.dq": weights + 2 * tensor,
+        "qk_backward.dk": weights + 2 * tensor,
+    }
+    result = {"workload": w.id, "dtype": dtype, "tf32": tf32, "bytes": need, "backends": {}}
+    for be in backends:
+        result["backends"][be] = _probe_backend(w, be, q, k, v, do, kw, scale, need,
+                                                reps if be != "naive" else slow_reps)
+        cupy.get_default_memory_pool().free_all_blocks()
+    if "naive" in result["backends"]:
+        base = result["backends"]["naive"]["chain"]
+        for be, d in result["backends"].items():
+            d["chain"]["speedup_fwd"] = base["fwd_ms"] / d["chain"]["fwd_ms"]
+            d["chain"]["speedup_fwd_bwd"] = base["fwd_bwd_ms"] / d["chain"]["fwd_bwd_ms"]
+    return result
+
+
+def _probe_backend(w, be, q, k, v, do, kw, scale, need, r):
+    c = dict(kw, backend=be)
+    logits = ops.qk(w.rank, q, k, w.kernel, **c)
+    attn = natten_cupy.softmax(logits, scale)
+    d_attn, _ = ops.av_backward(w.rank, do, attn, v, w.kernel, **c)
+    d_logits = natten_cupy.softmax_backward(attn, d_attn, scale)
+    steps = [
+        ("qk", lambda: ops.qk(w.rank, q, k, w.kernel, **c)),
+        ("softmax", lambda: natten_cupy.softmax(logits, scale)),
+        ("av", lambda: ops.av(w.rank, attn, v, w.kernel, **c)),
+        ("av_backward", lambda: ops.av_backward(w.rank, do, attn, v, w.kernel, **c)),
+        ("softmax_backward", lambda: natten_cupy.softmax_backward(attn, d_attn, scale)),
+        ("qk_backward", lambda: ops.qk_backward(w.rank, d_logits, q, k, w.kernel, **c)),
+    ]
+    rows = []
+    for step, fn in steps:
+        fn()
+        for i, (name, backend, ms) in enumerate(_kernels(fn, r)):
+            label = step
+            if step == "av_backward":
+                label += (".d_attn", ".dv")[min(i, 1)]
+            elif step == "qk_backward":
+                label += (".dq", ".dk")[min(i, 1)]
+            b = need.get(label)
+            rows.append({"step": label, "kernel": name, "backend": backend, "ms": ms,
+                         "bytes": b, "bandwidth_fraction":
+                         None if b is None else b / (ms * 1e-3) / COPY_BANDWIDTH})
+    from natten_cupy.profile import unfused_backward, unfused_forward
+    state = {}
+
+    def fwd():
+        state["out"], state["attn"] = unfused_forward(w.rank, q, k, v, w.kernel, **c)
+
+    def fwd_bwd():
+        fwd()
+        unfused_backward(w.rank, do, q, k, v, state["attn"], w.kernel, **c)
+
+    fwd_bwd()
+    chain = {"fwd_ms": _median_ms(fwd, r), "fwd_bwd_ms": _median_ms(fwd_bwd, r)}
+    return {"kernels": rows, "chain": chain}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workloads", default="W2,W3")
+    ap.add_argument("--dtypes", default="fp16,fp32,tf32")
+    ap.add_argument("--backends", default="tiled,naive")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--slow-reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    results = []
+    t0 = time.time()
+    for wid in args.workloads.split(","):
+        for dt in args.dtypes.split(","):
+            dtype, tf32 = DTYPES[dt]
+            bes = [b for b in args.backends.split(",") if not (b == "naive" and tf32)]
+            res = probe(WORKLOADS[wid], dtype, tf32, bes, args.reps, args.slow_reps)
+            results.append(res)
+            print(f"== {wid} {dt}  ({time.time() - t0:.0f} s)")
+            for be, d in res["backends"].items():
+                ch = d["chain"]
+                sp = (f"  speedup {ch['speedup_fwd']:.2f}x / {ch['speedup_fwd_bwd']:.2f}x"
+                      if "speedup_fwd" in ch else "")
+                print(f"  {be:6s} chain fwd {ch['fwd_ms']:8.2f} ms  fwd+bwd "
+                      f"{ch['fwd_bwd_ms']:8.2f} ms{sp}")
+                for row in d["kernels"]:
+                    bw = row["bandwidth_fraction"]
+                    print(f"    {row['step']:20s} {row['ms']:8.3f} ms  "
+                          f"{'' if bw is None else f'{100 * bw:5.1f}% of copy bw'}  "
+                          f"{row['kernel'][:70]}")
+            with open(args.out, "w") as f:
+                json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                           "commit": os.environ.get("NATTEN_CUPY_COMMIT", ""),
+                           "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Softmax over the neighbor axis of unfused attention weights, and its backward.
+
+The step between ``na*d_qk`` and ``na*d_av``: ``softmax(attn, scale)`` turns the logits
+``[..., K]`` into probabilities (``-inf`` slots, the empty places of causal windows, become 0),
+``softmax_backward(probs, d_probs, scale)`` gives the logits' gradient. On CUDA arrays each is
+one kernel (``cuda_src/na_softmax.cu``) reading the weights once or twice and writing them once,
+accumulating in float32 (float64 for float64); on NumPy arrays the same math runs on the CPU.
+A generic array-library softmax takes about eight passes over float32 copies of the weights,
+which on the unfused chain of a 1024 x 1024 image cost more than the NA kernels themselves.
+"""
+
+from __future__ import annotations
+
+import numbers
+import math
+
+import numpy
+
+from ._args import _check_array, _check_dtype, _shape_text
+from ._arrays import Inputs
+from ._compile import get_kernel
+from ._dtypes import accumulator_dtype, c_type, DTYPE_NAMES
+from ._launch import launch
+
+__all__ = ["softmax", "softmax_backward", "instantiations"]
+
+SOURCE = "na_softmax.cu"
+BLOCK = 256
+MAX_CTAS = 16384
+
+
+def _check_scale(scale):
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def _check_weights(name, x):
+    _check_array(name, x)
+    _check_dtype(name, x)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty last (neighbor) axis, got shape "
+                         f"{_shape_text(x.shape)}")
+
+
+def softmax(attn, scale=1.0):
+    """Softmax of ``scale * attn`` over the last axis (the K neighbors of ``na*d_qk``).
+
+    ``-inf`` entries (empty causal slots) get probability 0. Returns a new array of attn's
+    type, dtype and shape; attn is not modified. float32 accumulation (float64 for float64).
+    """
+    _check_weights("attn", attn)
+    scale = _check_scale(scale)
+    ins = Inputs.gather([("attn", attn)])
+    with ins.on_device():
+        (x,) = ins.arrays
+        out = _forward(ins.xp, x, scale)
+    return ins.give_back(out)
+
+
+def softmax_backward(probs, d_probs, scale=1.0):
+    """Gradient of ``softmax(attn, scale)`` with respect to attn, from its result ``probs``
+    and the gradient ``d_probs``: ``scale * probs * (d_probs - sum(probs * d_probs))`` over
+    the last axis. Returns a new array; the inputs are not modified."""
+    _check_weights("probs", probs)
+    _check_weights("d_probs", d_probs)
+    if tuple(d_probs.shape) != tuple(probs.shape):
+        raise ValueError(f"d_probs shape {_shape_text(d_probs.shape)} does not match probs "
+                         f"shape {_shape_text(probs.shape)}")
+    if _check_dtype("d_probs", d_probs) != _check_dtype("probs", probs):
+        raise ValueError(f"d_probs dtype {d_probs.dtype} does not match probs dtype "
+                         f"{probs.dtype}")
+    scale = _check_scale(scale)
+    ins = Inputs.gather([("probs", probs), ("d_probs", d_probs)])
+    with ins.on_device():
+        p, dp = ins.arrays
+        out = _backward(ins.xp, p, dp, scale)
+    return ins.give_back(out)
+
+
+# ---- CPU (NumPy) ---------------------------------------------------------------------------
+
+def reference_forward(xp, x, scale):
+    """Softmax in the accumulator dtype with array ops (NumPy or CuPy), cast back."""
+    acc = accumulator_dtype(x.dtype)
+    a = x.astype(acc) * acc.type(scale)
+    m = a.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0)        # an all -inf row gives zeros, not NaN
+    e = xp.exp(a - m)
+    s = e.sum(axis=-1, keepdims=True)
+    return (e / xp.where(s > 0, s, 1)).astype(x.dtype)
+
+
+def reference_backward(xp, p, dp, scale):
+    acc = accumulator_dtype(p.dtype)
+    pa, da = p.astype(acc), dp.astype(acc)
+    dot = (pa * da).sum(axis=-1, keepdims=True)
+    return (acc.type(scale) * pa * (da - dot)).astype(p.dtype)
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+def lanes_per_row(k):
+    """Lanes that share one row: a power of two, about one per 4 slots, at most a warp."""
+    g = 1
+    while g < 32 and 4 * g < k:
+        g *= 2
+    return g
+
+
+def _launch(xp, expr, args, rows, k, scale):
+    g = lanes_per_row(k)
+    ctas = max(1, min(MAX_CTAS, -(-rows // (BLOCK // g))))
+    launch(get_kernel(SOURCE, expr), (ctas,), (BLOCK,),
+           (*args, numpy.int64(rows), numpy.int32(k), numpy.int32(g), numpy.float32(scale)),
+           name=expr, backend="softmax")
+
+
+def _forward(xp, x, scale):
+    if xp is numpy:
+        return reference_forward(numpy, x, scale)
+    x = xp.ascontiguousarray(x)
+    out = xp.empty(x.shape, dtype=x.dtype)
+    k = x.shape[-1]
+    rows = x.size // k
+    if rows:
+        _launch(xp, f"natten::softmax::na_softmax_forward<{c_type(x.dtype)}>", (x, out),
+                rows, k, scale)
+    return out
+
+
+def _backward(xp, p, dp, scale):
+    if xp is numpy:
+        return reference_backward(numpy, p, dp, scale)
+    p, dp = xp.ascontiguousarray(p), xp.ascontiguousarray(dp)
+    out = xp.empty(p.shape, dtype=p.dtype)
+    k = p.shape[-1]
+    rows = p.size // k
+    if rows:
+        _launch(xp, f"natten::softmax::na_softmax_backward<{c_type(p.dtype)}>", (p, dp, out),
+                rows, k, scale)
+    return out
+
+
+def instantiations():
+    """Every (source, name_expression) of the softmax kernels."""
+    return [(SOURCE, f"natten::softmax::na_softmax_{d}<{c_type(t)}>")
+            for d in ("forward", "backward") for t in DTYPE_NAMES]
