@@ -58,7 +58,7 @@ def _kernels(fn, reps):
     return out
 
 
-def probe(w, dtype, tf32, backends, reps, slow_reps):
+def probe(w, dtype, tf32, backends, reps, slow_reps, exact_heads=()):
     shape = w.shape
     s = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
     q, k, v, do = (random_array(cupy, shape, dtype, i) for i in range(4))
@@ -81,6 +81,27 @@ def probe(w, dtype, tf32, backends, reps, slow_reps):
     for be in backends:
         result["backends"][be] = _probe_backend(w, be, q, k, v, do, kw, scale, need,
                                                 reps if be != "naive" else slow_reps)
+        cupy.get_default_memory_pool().free_all_blocks()
+    if dtype == "float32" and not tf32 and "tiled" in backends:
+        # Side by side: heads per warp of the exact weighted sums (tiled.EXACT_HEADS).
+        from natten_cupy.backends import tiled
+        default = dict(tiled.EXACT_HEADS)
+        c = dict(kw, backend="tiled")
+        attn = natten_cupy.softmax(ops.qk(w.rank, q, k, w.kernel, **c), scale)
+        want = ops.av(w.rank, attn, v, w.kernel, **c)
+        for hb in exact_heads:
+            if hb == default[4]:
+                continue
+            tiled.EXACT_HEADS[4] = hb
+            try:
+                got = ops.av(w.rank, attn, v, w.kernel, **c)
+                err = float(cupy.abs(got - want).max() / cupy.abs(want).max())
+                d = _probe_backend(w, "tiled", q, k, v, do, kw, scale, need, reps)
+                d["max_rel_diff_vs_default_av"] = err
+                result["backends"][f"tiled[exact_heads={hb}]"] = d
+            finally:
+                tiled.EXACT_HEADS.update(default)
+        del attn, want
         cupy.get_default_memory_pool().free_all_blocks()
     if "naive" in result["backends"]:
         base = result["backends"]["naive"]["chain"]
@@ -140,6 +161,8 @@ def main(argv=None):
     ap.add_argument("--backends", default="tiled,naive")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--slow-reps", type=int, default=3)
+    ap.add_argument("--exact-heads", default="1,2,4",
+                    help="heads per warp of the exact-fp32 weighted sums to compare (NT = 4)")
     args = ap.parse_args(argv)
     results = []
     t0 = time.time()
@@ -147,13 +170,17 @@ def main(argv=None):
         for dt in args.dtypes.split(","):
             dtype, tf32 = DTYPES[dt]
             bes = [b for b in args.backends.split(",") if not (b == "naive" and tf32)]
-            res = probe(WORKLOADS[wid], dtype, tf32, bes, args.reps, args.slow_reps)
+            res = probe(WORKLOADS[wid], dtype, tf32, bes, args.reps, args.slow_reps,
+                        [int(h) for h in args.exact_heads.split(",") if h])
             results.append(res)
             print(f"== {wid} {dt}  ({time.time() - t0:.0f} s)")
             for be, d in res["backends"].items():
                 ch = d["chain"]
                 sp = (f"  speedup {ch['speedup_fwd']:.2f}x / {ch['speedup_fwd_bwd']:.2f}x"
                       if "speedup_fwd" in ch else "")
+                if "max_rel_diff_vs_default_av" in d:
+                    print(f"  {be}: av differs from the default by "
+                          f"{d['max_rel_diff_vs_default_av']:.2e} (relative)")
                 print(f"  {be:6s} chain fwd {ch['fwd_ms']:8.2f} ms  fwd+bwd "
                       f"{ch['fwd_bwd_ms']:8.2f} ms{sp}")
                 for row in d["kernels"]:

@@ -429,19 +429,20 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
 // Each warp covers one slice of 8 * NT head-dim elements: logical n-column m of n-tile t is
 // physical element NT * m + t of the slice, so a lane loads NT consecutive elements of each of
 // its four columns and ends holding 2 * NT consecutive outputs of each of its two rows.
-// A warp runs HB = 16 / NT heads (64 accumulators per lane): per 16-column step it locates
+// A warp runs HB heads (16 / NT on tensor cores: 64 accumulators per lane): per 16-column step it locates
 // the weights once and reuses the offsets for every head. Staged (forward only; dynamic
 // shared memory of 16 * HB * K elements per warp): the warp first copies its rows' weights
 // [row][head][slot] into shared memory in contiguous runs and gathers from there.
-// EXACT (float32 only): lanes find the same weights, then take turns (one quad lane per
-// round) to share their four columns' weights and X addresses with their quad, and every
-// lane runs FMAs over the 2 * NT elements it stores.
-template <typename T, int NT, bool INVERSE, bool EXACT>
+// EXACT (float32 only): lanes find the same weights, then put the warp's 16 x 16 block of
+// weights and the X rows of the step's 16 columns in shared memory, where every lane reads
+// its two rows' weights (16-byte loads) and the column addresses (broadcast) and runs FMAs
+// over the 2 * NT elements it stores. (Passing them around with shuffles instead kept the
+// shuffle unit busier than the FMA pipes.)
+template <typename T, int NT, bool INVERSE, bool EXACT, int HB>
 __global__ void __launch_bounds__(kWarps * 32, 2)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
                   int staged, NAParams p) {
   constexpr bool F32 = IsF32<T>::value;
-  constexpr int HB = 16 / NT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = (int)p.head_dim;
   const int slices = (D + 8 * NT - 1) / (8 * NT);
@@ -450,6 +451,12 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int dbase = G.slice * 8 * NT;
   const int K = (int)p.num_neighbors;
+  // EXACT: per warp, the weights [row][column] of the current head's 16-column step and the
+  // X rows of the step's columns.
+  __shared__ __align__(16) float ex_w[EXACT ? kWarps * 256 : 4];
+  __shared__ unsigned long long ex_x[EXACT ? kWarps * 16 : 1];
+  float* const wsm = ex_w + (EXACT ? (threadIdx.x / 32) * 256 : 0);
+  unsigned long long* const xsm = ex_x + (EXACT ? (threadIdx.x / 32) * 16 : 0);
 
   // Weight of (row ri, slot t, head hh) at wsrc[wrow[ri] + t * wstep + hh * whead] (forward).
   const T* wsrc = w_in;
@@ -514,6 +521,8 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
       const bool cok = base + cofs[j] < G.cols;
       const int(&y)[3] = pos[j].y;
       xrow[j] = x_in + row_offset(G, p.v, y) + dbase;
+      if constexpr (EXACT)
+        if (grp == 0) xsm[cofs[j]] = reinterpret_cast<unsigned long long>(xrow[j]);
       if (INVERSE) {
         int s[3], e[3];
         windows_of(G, y, s, e);
@@ -548,23 +557,29 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
           wv[ri][j] = (wmask >> (2 * j + ri) & 1u) ? to_float(wsrc[woff[ri][j] + hw]) : 0.f;
 
       if constexpr (EXACT) {
-        // Round r: quad lane r's four columns. This lane's outputs: slice elements
-        // 2 * NT * quad + el, el < 2 * NT, kept in acc as the epilogue reads them.
-        const int d0 = 2 * NT * quad;
-#pragma unroll 1
-        for (int r = 0; r < 4; ++r) {
-          const int src = 4 * grp + r;
+        // This lane's outputs: slice elements 2 * NT * quad + el, el < 2 * NT, kept in acc
+        // as the epilogue reads them.
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float w0 = __shfl_sync(0xffffffffu, wv[0][j], src);
-            const float w1 = __shfl_sync(0xffffffffu, wv[1][j], src);
-            const T* xr = reinterpret_cast<const T*>(__shfl_sync(
-                0xffffffffu, reinterpret_cast<unsigned long long>(xrow[j]), src)) + hx;
-            const bool cok = base + (j < 2 ? 2 * r + j : 2 * r + 6 + j) < G.cols;
+        for (int j = 0; j < 4; ++j) {
+          wsm[grp * 16 + cofs[j]] = wv[0][j];
+          wsm[(grp + 8) * 16 + cofs[j]] = wv[1][j];
+        }
+        __syncwarp();
+        const int d0 = 2 * NT * quad;
+        const int left = G.cols - base;  // columns of this step that exist
+#pragma unroll 1
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const float4 wa = *reinterpret_cast<const float4*>(wsm + grp * 16 + 4 * c4);
+          const float4 wb = *reinterpret_cast<const float4*>(wsm + (grp + 8) * 16 + 4 * c4);
+          const float w0s[4] = {wa.x, wa.y, wa.z, wa.w}, w1s[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) {
+            const int c = 4 * c4 + cc;
+            const T* xr = reinterpret_cast<const T*>(xsm[c]) + hx;
 #pragma unroll
             for (int u = 0; u < 2 * NT / 4; ++u) {
               float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-              if (cok && dbase + d0 + 4 * u < D)
+              if (c < left && dbase + d0 + 4 * u < D)
                 f = __ldg(reinterpret_cast<const float4*>(xr + d0 + 4 * u));
               const float xv[4] = {f.x, f.y, f.z, f.w};
 #pragma unroll
@@ -572,12 +587,13 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
                 const int el = 4 * u + m;
                 float& a0 = el < NT ? acc[hh][el][0] : acc[hh][el - NT][1];
                 float& a1 = el < NT ? acc[hh][el][2] : acc[hh][el - NT][3];
-                a0 = fmaf(w0, xv[m], a0);
-                a1 = fmaf(w1, xv[m], a1);
+                a0 = fmaf(w0s[cc], xv[m], a0);
+                a1 = fmaf(w1s[cc], xv[m], a1);
               }
             }
           }
         }
+        __syncwarp();  // before the next head (or step) overwrites wsm and xsm
       } else {
         unsigned xw[4][XW];
 #pragma unroll

@@ -102,6 +102,11 @@ def reference_backward(xp, p, dp, scale):
 
 # ---- GPU ---------------------------------------------------------------------------------
 
+REGISTER_SLOTS = (4, 8)   # slots per lane of a row held in registers (V); 0: streamed
+# float64 rows of 8 slots a lane spill (double exp's slow path): they stream instead.
+FLOAT64_SLOTS = (4,)
+
+
 def lanes_per_row(k):
     """Lanes that share one row: a power of two, about one per 4 slots, at most a warp."""
     g = 1
@@ -110,11 +115,22 @@ def lanes_per_row(k):
     return g
 
 
-def _launch(xp, expr, args, rows, k, scale):
+def _slot_choices(c_t):
+    return FLOAT64_SLOTS if c_t == "double" else REGISTER_SLOTS
+
+
+def slots_per_lane(k, c_t="float"):
+    """V of the kernels: the register-held row size a row of k slots fits, or 0 (streamed)."""
     g = lanes_per_row(k)
+    return next((v for v in _slot_choices(c_t) if g * v >= k), 0)
+
+
+def _launch(kernel, c_t, args, rows, k, scale):
+    g = lanes_per_row(k)
+    expr = f"natten::softmax::{kernel}<{c_t}, {slots_per_lane(k, c_t)}>"
     ctas = max(1, min(MAX_CTAS, -(-rows // (BLOCK // g))))
     launch(get_kernel(SOURCE, expr), (ctas,), (BLOCK,),
-           (*args, numpy.int64(rows), numpy.int32(k), numpy.int32(g), numpy.float32(scale)),
+           (*args, numpy.int64(rows), numpy.int32(k), numpy.int32(g), numpy.float64(scale)),
            name=expr, backend="softmax")
 
 
@@ -126,8 +142,7 @@ def _forward(xp, x, scale):
     k = x.shape[-1]
     rows = x.size // k
     if rows:
-        _launch(xp, f"natten::softmax::na_softmax_forward<{c_type(x.dtype)}>", (x, out),
-                rows, k, scale)
+        _launch("na_softmax_forward", c_type(x.dtype), (x, out), rows, k, scale)
     return out
 
 
@@ -139,12 +154,12 @@ def _backward(xp, p, dp, scale):
     k = p.shape[-1]
     rows = p.size // k
     if rows:
-        _launch(xp, f"natten::softmax::na_softmax_backward<{c_type(p.dtype)}>", (p, dp, out),
-                rows, k, scale)
+        _launch("na_softmax_backward", c_type(p.dtype), (p, dp, out), rows, k, scale)
     return out
 
 
 def instantiations():
     """Every (source, name_expression) of the softmax kernels."""
-    return [(SOURCE, f"natten::softmax::na_softmax_{d}<{c_type(t)}>")
-            for d in ("forward", "backward") for t in DTYPE_NAMES]
+    return [(SOURCE, f"natten::softmax::na_softmax_{d}<{c_type(t)}, {v}>")
+            for d in ("forward", "backward") for t in DTYPE_NAMES
+            for v in _slot_choices(c_type(t)) + (0,)]

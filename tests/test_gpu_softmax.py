@@ -38,7 +38,7 @@ def _inputs(rng, dtype, rows, k, empty_rows=True):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [2, 9, 25, 81, 169, 2047, 5000])
+@pytest.mark.parametrize("k", [2, 9, 25, 81, 128, 169, 256, 257, 2047, 5000])
 def test_forward_and_backward(rng, dtype, k):
     cupy = pytest.importorskip("cupy")
     rows = 1237 if k < 1000 else 67

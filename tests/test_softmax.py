@@ -78,11 +78,19 @@ def test_lanes_per_row():
         [1, 1, 2, 4, 8, 32, 32, 32, 32]
 
 
+def test_slots_per_lane():
+    # Rows up to 128 slots: 4 per lane; up to 256: 8 per lane (a warp); longer rows stream.
+    assert [_softmax.slots_per_lane(k) for k in (1, 4, 5, 81, 128, 129, 256, 257, 5000)] == \
+        [4, 4, 4, 4, 4, 8, 8, 0, 0]
+    assert [_softmax.slots_per_lane(k, "double") for k in (81, 128, 129, 256)] == [4, 4, 0, 0]
+
+
 def test_every_dtype_has_both_kernels():
     names = [e for _, e in _softmax.instantiations()]
     for t in ("double", "float", "__half", "__nv_bfloat16"):
-        assert f"natten::softmax::na_softmax_forward<{t}>" in names
-        assert f"natten::softmax::na_softmax_backward<{t}>" in names
+        for v in (0, 4) + ((8,) if t != "double" else ()):
+            assert f"natten::softmax::na_softmax_forward<{t}, {v}>" in names
+            assert f"natten::softmax::na_softmax_backward<{t}, {v}>" in names
 
 
 @pytest.mark.parametrize("call, exc, match", [

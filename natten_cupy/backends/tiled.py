@@ -44,6 +44,7 @@ SCORE_HEADS = 8                      # most heads per warp of the scores kernel
 STAGE_BYTES = 16384                  # shared memory per warp for staged scores
 WEIGHT_STAGE_BYTES = 24576           # shared memory per warp for staged weights (av, dq)
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
+EXACT_HEADS = {4: 4, 8: 2}           # heads per warp of the exact-fp32 weighted sums, by NT
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
 RPB_CTAS = 2048                      # CTAs of one rpb-gradient pass, over all heads
@@ -157,9 +158,17 @@ def _scores_expr(problem):
             f"{_cbool(_exact(problem))}>")
 
 
+def weighted_heads(problem):
+    """Heads per warp of the weighted sums (HB): 16 // NT on tensor cores (64 accumulators
+    a lane), EXACT_HEADS[NT] in exact float32."""
+    nt = slice_tiles(problem)
+    return EXACT_HEADS[nt] if _exact(problem) else 16 // nt
+
+
 def _weighted_expr(problem, inverse):
     return (f"natten::tiled::na_tiled_weighted<{c_type(problem.dtype)}, "
-            f"{slice_tiles(problem)}, {_cbool(inverse)}, {_cbool(_exact(problem))}>")
+            f"{slice_tiles(problem)}, {_cbool(inverse)}, {_cbool(_exact(problem))}, "
+            f"{weighted_heads(problem)}>")
 
 
 def _rpb_expr(problem):
@@ -193,9 +202,10 @@ def _scores(problem, a, b, rpb, out, fill):
 def weight_stage_bytes(problem):
     """Shared memory per warp of the forward weighted sums (0: gather from global memory).
 
-    A warp runs 16 // tiles heads (HB in na_tiled.cu) and stages 16 rows of K weights each.
+    A warp runs weighted_heads() heads (HB in na_tiled.cu) and stages 16 rows of K weights
+    each.
     """
-    heads = 16 // slice_tiles(problem)
+    heads = weighted_heads(problem)
     size = 16 * heads * problem.num_neighbors * problem.dtype.itemsize
     return size if size <= WEIGHT_STAGE_BYTES else 0
 
@@ -207,7 +217,8 @@ def _weighted(problem, weights, x, out, inverse):
     slices = _ceil_div(problem.head_dim, 8 * tiles)
     stage = 0 if inverse else weight_stage_bytes(problem)
     expr = _weighted_expr(problem, inverse)
-    launch(get_kernel(SOURCE, expr), _grid(problem, 16 // tiles, slices), (32 * WARPS,),
+    launch(get_kernel(SOURCE, expr), _grid(problem, weighted_heads(problem), slices),
+           (32 * WARPS,),
            (weights, x, out, numpy.int32(stage > 0), p), shared_mem=WARPS * stage, name=expr,
            backend=NAME)
 
@@ -270,8 +281,9 @@ def instantiations():
             out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}, {ex}>")
                     for dc in SCORE_CHUNKS]
             for nt in SLICE_TILES[dtype == FLOAT32]:
+                hb = EXACT_HEADS[nt] if exact else 16 // nt
                 for inv in (False, True):
                     out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, "
-                                        f"{_cbool(inv)}, {ex}>"))
+                                        f"{_cbool(inv)}, {ex}, {hb}>"))
         out.append((SOURCE, f"natten::tiled::na_tiled_rpb_grad<{ct}>"))
     return out
