@@ -276,8 +276,11 @@ __device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
 // stored to attn one by one and empty slots filled afterwards.
 // EXACT (float32 only): every lane multiplies its 8 elements of all 8 keys of the block
 // (key addresses come from the lanes that own them) and the quad adds up (quad_reduce).
-template <typename T, int DC, bool EXACT>
-__global__ void __launch_bounds__(kWarps * 32, (!EXACT && DC * Elem<T, EXACT>::kRegs8 <= 8) ? 3 : 2)
+// Tensor cores: HP heads at a time issue all their fragment loads before their mmas, so that
+// HP loads are in flight at once instead of one (HP = 1: one head after the other).
+template <typename T, int DC, bool EXACT, int HP>
+__global__ void __launch_bounds__(kWarps * 32,
+                                  (!EXACT && HP * DC * Elem<T, EXACT>::kRegs8 <= 8) ? 3 : 2)
 na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T* __restrict__ rpb,
                 T* __restrict__ out, float fill, int heads_per_warp, int staged, NAParams p) {
   constexpr int R = Elem<T, EXACT>::kRegs8;
@@ -340,10 +343,24 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
             __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(brow), 4 * j + quad));
     }
 
-    for (int hh = 0; hh < G.nh; ++hh) {
-      const i64 ha = hh * p.q[4], hb = hh * p.k[4];
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      if constexpr (EXACT) {
+    // Score e of head hh: to its slot (staged or straight to attn), plus rpb.
+    auto put = [&](int hh, const float (&acc)[4]) {
+      const i64 ho = hh * p.attn[4], hr = (i64)(G.h + hh) * p.rpb[0];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (slot[e] < 0) continue;
+        float v = acc[e];
+        if (rpb != nullptr) v += to_float(rpb[hr + rpo[e]]);
+        if (staged)
+          stage[(grp + 8 * (e / 2)) * srow + hh * K + slot[e]] = from_float<T>(v);
+        else
+          out[out_row[e / 2] + ho + (i64)slot[e] * p.attn[5]] = from_float<T>(v);
+      }
+    };
+    if constexpr (EXACT) {
+      for (int hh = 0; hh < G.nh; ++hh) {
+        const i64 ha = hh * p.q[4], hb = hh * p.k[4];
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
         float part[2][8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) part[0][j] = part[1][j] = 0.f;
@@ -362,27 +379,32 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
           }
         }
         quad_reduce(part, acc, quad);
-      } else {
-#pragma unroll 4
+        put(hh, acc);
+      }
+    } else {
+      const bool bok = base + grp < G.cols;
+      for (int h0 = 0; h0 < G.nh; h0 += HP) {
+        float acc[HP][4];
+#pragma unroll
+        for (int i = 0; i < HP; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll (HP > 1 ? 1 : 4)
         for (int ch = 0; ch < DC; ++ch) {
           const int d0 = 32 * ch + 8 * quad;
-          unsigned a0[R], a1[R], bfrag[R];
-          load8<T, EXACT>(a0, arow[0] + ha + 32 * ch, d0 < D);
-          load8<T, EXACT>(a1, arow[1] + ha + 32 * ch, d0 < D);
-          load8<T, EXACT>(bfrag, brow + hb + 32 * ch, base + grp < G.cols && d0 < D);
-          mma_chunk32<T>(acc, a0, a1, bfrag);
-        }
-      }
-      const i64 ho = hh * p.attn[4], hr = (i64)(G.h + hh) * p.rpb[0];
+          unsigned a0[HP][R], a1[HP][R], bfrag[HP][R];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (slot[e] < 0) continue;
-        float v = acc[e];
-        if (rpb != nullptr) v += to_float(rpb[hr + rpo[e]]);
-        if (staged)
-          stage[(grp + 8 * (e / 2)) * srow + hh * K + slot[e]] = from_float<T>(v);
-        else
-          out[out_row[e / 2] + ho + (i64)slot[e] * p.attn[5]] = from_float<T>(v);
+          for (int i = 0; i < HP; ++i) {
+            const bool hok = h0 + i < G.nh;
+            const i64 hh = h0 + i;
+            load8<T, EXACT>(a0[i], arow[0] + hh * p.q[4] + 32 * ch, hok && d0 < D);
+            load8<T, EXACT>(a1[i], arow[1] + hh * p.q[4] + 32 * ch, hok && d0 < D);
+            load8<T, EXACT>(bfrag[i], brow + hh * p.k[4] + 32 * ch, hok && bok && d0 < D);
+          }
+#pragma unroll
+          for (int i = 0; i < HP; ++i) mma_chunk32<T>(acc[i], a0[i], a1[i], bfrag[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < HP; ++i)
+          if (h0 + i < G.nh) put(h0 + i, acc[i]);
       }
     }
   }
@@ -465,13 +487,40 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
     if (staged) {
       const int srow = G.nh * K;
       T* stage = reinterpret_cast<T*>(smem_raw) + (threadIdx.x / 32) * 16 * HB * K;
-      for (int r = 0; r < 16; ++r) {
+      // Lanes stride over the flat [row][head][slot] index with 8 loads in flight each (one
+      // load at a time left this copy waiting on memory latency for most of the kernel).
+      // Row offsets come from shared memory (-1: the row lies past the patch: zeros).
+      __shared__ i64 row_base[kWarps][16];
+      i64* const rbase = row_base[threadIdx.x / 32];
+      if (lane < 16) {
         int x[3];
-        if (!patch_row(G, r, x)) continue;
-        const i64 row = row_offset(G, p.attn, x);
-        for (int hh = 0; hh < G.nh; ++hh)
-          for (int t = lane; t < K; t += 32)
-            stage[r * srow + hh * K + t] = w_in[row + hh * p.attn[4] + (i64)t * p.attn[5]];
+        rbase[lane] = patch_row(G, lane, x) ? row_offset(G, p.attn, x) : (i64)-1;
+      }
+      __syncwarp();
+      const int total = 16 * srow;
+      int r = 0, hh = 0, t = lane;  // coordinates of flat index i = lane
+      while (t >= K) {
+        t -= K;
+        if (++hh == G.nh) { hh = 0; ++r; }
+      }
+      for (int i0 = 0; i0 < total; i0 += 32 * 8) {
+        T v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          v[u] = from_float<T>(0.f);
+          if (i0 + 32 * u + lane < total) {
+            const i64 rb = rbase[r];
+            if (rb >= 0) v[u] = w_in[rb + hh * p.attn[4] + (i64)t * p.attn[5]];
+          }
+          t += 32;  // next flat index: carry slots into heads into rows
+          while (t >= K) {
+            t -= K;
+            if (++hh == G.nh) { hh = 0; ++r; }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (i0 + 32 * u + lane < total) stage[i0 + 32 * u + lane] = v[u];
       }
       __syncwarp();
       wsrc = stage;

@@ -41,10 +41,13 @@ WARPS = 4              # warps per CTA (kWarps in na_tiled.cu)
 MAX_HEAD_DIM = 256
 SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
 SCORE_HEADS = 8                      # most heads per warp of the scores kernel
+SCORE_BATCH = 4                      # heads whose loads the scores kernel issues together (HP)
 STAGE_BYTES = 16384                  # shared memory per warp for staged scores
 WEIGHT_STAGE_BYTES = 24576           # shared memory per warp for staged weights (av, dq)
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
-EXACT_HEADS = {4: 4, 8: 2}           # heads per warp of the exact-fp32 weighted sums, by NT
+# Heads per warp of the exact-fp32 weighted sums, by "inverse" (H200, bench/results/
+# tiled_probe.json: forward sums 1 head 27% faster than 4 on W2, inverse sums 2 heads 36%).
+EXACT_HEADS = {False: 1, True: 2}
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
 RPB_CTAS = 2048                      # CTAs of one rpb-gradient pass, over all heads
@@ -153,22 +156,27 @@ class _Output:
 
 # ---- kernels -----------------------------------------------------------------------------
 
+def score_batch(problem):
+    """HP of the scores kernel: heads whose fragment loads go out together (1 in exact fp32,
+    whose FMA path runs one head at a time)."""
+    return 1 if _exact(problem) else SCORE_BATCH
+
+
 def _scores_expr(problem):
     return (f"natten::tiled::na_tiled_scores<{c_type(problem.dtype)}, {score_chunks(problem)}, "
-            f"{_cbool(_exact(problem))}>")
+            f"{_cbool(_exact(problem))}, {score_batch(problem)}>")
 
 
-def weighted_heads(problem):
+def weighted_heads(problem, inverse):
     """Heads per warp of the weighted sums (HB): 16 // NT on tensor cores (64 accumulators
-    a lane), EXACT_HEADS[NT] in exact float32."""
-    nt = slice_tiles(problem)
-    return EXACT_HEADS[nt] if _exact(problem) else 16 // nt
+    a lane), EXACT_HEADS[inverse] in exact float32."""
+    return EXACT_HEADS[inverse] if _exact(problem) else 16 // slice_tiles(problem)
 
 
 def _weighted_expr(problem, inverse):
     return (f"natten::tiled::na_tiled_weighted<{c_type(problem.dtype)}, "
             f"{slice_tiles(problem)}, {_cbool(inverse)}, {_cbool(_exact(problem))}, "
-            f"{weighted_heads(problem)}>")
+            f"{weighted_heads(problem, inverse)}>")
 
 
 def _rpb_expr(problem):
@@ -205,7 +213,7 @@ def weight_stage_bytes(problem):
     A warp runs weighted_heads() heads (HB in na_tiled.cu) and stages 16 rows of K weights
     each.
     """
-    heads = weighted_heads(problem)
+    heads = weighted_heads(problem, False)
     size = 16 * heads * problem.num_neighbors * problem.dtype.itemsize
     return size if size <= WEIGHT_STAGE_BYTES else 0
 
@@ -217,7 +225,7 @@ def _weighted(problem, weights, x, out, inverse):
     slices = _ceil_div(problem.head_dim, 8 * tiles)
     stage = 0 if inverse else weight_stage_bytes(problem)
     expr = _weighted_expr(problem, inverse)
-    launch(get_kernel(SOURCE, expr), _grid(problem, weighted_heads(problem), slices),
+    launch(get_kernel(SOURCE, expr), _grid(problem, weighted_heads(problem, inverse), slices),
            (32 * WARPS,),
            (weights, x, out, numpy.int32(stage > 0), p), shared_mem=WARPS * stage, name=expr,
            backend=NAME)
@@ -278,11 +286,12 @@ def instantiations():
         ct = c_type(dtype)
         for exact in ((False, True) if dtype == FLOAT32 else (False,)):
             ex = _cbool(exact)
-            out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}, {ex}>")
+            hp = 1 if exact else SCORE_BATCH
+            out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}, {ex}, {hp}>")
                     for dc in SCORE_CHUNKS]
             for nt in SLICE_TILES[dtype == FLOAT32]:
-                hb = EXACT_HEADS[nt] if exact else 16 // nt
                 for inv in (False, True):
+                    hb = EXACT_HEADS[inv] if exact else 16 // nt
                     out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, "
                                         f"{_cbool(inv)}, {ex}, {hb}>"))
         out.append((SOURCE, f"natten::tiled::na_tiled_rpb_grad<{ct}>"))
