@@ -2,7 +2,9 @@
 # The GPU runner: on a machine with a GPU (and the packages preinstalled, no network), run
 # the GPU test suite and then the benchmark suite in one go. Full logs and JSON go to $OUT;
 # a short summary table is printed last.
-#   bash bench/gpu_run.sh [--quick] [--tests-only|--bench-only] [extra pytest args...]
+#   bash bench/gpu_run.sh [--quick] [--tests-only|--bench-only] [--probe] [extra pytest args...]
+# --probe also runs bench/tiled_probe.py (per-kernel times and bandwidth of the unfused chain,
+# tiled next to naive) after the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/natten_cupy_out}
@@ -11,12 +13,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/natten_cupy_kernel_cache}
 PY=${PYTHON:-python3}
 
-mode=all; quick=""; pytest_extra=()
+mode=all; quick=""; probe=""; pytest_extra=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
     --tests-only) mode=tests ;;
     --bench-only) mode=bench ;;
+    --probe) probe=1 ;;
     *) pytest_extra+=("$a") ;;
   esac
 done
@@ -37,6 +40,17 @@ if [ "$mode" != bench ]; then
   echo "   pytest exit $status in $(( $(date +%s) - t0 )) s"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
   tail -n 3 "$OUT/tests.log"
+  [ -f "$OUT/tests.xml" ] && "$PY" bench/junit_summary.py "$OUT/tests.xml" "$OUT/gpu_tests.json" \
+      --commit "${NATTEN_CUPY_COMMIT:-}" --device "$(cat "$OUT/device.txt")"
+fi
+if [ -n "$probe" ]; then
+  echo "== unfused-chain probe"
+  t0=$(date +%s)
+  "$PY" bench/tiled_probe.py --out "$OUT/tiled_probe.json" --workloads ${PROBE_WORKLOADS:-W2,W3,W2b} \
+      --dtypes ${PROBE_DTYPES:-fp16,bf16,fp32,tf32} > "$OUT/tiled_probe.log" 2>&1 \
+      || { echo "   probe failed:"; tail -n 25 "$OUT/tiled_probe.log"; status=1; }
+  grep -E "^(==|  [a-z])" "$OUT/tiled_probe.log"
+  echo "   probe done in $(( $(date +%s) - t0 )) s"
 fi
 if [ "$mode" != tests ]; then
   echo "== benchmarks"

@@ -12,6 +12,7 @@ forward+backward, per backend side by side (CUDA events, medians), and its speed
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -92,16 +93,19 @@ def probe(w, dtype, tf32, backends, reps, slow_reps, variants=()):
                                                 reps if be != "naive" else slow_reps)
         cupy.get_default_memory_pool().free_all_blocks()
     if variants and "tiled" in backends:
-        # Side by side: the tiled backend with module settings changed (tiled.<NAME> = value),
-        # each checked against the default's qk and av first.
+        # Side by side: the tiled backend with module settings changed (tiled.<NAME> = value,
+        # or softmax.<NAME> for natten_cupy._softmax), each checked against the default's qk
+        # and av first.
+        from natten_cupy import _softmax
         from natten_cupy.backends import tiled
         c = dict(kw, backend="tiled")
         want_s = ops.qk(w.rank, q, k, w.kernel, **c)
         attn = natten_cupy.softmax(want_s, scale)
         want_o = ops.av(w.rank, attn, v, w.kernel, **c)
         for name, value in variants:
-            old = getattr(tiled, name)
-            setattr(tiled, name, value)
+            mod, attr = (_softmax, name[8:]) if name.startswith("softmax.") else (tiled, name)
+            old = getattr(mod, attr)
+            setattr(mod, attr, value)
             try:
                 err = max(_rel(ops.qk(w.rank, q, k, w.kernel, **c), want_s),
                           _rel(ops.av(w.rank, attn, v, w.kernel, **c), want_o))
@@ -109,7 +113,7 @@ def probe(w, dtype, tf32, backends, reps, slow_reps, variants=()):
                 d["max_rel_diff_vs_default"] = err
                 result["backends"][f"tiled[{name}={value}]"] = d
             finally:
-                setattr(tiled, name, old)
+                setattr(mod, attr, old)
         del attn, want_s, want_o
         cupy.get_default_memory_pool().free_all_blocks()
     if "naive" in result["backends"]:
@@ -171,8 +175,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--slow-reps", type=int, default=3)
     ap.add_argument("--variants", default="",
-                    help="tiled-backend settings to compare, NAME=INT[,NAME=INT...] "
-                         "(e.g. SCORE_BATCH=1)")
+                    help="tiled-backend settings to compare, NAME=PYTHON_LITERAL separated by "
+                         "';' (e.g. 'SCORE_BATCH={False: 1, True: 1}')")
     args = ap.parse_args(argv)
     results = []
     t0 = time.time()
@@ -180,8 +184,8 @@ def main(argv=None):
         for dt in args.dtypes.split(","):
             dtype, tf32 = DTYPES[dt]
             bes = [b for b in args.backends.split(",") if not (b == "naive" and tf32)]
-            variants = [(a.split("=")[0], int(a.split("=")[1]))
-                        for a in args.variants.split(",") if a]
+            variants = [(a.split("=", 1)[0].strip(), ast.literal_eval(a.split("=", 1)[1]))
+                        for a in args.variants.split(";") if a.strip()]
             res = probe(WORKLOADS[wid], dtype, tf32, bes, args.reps, args.slow_reps, variants)
             results.append(res)
             print(f"== {wid} {dt}  ({time.time() - t0:.0f} s)")

@@ -107,10 +107,14 @@ REGISTER_SLOTS = (4, 8)   # slots per lane of a row held in registers (V); 0: st
 FLOAT64_SLOTS = (4,)
 
 
+SLOTS_PER_LANE = 4        # lanes per row: about one per this many slots
+
+
 def lanes_per_row(k):
-    """Lanes that share one row: a power of two, about one per 4 slots, at most a warp."""
+    """Lanes that share one row: a power of two, about one per SLOTS_PER_LANE slots, at most
+    a warp."""
     g = 1
-    while g < 32 and 4 * g < k:
+    while g < 32 and SLOTS_PER_LANE * g < k:
         g *= 2
     return g
 

@@ -4,7 +4,7 @@ The kernels of ``cuda_src/na_tiled.cu`` give each warp a compact 16-row patch (1
 2-D 4x4, 3-D 1x4x4, in dilation-group coordinates) of one batch and several heads, and walk
 the halo of columns its rows reach with ``mma.sync``; the window arithmetic of a block of
 columns is done once and reused for every head. Four ops reduce to two kernels and a
-reduction:
+reduction (the softmax between qk and av is ``natten_cupy.softmax``):
 
 * scores ``out[i, t] = <A_i, B_j(i, t)>``: qk (q, k -> attn, + rpb, empty causal slots -inf)
   and av_backward's d_attn (d_out, v -> d_attn, empty slots 0);
@@ -41,7 +41,10 @@ WARPS = 4              # warps per CTA (kWarps in na_tiled.cu)
 MAX_HEAD_DIM = 256
 SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
 SCORE_HEADS = 8                      # most heads per warp of the scores kernel
-SCORE_BATCH = 4                      # heads whose loads the scores kernel issues together (HP)
+# Heads whose fragment loads the scores kernel issues together (HP), by "is float32" (H200,
+# W2/W3: f16 2 heads 14-18% faster than 1 and 4; TF32 1 head 26-35% faster than 2 or 4, whose
+# registers cost a CTA per SM).
+SCORE_BATCH = {False: 2, True: 1}
 STAGE_BYTES = 16384                  # shared memory per warp for staged scores
 WEIGHT_STAGE_BYTES = 24576           # shared memory per warp for staged weights (av, dq)
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
@@ -159,7 +162,7 @@ class _Output:
 def score_batch(problem):
     """HP of the scores kernel: heads whose fragment loads go out together (1 in exact fp32,
     whose FMA path runs one head at a time)."""
-    return 1 if _exact(problem) else SCORE_BATCH
+    return 1 if _exact(problem) else SCORE_BATCH[_is_f32(problem)]
 
 
 def _scores_expr(problem):
@@ -286,7 +289,7 @@ def instantiations():
         ct = c_type(dtype)
         for exact in ((False, True) if dtype == FLOAT32 else (False,)):
             ex = _cbool(exact)
-            hp = 1 if exact else SCORE_BATCH
+            hp = 1 if exact else SCORE_BATCH[dtype == FLOAT32]
             out += [(SOURCE, f"natten::tiled::na_tiled_scores<{ct}, {dc}, {ex}, {hp}>")
                     for dc in SCORE_CHUNKS]
             for nt in SLICE_TILES[dtype == FLOAT32]:

@@ -1,0 +1,51 @@
+"""Drive Nsight Compute over the unfused chain's kernels (one call of each, after warm-up).
+
+    ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section SchedulerStats python bench/ncu_unfused.py [W2] [fp16]
+
+Only the calls between cudaProfilerStart/Stop are profiled: qk, softmax, av, av_backward,
+softmax_backward, qk_backward on the tiled backend.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cupy  # noqa: E402
+
+import natten_cupy  # noqa: E402
+from natten_cupy import ops  # noqa: E402
+from natten_cupy.profile import random_array  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+DTYPES = {"fp16": ("float16", False), "fp32": ("float32", False), "tf32": ("float32", True)}
+
+
+def main(argv):
+    w = WORKLOADS[argv[0] if argv else "W2"]
+    dtype, tf32 = DTYPES[argv[1] if len(argv) > 1 else "fp16"]
+    q, k, v, do = (random_array(cupy, w.shape, dtype, i) for i in range(4))
+    c = dict(dilation=w.dilation, is_causal=w.causal, allow_tf32=tf32, backend="tiled")
+    scale = w.dim ** -0.5
+
+    def chain():
+        logits = ops.qk(w.rank, q, k, w.kernel, **c)
+        attn = natten_cupy.softmax(logits, scale)
+        ops.av(w.rank, attn, v, w.kernel, **c)
+        d_attn, _ = ops.av_backward(w.rank, do, attn, v, w.kernel, **c)
+        d_logits = natten_cupy.softmax_backward(attn, d_attn, scale)
+        ops.qk_backward(w.rank, d_logits, q, k, w.kernel, **c)
+
+    chain()
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.start()
+    chain()
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
