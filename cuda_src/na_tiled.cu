@@ -460,8 +460,9 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
 // its two rows' weights (16-byte loads) and the column addresses (broadcast) and runs FMAs
 // over the 2 * NT elements it stores. (Passing them around with shuffles instead kept the
 // shuffle unit busier than the FMA pipes.)
+// Registers: HB * NT * 4 accumulators a lane; up to 32 of them leave room for 3 CTAs an SM.
 template <typename T, int NT, bool INVERSE, bool EXACT, int HB>
-__global__ void __launch_bounds__(kWarps * 32, 2)
+__global__ void __launch_bounds__(kWarps * 32, (!EXACT && HB * NT <= 8) ? 3 : 2)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
                   int staged, NAParams p) {
   constexpr bool F32 = IsF32<T>::value;

@@ -107,14 +107,16 @@ REGISTER_SLOTS = (4, 8)   # slots per lane of a row held in registers (V); 0: st
 FLOAT64_SLOTS = (4,)
 
 
-SLOTS_PER_LANE = 4        # lanes per row: about one per this many slots
+# Lanes per row: about one per this many slots, by direction (H200, W2 fp16: the forward
+# 21% faster with 8 than 4, the backward 10% slower).
+SLOTS_PER_LANE = {"forward": 8, "backward": 4}
 
 
-def lanes_per_row(k):
-    """Lanes that share one row: a power of two, about one per SLOTS_PER_LANE slots, at most
-    a warp."""
+def lanes_per_row(k, direction="forward"):
+    """Lanes that share one row: a power of two, about one per SLOTS_PER_LANE[direction]
+    slots, at most a warp."""
     g = 1
-    while g < 32 and SLOTS_PER_LANE * g < k:
+    while g < 32 and SLOTS_PER_LANE[direction] * g < k:
         g *= 2
     return g
 
@@ -123,15 +125,16 @@ def _slot_choices(c_t):
     return FLOAT64_SLOTS if c_t == "double" else REGISTER_SLOTS
 
 
-def slots_per_lane(k, c_t="float"):
+def slots_per_lane(k, c_t="float", direction="forward"):
     """V of the kernels: the register-held row size a row of k slots fits, or 0 (streamed)."""
-    g = lanes_per_row(k)
+    g = lanes_per_row(k, direction)
     return next((v for v in _slot_choices(c_t) if g * v >= k), 0)
 
 
-def _launch(kernel, c_t, args, rows, k, scale):
-    g = lanes_per_row(k)
-    expr = f"natten::softmax::{kernel}<{c_t}, {slots_per_lane(k, c_t)}>"
+def _launch(direction, c_t, args, rows, k, scale):
+    g = lanes_per_row(k, direction)
+    v = slots_per_lane(k, c_t, direction)
+    expr = f"natten::softmax::na_softmax_{direction}<{c_t}, {v}>"
     ctas = max(1, min(MAX_CTAS, -(-rows // (BLOCK // g))))
     launch(get_kernel(SOURCE, expr), (ctas,), (BLOCK,),
            (*args, numpy.int64(rows), numpy.int32(k), numpy.int32(g), numpy.float64(scale)),
@@ -146,7 +149,7 @@ def _forward(xp, x, scale):
     k = x.shape[-1]
     rows = x.size // k
     if rows:
-        _launch("na_softmax_forward", c_type(x.dtype), (x, out), rows, k, scale)
+        _launch("forward", c_type(x.dtype), (x, out), rows, k, scale)
     return out
 
 
@@ -158,7 +161,7 @@ def _backward(xp, p, dp, scale):
     k = p.shape[-1]
     rows = p.size // k
     if rows:
-        _launch("na_softmax_backward", c_type(p.dtype), (p, dp, out), rows, k, scale)
+        _launch("backward", c_type(p.dtype), (p, dp, out), rows, k, scale)
     return out
 
 

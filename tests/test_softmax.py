@@ -74,15 +74,20 @@ def test_chain_equals_fused_forward(rng):
 
 
 def test_lanes_per_row():
-    assert [_softmax.lanes_per_row(k) for k in (1, 4, 5, 9, 25, 81, 128, 129, 4096)] == \
-        [1, 1, 2, 4, 8, 32, 32, 32, 32]
+    ks = (1, 4, 5, 9, 25, 81, 128, 129, 4096)
+    assert [_softmax.lanes_per_row(k, "backward") for k in ks] == [1, 1, 2, 4, 8, 32, 32, 32, 32]
+    assert [_softmax.lanes_per_row(k, "forward") for k in ks] == [1, 1, 1, 2, 4, 16, 16, 32, 32]
 
 
 def test_slots_per_lane():
-    # Rows up to 128 slots: 4 per lane; up to 256: 8 per lane (a warp); longer rows stream.
-    assert [_softmax.slots_per_lane(k) for k in (1, 4, 5, 81, 128, 129, 256, 257, 5000)] == \
+    # Backward: rows up to 128 slots hold 4 a lane, up to 256 8 a lane (a warp); longer stream.
+    ks = (1, 4, 5, 81, 128, 129, 256, 257, 5000)
+    assert [_softmax.slots_per_lane(k, "float", "backward") for k in ks] == \
         [4, 4, 4, 4, 4, 8, 8, 0, 0]
-    assert [_softmax.slots_per_lane(k, "double") for k in (81, 128, 129, 256)] == [4, 4, 0, 0]
+    assert [_softmax.slots_per_lane(k, "float", "forward") for k in ks] == \
+        [4, 4, 8, 8, 8, 8, 8, 0, 0]
+    assert [_softmax.slots_per_lane(k, "double", "backward") for k in (81, 128, 129, 256)] == \
+        [4, 4, 0, 0]
 
 
 def test_every_dtype_has_both_kernels():

@@ -51,6 +51,8 @@ SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, 
 # Heads per warp of the exact-fp32 weighted sums, by "inverse" (H200, bench/results/
 # tiled_probe.json: forward sums 1 head 27% faster than 4 on W2, inverse sums 2 heads 36%).
 EXACT_HEADS = {False: 1, True: 2}
+# Accumulators a lane of the tensor-core weighted sums holds (HB * NT * 4): 64 (HB = 16 / NT).
+TC_ACCUMULATORS = 64
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
 RPB_CTAS = 2048                      # CTAs of one rpb-gradient pass, over all heads
@@ -171,9 +173,15 @@ def _scores_expr(problem):
 
 
 def weighted_heads(problem, inverse):
-    """Heads per warp of the weighted sums (HB): 16 // NT on tensor cores (64 accumulators
-    a lane), EXACT_HEADS[inverse] in exact float32."""
-    return EXACT_HEADS[inverse] if _exact(problem) else 16 // slice_tiles(problem)
+    """Heads per warp of the weighted sums (HB): TC_ACCUMULATORS // (4 * NT) on tensor cores
+    (at least 1), EXACT_HEADS[inverse] in exact float32."""
+    if _exact(problem):
+        return EXACT_HEADS[inverse]
+    return _tc_heads(slice_tiles(problem))
+
+
+def _tc_heads(nt):
+    return max(1, TC_ACCUMULATORS // (4 * nt))
 
 
 def _weighted_expr(problem, inverse):
@@ -294,7 +302,7 @@ def instantiations():
                     for dc in SCORE_CHUNKS]
             for nt in SLICE_TILES[dtype == FLOAT32]:
                 for inv in (False, True):
-                    hb = EXACT_HEADS[inv] if exact else 16 // nt
+                    hb = EXACT_HEADS[inv] if exact else _tc_heads(nt)
                     out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, "
                                         f"{_cbool(inv)}, {ex}, {hb}>"))
         out.append((SOURCE, f"natten::tiled::na_tiled_rpb_grad<{ct}>"))
