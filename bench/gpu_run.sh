@@ -46,8 +46,9 @@ fi
 if [ -n "$probe" ]; then
   echo "== unfused-chain probe"
   t0=$(date +%s)
-  "$PY" bench/tiled_probe.py --out "$OUT/tiled_probe.json" --workloads ${PROBE_WORKLOADS:-W2,W3,W2b} \
-      --dtypes ${PROBE_DTYPES:-fp16,bf16,fp32,tf32} > "$OUT/tiled_probe.log" 2>&1 \
+  "$PY" bench/tiled_probe.py --out "$OUT/tiled_probe.json" --workloads ${PROBE_WORKLOADS:-W2,W3} \
+      --dtypes ${PROBE_DTYPES:-fp16,bf16,fp32,tf32} --extra ${PROBE_EXTRA:-W2b:fp16,W2b:fp32,W1:fp16} \
+      > "$OUT/tiled_probe.log" 2>&1 \
       || { echo "   probe failed:"; tail -n 25 "$OUT/tiled_probe.log"; status=1; }
   grep -E "^(==|  [a-z])" "$OUT/tiled_probe.log"
   echo "   probe done in $(( $(date +%s) - t0 )) s"

@@ -171,6 +171,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--workloads", default="W2,W3")
     ap.add_argument("--dtypes", default="fp16,fp32,tf32")
+    ap.add_argument("--extra", default="",
+                    help="more WORKLOAD:DTYPE pairs, comma-separated (e.g. W1:fp16)")
     ap.add_argument("--backends", default="tiled,naive")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--slow-reps", type=int, default=3)
@@ -180,33 +182,34 @@ def main(argv=None):
     args = ap.parse_args(argv)
     results = []
     t0 = time.time()
-    for wid in args.workloads.split(","):
-        for dt in args.dtypes.split(","):
-            dtype, tf32 = DTYPES[dt]
-            bes = [b for b in args.backends.split(",") if not (b == "naive" and tf32)]
-            variants = [(a.split("=", 1)[0].strip(), ast.literal_eval(a.split("=", 1)[1]))
-                        for a in args.variants.split(";") if a.strip()]
-            res = probe(WORKLOADS[wid], dtype, tf32, bes, args.reps, args.slow_reps, variants)
-            results.append(res)
-            print(f"== {wid} {dt}  ({time.time() - t0:.0f} s)")
-            for be, d in res["backends"].items():
-                ch = d["chain"]
-                sp = (f"  speedup {ch['speedup_fwd']:.2f}x / {ch['speedup_fwd_bwd']:.2f}x"
-                      if "speedup_fwd" in ch else "")
-                if "max_rel_diff_vs_default" in d:
-                    print(f"  {be}: qk/av differ from the default by "
-                          f"{d['max_rel_diff_vs_default']:.2e} (relative)")
-                print(f"  {be:6s} chain fwd {ch['fwd_ms']:8.2f} ms  fwd+bwd "
-                      f"{ch['fwd_bwd_ms']:8.2f} ms{sp}")
-                for row in d["kernels"]:
-                    bw = row["bandwidth_fraction"]
-                    print(f"    {row['step']:20s} {row['ms']:8.3f} ms  "
-                          f"{'' if bw is None else f'{100 * bw:5.1f}% of copy bw'}  "
-                          f"{row['kernel'][:70]}")
-            with open(args.out, "w") as f:
-                json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                           "commit": os.environ.get("NATTEN_CUPY_COMMIT", ""),
-                           "results": results}, f, indent=1)
+    pairs = [(wid, dt) for wid in args.workloads.split(",") for dt in args.dtypes.split(",")]
+    pairs += [tuple(x.split(":")) for x in args.extra.split(",") if x]
+    for wid, dt in pairs:
+        dtype, tf32 = DTYPES[dt]
+        bes = [b for b in args.backends.split(",") if not (b == "naive" and tf32)]
+        variants = [(a.split("=", 1)[0].strip(), ast.literal_eval(a.split("=", 1)[1]))
+                    for a in args.variants.split(";") if a.strip()]
+        res = probe(WORKLOADS[wid], dtype, tf32, bes, args.reps, args.slow_reps, variants)
+        results.append(res)
+        print(f"== {wid} {dt}  ({time.time() - t0:.0f} s)")
+        for be, d in res["backends"].items():
+            ch = d["chain"]
+            sp = (f"  speedup {ch['speedup_fwd']:.2f}x / {ch['speedup_fwd_bwd']:.2f}x"
+                  if "speedup_fwd" in ch else "")
+            if "max_rel_diff_vs_default" in d:
+                print(f"  {be}: qk/av differ from the default by "
+                      f"{d['max_rel_diff_vs_default']:.2e} (relative)")
+            print(f"  {be:6s} chain fwd {ch['fwd_ms']:8.2f} ms  fwd+bwd "
+                  f"{ch['fwd_bwd_ms']:8.2f} ms{sp}")
+            for row in d["kernels"]:
+                bw = row["bandwidth_fraction"]
+                print(f"    {row['step']:20s} {row['ms']:8.3f} ms  "
+                      f"{'' if bw is None else f'{100 * bw:5.1f}% of copy bw'}  "
+                      f"{row['kernel'][:70]}")
+        with open(args.out, "w") as f:
+            json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                       "commit": os.environ.get("NATTEN_CUPY_COMMIT", ""),
+                       "results": results}, f, indent=1)
     return 0
 
 

@@ -14,6 +14,15 @@ from natten_cupy.backends import NAMES, get_backend
 
 ARCHS = ("sm_80", "sm_90")
 
+# Spills measured and accepted: (kernel, arch) -> bytes at most. The TF32 inverse and the
+# bfloat16 forward weighted sums with 2 heads a warp are held to 168 registers for 3 CTAs an
+# SM on sm_90 and spill 16 bytes (8 of stack); with 4 heads they do not spill but measured
+# 17-33% slower on the H200 (bench/results/tiled_probe.json, NOTES-tiled.md).
+ALLOWED_SPILLS = {
+    ("natten::tiled::na_tiled_weighted<float, 4, true, false, 2>", "sm_90"): 16,
+    ("natten::tiled::na_tiled_weighted<__nv_bfloat16, 4, false, false, 2>", "sm_90"): 16,
+}
+
 
 def _by_source():
     groups = collections.defaultdict(list)
@@ -48,7 +57,8 @@ def test_compiles_without_spills(source, arch, capsys):
         for r in reports:
             print(f"  {r.name:<60} regs {r.registers:>3}  smem {r.smem_bytes:>6}  "
                   f"stack {r.stack_bytes:>4}  spill {r.spill_bytes}")
-    spilled = [f"{r.name}: {r.spill_bytes} bytes" for r in reports if r.spill_bytes]
+    spilled = [f"{r.name}: {r.spill_bytes} bytes" for r in reports
+               if r.spill_bytes > ALLOWED_SPILLS.get((r.name, arch), 0)]
     assert not spilled, "register spills: " + "; ".join(spilled)
 
 

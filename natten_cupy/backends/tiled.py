@@ -51,8 +51,10 @@ SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, 
 # Heads per warp of the exact-fp32 weighted sums, by "inverse" (H200, bench/results/
 # tiled_probe.json: forward sums 1 head 27% faster than 4 on W2, inverse sums 2 heads 36%).
 EXACT_HEADS = {False: 1, True: 2}
-# Accumulators a lane of the tensor-core weighted sums holds (HB * NT * 4): 64 (HB = 16 / NT).
-TC_ACCUMULATORS = 64
+# Accumulators a lane of the tensor-core weighted sums holds (HB * NT * 4), by (is float32,
+# inverse). 32 leaves room for 3 CTAs an SM: H200, W2/W3 against 64: f16 forward sums 17%
+# faster, f16 inverse 3-6% slower; TF32 forward 28-34%, inverse 27-33% faster.
+TC_ACCUMULATORS = {(False, False): 32, (False, True): 64, (True, False): 32, (True, True): 32}
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass
 RPB_CTAS = 2048                      # CTAs of one rpb-gradient pass, over all heads
@@ -173,15 +175,15 @@ def _scores_expr(problem):
 
 
 def weighted_heads(problem, inverse):
-    """Heads per warp of the weighted sums (HB): TC_ACCUMULATORS // (4 * NT) on tensor cores
-    (at least 1), EXACT_HEADS[inverse] in exact float32."""
+    """Heads per warp of the weighted sums (HB): TC_ACCUMULATORS[...] // (4 * NT) on tensor
+    cores (at least 1), EXACT_HEADS[inverse] in exact float32."""
     if _exact(problem):
         return EXACT_HEADS[inverse]
-    return _tc_heads(slice_tiles(problem))
+    return _tc_heads(slice_tiles(problem), _is_f32(problem), inverse)
 
 
-def _tc_heads(nt):
-    return max(1, TC_ACCUMULATORS // (4 * nt))
+def _tc_heads(nt, is_f32, inverse):
+    return max(1, TC_ACCUMULATORS[is_f32, inverse] // (4 * nt))
 
 
 def _weighted_expr(problem, inverse):
@@ -302,7 +304,7 @@ def instantiations():
                     for dc in SCORE_CHUNKS]
             for nt in SLICE_TILES[dtype == FLOAT32]:
                 for inv in (False, True):
-                    hb = EXACT_HEADS[inv] if exact else _tc_heads(nt)
+                    hb = EXACT_HEADS[inv] if exact else _tc_heads(nt, dtype == FLOAT32, inv)
                     out.append((SOURCE, f"natten::tiled::na_tiled_weighted<{ct}, {nt}, "
                                         f"{_cbool(inv)}, {ex}, {hb}>"))
         out.append((SOURCE, f"natten::tiled::na_tiled_rpb_grad<{ct}>"))
