@@ -5,6 +5,9 @@
 // V > 0: a row has at most G * V slots and stays in registers (read once, one exp per slot).
 // V = 0: longer rows stream through twice (online max and sum, then the write; the second
 // read mostly hits L1/L2).
+// Short rows (na_softmax_rows_*): a warp copies 32 whole rows into shared memory with 16-byte
+// accesses and each lane then owns one row, so a row costs no shuffles and no per-slot
+// address arithmetic in global memory.
 // Reads the logits (forward) or the probabilities and their gradient (backward) and writes one
 // array of the same size; accumulates in float32 (float64 for double).
 #include "natten/common.cuh"
@@ -138,6 +141,106 @@ na_softmax_backward(const T* __restrict__ p, const T* __restrict__ d_p, T* __res
         d_x[base + t] = store_as<T>(scale * pv * ((A)to_float(d_p[base + t]) - dot));
       }
     }
+  }
+}
+
+// ---- Short rows: one lane a row, 32 rows of a warp staged in shared memory ----------------
+constexpr int kRowWarps = 4;  // warps per CTA of the row kernels
+
+// n elements from global src to shared dst (or back): 16-byte units, then the tail.
+// src and dst are 16-byte aligned (the launcher checks the arrays; chunk bases are multiples
+// of 32 rows, i.e. of 32 * K elements, so of 16 bytes).
+template <typename T>
+__device__ __forceinline__ void copy_rows(T* dst, const T* src, int n, int lane) {
+  constexpr int per = 16 / sizeof(T);
+  const int nv = n / per;
+  for (int i = lane; i < nv; i += 32)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  for (int e = nv * per + lane; e < n; e += 32) dst[e] = src[e];
+}
+
+// Slot t of a lane's row, visited at step j: lanes start at different slots (t = j + lane,
+// wrapped) so that rows whose length is a multiple of the bank count do not all hit one bank.
+// sk: the lane's first slot (lane % K).
+__device__ __forceinline__ int skewed(int j, int sk, int K) {
+  const int t = j + sk;
+  return t >= K ? t - K : t;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowWarps)
+na_softmax_rows_forward(const T* __restrict__ x, T* __restrict__ probs, long long rows, int K,
+                        double scale_d) {
+  typedef typename Acc<T>::type A;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  T* const tile = reinterpret_cast<T*>(smem_raw) + warp * 32 * K;
+  const A scale = (A)scale_d, ninf = neg_inf<A>();
+  const int sk = lane % K;
+  const long long chunks = (rows + 31) / 32;
+  for (long long c = (long long)blockIdx.x * kRowWarps + warp; c < chunks;
+       c += (long long)gridDim.x * kRowWarps) {
+    const int n = (int)min(32LL, rows - c * 32) * K;
+    copy_rows(tile, x + c * 32 * K, n, lane);
+    __syncwarp();
+    if (lane * K < n) {
+      T* row = tile + lane * K;
+      A m = ninf;
+#pragma unroll 4
+      for (int j = 0; j < K; ++j) m = fmax(m, (A)to_float(row[skewed(j, sk, K)]) * scale);
+      const A base = m == ninf ? (A)0 : m;
+      A s = 0;
+#pragma unroll 4
+      for (int j = 0; j < K; ++j) s += exp_((A)to_float(row[skewed(j, sk, K)]) * scale - base);
+      const A inv = s > 0 ? (A)1 / s : (A)0;
+#pragma unroll 4
+      for (int j = 0; j < K; ++j) {
+        const int t = skewed(j, sk, K);
+        row[t] = store_as<T>(exp_((A)to_float(row[t]) * scale - base) * inv);
+      }
+    }
+    __syncwarp();
+    copy_rows(probs + c * 32 * K, tile, n, lane);
+    __syncwarp();  // before the next chunk overwrites the tile
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowWarps)
+na_softmax_rows_backward(const T* __restrict__ p, const T* __restrict__ d_p, T* __restrict__ d_x,
+                         long long rows, int K, double scale_d) {
+  typedef typename Acc<T>::type A;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  T* const tp = reinterpret_cast<T*>(smem_raw) + warp * 64 * K;
+  T* const td = tp + 32 * K;
+  const A scale = (A)scale_d;
+  const int sk = lane % K;
+  const long long chunks = (rows + 31) / 32;
+  for (long long c = (long long)blockIdx.x * kRowWarps + warp; c < chunks;
+       c += (long long)gridDim.x * kRowWarps) {
+    const int n = (int)min(32LL, rows - c * 32) * K;
+    copy_rows(tp, p + c * 32 * K, n, lane);
+    copy_rows(td, d_p + c * 32 * K, n, lane);
+    __syncwarp();
+    if (lane * K < n) {
+      const T* prow = tp + lane * K;
+      T* drow = td + lane * K;
+      A dot = 0;
+#pragma unroll 2
+      for (int j = 0; j < K; ++j) {
+        const int t = skewed(j, sk, K);
+        dot += (A)to_float(prow[t]) * (A)to_float(drow[t]);
+      }
+#pragma unroll 2
+      for (int j = 0; j < K; ++j) {
+        const int t = skewed(j, sk, K);
+        drow[t] = store_as<T>(scale * (A)to_float(prow[t]) * ((A)to_float(drow[t]) - dot));
+      }
+    }
+    __syncwarp();
+    copy_rows(d_x + c * 32 * K, td, n, lane);
+    __syncwarp();
   }
 }
 

@@ -11,12 +11,9 @@ which on the unfused chain of a 1024 x 1024 image cost more than the NA kernels 
 
 from __future__ import annotations
 
-import numbers
-import math
-
 import numpy
 
-from ._args import _check_array, _check_dtype, _shape_text
+from ._args import _check_array, _check_dtype, _check_scale, _shape_text
 from ._arrays import Inputs
 from ._compile import get_kernel
 from ._dtypes import accumulator_dtype, c_type, DTYPE_NAMES
@@ -29,14 +26,6 @@ BLOCK = 256
 MAX_CTAS = 16384
 
 
-def _check_scale(scale):
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a real number, got {scale!r}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
-
-
 def _check_weights(name, x):
     _check_array(name, x)
     _check_dtype(name, x)
@@ -46,13 +35,14 @@ def _check_weights(name, x):
 
 
 def softmax(attn, scale=1.0):
-    """Softmax of ``scale * attn`` over the last axis (the K neighbors of ``na*d_qk``).
+    """Softmax of ``scale * attn`` over the last axis (the K neighbors of ``na*d_qk``);
+    ``scale=None`` means 1.
 
     ``-inf`` entries (empty causal slots) get probability 0. Returns a new array of attn's
     type, dtype and shape; attn is not modified. float32 accumulation (float64 for float64).
     """
     _check_weights("attn", attn)
-    scale = _check_scale(scale)
+    scale = _check_scale(scale, 1)   # None: 1
     ins = Inputs.gather([("attn", attn)])
     with ins.on_device():
         (x,) = ins.arrays
@@ -72,7 +62,7 @@ def softmax_backward(probs, d_probs, scale=1.0):
     if _check_dtype("d_probs", d_probs) != _check_dtype("probs", probs):
         raise ValueError(f"d_probs dtype {d_probs.dtype} does not match probs dtype "
                          f"{probs.dtype}")
-    scale = _check_scale(scale)
+    scale = _check_scale(scale, 1)
     ins = Inputs.gather([("probs", probs), ("d_probs", d_probs)])
     with ins.on_device():
         p, dp = ins.arrays
@@ -141,6 +131,28 @@ def _launch(direction, c_t, args, rows, k, scale):
            name=expr, backend="softmax")
 
 
+# Rows whose 32-row tile is at most this many bytes (per array) run one lane a row through
+# shared memory (na_softmax_rows_*), when the arrays are 16-byte aligned.
+ROW_TILE_BYTES = 12288
+ROW_WARPS = 4                # kRowWarps in na_softmax.cu
+
+
+def use_row_kernels(k, itemsize, *arrays):
+    """Whether rows of k slots run the one-lane-a-row kernels."""
+    return (32 * k * itemsize <= ROW_TILE_BYTES
+            and all(a.data.ptr % 16 == 0 for a in arrays))
+
+
+def _launch_rows(direction, c_t, args, rows, k, itemsize, scale):
+    expr = f"natten::softmax::na_softmax_rows_{direction}<{c_t}>"
+    chunks = -(-rows // 32)
+    ctas = max(1, min(MAX_CTAS, -(-chunks // ROW_WARPS)))
+    tiles = 1 if direction == "forward" else 2
+    launch(get_kernel(SOURCE, expr), (ctas,), (32 * ROW_WARPS,),
+           (*args, numpy.int64(rows), numpy.int32(k), numpy.float64(scale)),
+           shared_mem=ROW_WARPS * tiles * 32 * k * itemsize, name=expr, backend="softmax")
+
+
 def _forward(xp, x, scale):
     if xp is numpy:
         return reference_forward(numpy, x, scale)
@@ -148,7 +160,9 @@ def _forward(xp, x, scale):
     out = xp.empty(x.shape, dtype=x.dtype)
     k = x.shape[-1]
     rows = x.size // k
-    if rows:
+    if rows and use_row_kernels(k, x.itemsize, x, out):
+        _launch_rows("forward", c_type(x.dtype), (x, out), rows, k, x.itemsize, scale)
+    elif rows:
         _launch("forward", c_type(x.dtype), (x, out), rows, k, scale)
     return out
 
@@ -160,13 +174,17 @@ def _backward(xp, p, dp, scale):
     out = xp.empty(p.shape, dtype=p.dtype)
     k = p.shape[-1]
     rows = p.size // k
-    if rows:
+    if rows and use_row_kernels(k, p.itemsize, p, dp, out):
+        _launch_rows("backward", c_type(p.dtype), (p, dp, out), rows, k, p.itemsize, scale)
+    elif rows:
         _launch("backward", c_type(p.dtype), (p, dp, out), rows, k, scale)
     return out
 
 
 def instantiations():
     """Every (source, name_expression) of the softmax kernels."""
-    return [(SOURCE, f"natten::softmax::na_softmax_{d}<{c_type(t)}, {v}>")
-            for d in ("forward", "backward") for t in DTYPE_NAMES
-            for v in _slot_choices(c_type(t)) + (0,)]
+    return ([(SOURCE, f"natten::softmax::na_softmax_{d}<{c_type(t)}, {v}>")
+             for d in ("forward", "backward") for t in DTYPE_NAMES
+             for v in _slot_choices(c_type(t)) + (0,)]
+            + [(SOURCE, f"natten::softmax::na_softmax_rows_{d}<{c_type(t)}>")
+               for d in ("forward", "backward") for t in DTYPE_NAMES])

@@ -37,13 +37,28 @@ def _inputs(rng, dtype, rows, k, empty_rows=True):
     return x, x.astype(numpy.float64)
 
 
+def _misaligned(cupy, a):
+    """a's values in an array that starts 1 element past a 16-byte boundary (group kernels)."""
+    buf = cupy.empty(a.size + 8, dtype=a.dtype)
+    view = buf[1:1 + a.size].reshape(a.shape)
+    word = {2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[a.dtype.itemsize]
+    view.view(word)[...] = a.view(word)
+    assert view.data.ptr % 16
+    return view
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 9, 25, 81, 128, 169, 256, 257, 2047, 5000])
-def test_forward_and_backward(rng, dtype, k):
+def test_forward_and_backward(rng, dtype, k, aligned):
+    """Aligned inputs of short rows take the one-lane-a-row kernels, the rest the lane-group
+    kernels (registers, or streamed for long rows)."""
     cupy = pytest.importorskip("cupy")
     rows = 1237 if k < 1000 else 67
     xh, a = _inputs(rng, dtype, rows, k)
     x = upload(cupy, xh)
+    if not aligned:
+        x = _misaligned(cupy, x)
     scale = 0.37
     a = a * scale
     m = numpy.max(a, axis=-1, keepdims=True)
@@ -58,6 +73,8 @@ def test_forward_and_backward(rng, dtype, k):
 
     gh, g64 = _inputs(rng, dtype, rows, k, empty_rows=False)
     g = upload(cupy, gh)
+    if not aligned:
+        g = _misaligned(cupy, g)
     dtruth = scale * ph * (g64 - (ph * g64).sum(-1, keepdims=True))
     dx = _poisoned_call(cupy, lambda: natten_cupy.softmax_backward(p, g, scale), p)
     dxh = to_host(dx)

@@ -1,4 +1,5 @@
-"""The README's performance table is what bench/report.py makes of the committed results."""
+"""The README's tables are what bench/report.py and bench/probe_report.py make of the committed
+results."""
 
 import pathlib
 import subprocess
@@ -7,24 +8,20 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "suite.json"
+RESULTS = ROOT / "bench" / "results"
+# (README block, the script that writes it, the committed results it is made of)
+TABLES = [("performance", "report.py", "suite.json"),
+          ("unfused chain", "probe_report.py", "tiled_probe.json")]
 
 
-@pytest.mark.skipif(not RESULTS.exists(), reason="no committed benchmark results")
-def test_readme_table_matches_committed_results():
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), str(RESULTS),
-                          "--check"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-
-
-PROBE = ROOT / "bench" / "results" / "tiled_probe.json"
-
-
-@pytest.mark.skipif(not PROBE.exists(), reason="no committed unfused-chain probe results")
-def test_readme_unfused_table_matches_committed_probe():
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_report.py"), str(PROBE),
-                          "--check"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
+@pytest.mark.parametrize("what, script, results", TABLES, ids=[t[0] for t in TABLES])
+def test_readme_table_matches_committed_results(what, script, results):
+    path = RESULTS / results
+    if not path.exists():
+        pytest.skip(f"no committed {results}")
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), str(path), "--check"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"README's {what} table: " + res.stdout + res.stderr
 
 
 def test_probe_report_renders_a_probe_file(tmp_path):

@@ -102,8 +102,8 @@ def test_every_dtype_has_both_kernels():
     (lambda x: natten_cupy.softmax([1.0, 2.0]), TypeError, "attn must be an array"),
     (lambda x: natten_cupy.softmax(x.astype(numpy.int32)), TypeError, "attn has dtype int32"),
     (lambda x: natten_cupy.softmax(x[..., :0]), ValueError, r"attn must have a non-empty .*\(3, 0\)"),
-    (lambda x: natten_cupy.softmax(x, "2"), TypeError, "scale must be a real number, got '2'"),
-    (lambda x: natten_cupy.softmax(x, True), TypeError, "scale must be a real number, got True"),
+    (lambda x: natten_cupy.softmax(x, "2"), TypeError, "scale must be a real number or None, got '2'"),
+    (lambda x: natten_cupy.softmax(x, True), TypeError, "scale must be a real number or None, got True"),
     (lambda x: natten_cupy.softmax(x, float("inf")), ValueError, "scale must be finite, got inf"),
     (lambda x: natten_cupy.softmax_backward(x, x[:2]), ValueError,
      r"d_probs shape \(2, 5\) does not match probs shape \(3, 5\)"),
@@ -127,3 +127,16 @@ def test_torch_cpu_tensors_round_trip():
     xr = x.clone().requires_grad_()
     torch.softmax(0.5 * xr, dim=-1).backward(g)
     torch.testing.assert_close(natten_cupy.softmax_backward(p, g, 0.5), xr.grad)
+
+
+def test_row_kernels_take_short_rows_of_aligned_arrays():
+    class Arr:  # what use_row_kernels reads of a CuPy array
+        def __init__(self, ptr):
+            self.data = type("Mem", (), {"ptr": ptr})()
+
+    aligned, off = Arr(1 << 20), Arr((1 << 20) + 2)
+    limit = _softmax.ROW_TILE_BYTES // 32          # bytes a row may have
+    assert _softmax.use_row_kernels(81, 2, aligned, aligned)
+    assert _softmax.use_row_kernels(limit // 4, 4, aligned)
+    assert not _softmax.use_row_kernels(limit // 4 + 1, 4, aligned)
+    assert not _softmax.use_row_kernels(81, 2, aligned, off)
