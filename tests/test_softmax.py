@@ -136,7 +136,9 @@ def test_row_kernels_take_short_rows_of_aligned_arrays():
 
     aligned, off = Arr(1 << 20), Arr((1 << 20) + 2)
     limit = _softmax.ROW_TILE_BYTES // 32          # bytes a row may have
-    assert _softmax.use_row_kernels(81, 2, aligned, aligned)
-    assert _softmax.use_row_kernels(limit // 4, 4, aligned)
-    assert not _softmax.use_row_kernels(limit // 4 + 1, 4, aligned)
-    assert not _softmax.use_row_kernels(81, 2, aligned, off)
+    assert _softmax.use_row_kernels(81, 2, 1, aligned, aligned)
+    assert _softmax.use_row_kernels(81, 2, 2, aligned, aligned, aligned)
+    assert _softmax.use_row_kernels(limit // 4, 4, 1, aligned)
+    assert not _softmax.use_row_kernels(limit // 4 + 1, 4, 1, aligned)
+    assert not _softmax.use_row_kernels(limit // 8 + 1, 4, 2, aligned)   # backward: 2 tiles
+    assert not _softmax.use_row_kernels(81, 2, 1, aligned, off)
