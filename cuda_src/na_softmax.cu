@@ -1,15 +1,11 @@
-// Softmax over the neighbor axis of unfused attention weights, and its backward, one pass each.
-// A row is the K weights of one (batch, token, head); a group of G lanes (a power of two up to
-// 32) owns a row, lane l holding slots l, l + G, l + 2G, ... Rows are contiguous (the Python
-// side hands over C-contiguous arrays), so a warp's loads cover consecutive rows: coalesced.
-// V > 0: a row has at most G * V slots and stays in registers (read once, one exp per slot).
-// V = 0: longer rows stream through twice (online max and sum, then the write; the second
-// read mostly hits L1/L2).
-// Short rows (na_softmax_rows_*): a warp copies 32 whole rows into shared memory with 16-byte
-// accesses and each lane then owns one row, so a row costs no shuffles and no per-slot
-// address arithmetic in global memory.
-// Reads the logits (forward) or the probabilities and their gradient (backward) and writes one
-// array of the same size; accumulates in float32 (float64 for double).
+// Softmax over the neighbor axis of unfused attention weights and its backward (float32 accumulation, float64 for double; -inf slots give 0).
+// Short rows (na_softmax_rows_*): a warp stages 32 rows in shared memory and each lane owns one row; other rows: a group of G lanes owns a row (na_softmax_*).
+// Reads the logits (forward) or the probabilities and their gradient (backward), rows contiguous; writes one array of the same shape.
+//
+// Lane groups: lane l of a group holds slots l, l + G, l + 2G, ... of its row, so a warp's
+// loads cover consecutive rows. V > 0: a row has at most G * V slots and stays in registers
+// (read once, one exp a slot); V = 0: longer rows are read twice (max, then sum and write).
+// Row kernels: 16-byte copies in and out, and no shuffles or per-slot global addressing.
 #include "natten/common.cuh"
 
 namespace natten {
