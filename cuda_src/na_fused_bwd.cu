@@ -329,7 +329,7 @@ __device__ __forceinline__ void bwd_pass(
             const float dl = OwnerIsKey ? d.dl : row_dl[hh];
             const int e = hh * 2 + c;
             const float pv = (d.mask >> (group + 8 * hh)) & 1u
-                                 ? bwd::fast_exp2(s[nt][e] * sl2 - l2) : 0.f;
+                                 ? fast_exp2(s[nt][e] * sl2 - l2) : 0.f;
             s[nt][e] = pv;
             dp[nt][e] = pv * (dp[nt][e] - dl);
           }
@@ -353,8 +353,8 @@ __device__ __forceinline__ void bwd_pass(
     for (int j = 0; j < DC / 8; ++j) {
       const int col = col0 + j * 8 + quad * 2;
       if (col < D) {
-        bwd::pack_store(row0 + col, acc0[j][hh * 2] * p.scale, acc0[j][hh * 2 + 1] * p.scale);
-        if (OwnerIsKey) bwd::pack_store(row1 + col, acc1[j][hh * 2], acc1[j][hh * 2 + 1]);
+        pack_store(row0 + col, acc0[j][hh * 2] * p.scale, acc0[j][hh * 2 + 1] * p.scale);
+        if (OwnerIsKey) pack_store(row1 + col, acc1[j][hh * 2], acc1[j][hh * 2 + 1]);
       }
     }
   }

@@ -26,8 +26,6 @@ struct TilePlan {
 // with MT2 = 4).
 template <int G, int MT2> struct RowPad { enum { value = (G == 4 && MT2 == 2) ? 8 : 4 }; };
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
 __device__ __forceinline__ float dot4(float acc, float4 a, float4 b) {
   acc = fmaf(a.x, b.x, acc);
   acc = fmaf(a.y, b.y, acc);
@@ -300,7 +298,7 @@ na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
     for (int m2 = 0; m2 < MT2; ++m2) {
       const int m = m1 * MT2 + m2;
-      m_run[m] = neg_inf();
+      m_run[m] = negative_infinity<float>();
       l_run[m] = 0.f;
 #pragma unroll
       for (int t = 0; t < F; ++t) {
@@ -364,7 +362,7 @@ na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
               for (int t = 0; t < F; ++t) acc[m][t] = scale4(acc[m][t], alpha);
               m_run[m] = mx;
             }
-            const float base = mx == neg_inf() ? 0.f : mx;
+            const float base = mx == negative_infinity<float>() ? 0.f : mx;
 #pragma unroll
             for (int kk = 0; kk < NB; ++kk) {
               s[m][kk] = ((bits >> (m * NB + kk)) & 1u) ? exp2f(s[m][kk] - base) : 0.f;
@@ -437,6 +435,32 @@ na_bwd_delta_fp32(const float* __restrict__ out, const float* __restrict__ d_out
   if (live && lane8 == 0) delta[offset6(p.delta, b, x0, x1, x2, h, 0)] = sum;
 }
 
+// Partial dot products over the lane's columns of the backward passes' two products: s[m][kk] =
+// <ar[m], row of cell kk in as>, dp[m][kk] = <br[m], row of cell kk in bs> (the lane group
+// adds the partials up).
+template <int G, int F, int RS, int MQ, int NB>
+__device__ __forceinline__ void slab_dots(float (&s)[MQ][NB], float (&dp)[MQ][NB],
+                                          const float4 (&ar)[MQ][F], const float4 (&br)[MQ][F],
+                                          const float* as, const float* bs,
+                                          const int (&cell)[NB], int lane_g) {
+#pragma unroll
+  for (int kk = 0; kk < NB; ++kk) {
+#pragma unroll
+    for (int m = 0; m < MQ; ++m) s[m][kk] = dp[m][kk] = 0.f;
+#pragma unroll
+    for (int t = 0; t < F; ++t) {
+      const int at = cell[kk] * RS + 4 * (lane_g + G * t);
+      const float4 av = *reinterpret_cast<const float4*>(as + at);
+      const float4 bv = *reinterpret_cast<const float4*>(bs + at);
+#pragma unroll
+      for (int m = 0; m < MQ; ++m) {
+        s[m][kk] = dot4(s[m][kk], ar[m][t], av);
+        dp[m][kk] = dot4(dp[m][kk], br[m][t], bv);
+      }
+    }
+  }
+}
+
 // dQ = scale * sum_j dS_ij k_j, dS = P (dP - delta), over each query's window. G: lanes per
 // group (G * 16 >= head dim); each lane holds 16 columns of its MT1 x MT2 queries' q, dO, dQ.
 template <int G, int MT1, int MT2>
@@ -504,22 +528,7 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
           const unsigned bits = mi.template chunk<NB>(j, sb.lo, sb.hi, o, tp.slab,
                                                       sb.count - done, cell);
           float s[MQ][NB], dp[MQ][NB];
-#pragma unroll
-          for (int kk = 0; kk < NB; ++kk) {
-#pragma unroll
-            for (int m = 0; m < MQ; ++m) s[m][kk] = dp[m][kk] = 0.f;
-#pragma unroll
-            for (int t = 0; t < F; ++t) {
-              const int at = cell[kk] * RS + 4 * (lane_g + G * t);
-              const float4 kv = *reinterpret_cast<const float4*>(ks + at);
-              const float4 vv = *reinterpret_cast<const float4*>(vs + at);
-#pragma unroll
-              for (int m = 0; m < MQ; ++m) {
-                s[m][kk] = dot4(s[m][kk], qr[m][t], kv);
-                dp[m][kk] = dot4(dp[m][kk], dor[m][t], vv);
-              }
-            }
-          }
+          slab_dots<G, F, RS>(s, dp, qr, dor, ks, vs, cell, lane_g);
 #pragma unroll
           for (int m = 0; m < MQ; ++m) {
 #pragma unroll
@@ -633,22 +642,7 @@ na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
           const unsigned bits = mi.template chunk<NB>(j, sb.lo, sb.hi, o, tp.slab,
                                                       sb.count - done, cell);
           float s[MQ][NB], dp[MQ][NB];
-#pragma unroll
-          for (int kk = 0; kk < NB; ++kk) {
-#pragma unroll
-            for (int m = 0; m < MQ; ++m) s[m][kk] = dp[m][kk] = 0.f;
-#pragma unroll
-            for (int t = 0; t < F; ++t) {
-              const int at = cell[kk] * RS + 4 * (lane_g + G * t);
-              const float4 qv = *reinterpret_cast<const float4*>(qs + at);
-              const float4 dov = *reinterpret_cast<const float4*>(dos + at);
-#pragma unroll
-              for (int m = 0; m < MQ; ++m) {
-                s[m][kk] = dot4(s[m][kk], kr[m][t], qv);
-                dp[m][kk] = dot4(dp[m][kk], vr[m][t], dov);
-              }
-            }
-          }
+          slab_dots<G, F, RS>(s, dp, kr, vr, qs, dos, cell, lane_g);
 #pragma unroll
           for (int kk = 0; kk < NB; ++kk) {
             const float l2 = lse2_s[cell[kk]], de = delta_s[cell[kk]];

@@ -21,25 +21,6 @@ __host__ __device__ constexpr int min_ctas(int threads, int dp, int kb) {
   return dp <= 32 && kb <= 2 ? 512 / threads : 1;
 }
 
-// Two adjacent elements of a row (the launcher guarantees a contiguous, aligned last dim).
-__device__ __forceinline__ void store2(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-__device__ __forceinline__ void store2(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-
-// 2^x flushing subnormal results to zero (one MUFU op; exp2f adds range fix-ups). Softmax
-// weights below 2^-126 of the row maximum are zero either way at 16-bit precision.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Coordinates (a0, a1, a2) of flat index t of a warp's row-major halo box of dims n; axes
 // past the rank are inert (size 1, coordinate 0) and cost nothing.
 template <int RANK>
@@ -88,7 +69,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr bool Q_IN_REGS = DP * sizeof(T) <= 256;
   constexpr int NPASS = DP > 128 ? 2 : 1, DO = DP / NPASS;
   constexpr int TQ[3] = {W0 * P0, W1 * P1, W2 * P2};
-  const float NEG_INF = __int_as_float(0xff800000);
+  const float NEG_INF = negative_infinity<float>();
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const q_s = reinterpret_cast<T*>(smem_raw);
@@ -471,13 +452,13 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m_run[ri], mx);
           const float m_ref = m_new == NEG_INF ? 0.f : m_new;  // all masked so far: p = 0
-          const float alpha = exp2_ftz(m_run[ri] - m_ref);
+          const float alpha = fast_exp2(m_run[ri] - m_ref);
           m_run[ri] = m_new;
           float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < 2 * KB; ++j) {
-            s[j][2 * ri] = exp2_ftz(s[j][2 * ri] - m_ref);
-            s[j][2 * ri + 1] = exp2_ftz(s[j][2 * ri + 1] - m_ref);
+            s[j][2 * ri] = fast_exp2(s[j][2 * ri] - m_ref);
+            s[j][2 * ri + 1] = fast_exp2(s[j][2 * ri + 1] - m_ref);
             sum += s[j][2 * ri] + s[j][2 * ri + 1];
           }
           l_run[ri] = l_run[ri] * alpha + sum;
@@ -548,7 +529,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
         for (int n = 0; n < DO / 8; ++n) {
           const int col = pass * DO + n * 8 + 2 * quad;
-          if (col < hd) store2(out + obase + col, acc[n][2 * ri] * inv, acc[n][2 * ri + 1] * inv);
+          if (col < hd) pack_store(out + obase + col, acc[n][2 * ri] * inv, acc[n][2 * ri + 1] * inv);
         }
         if (pass == 0 && quad == 0)
           lse[offset6(p.lse, batch, x[0], x[1], x[2], head, 0)] =

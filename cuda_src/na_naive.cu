@@ -21,10 +21,6 @@ __device__ __forceinline__ double log2_of(double x) { return log2(x); }
 __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
 
-template <typename A> __device__ __forceinline__ A negative_infinity() {
-  return (A)__int_as_float(0xff800000);
-}
-
 // Grid-stride loops over int64 work indices: the grid is only a size hint.
 __device__ __forceinline__ i64 first_index() {
   return (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -71,6 +67,23 @@ __device__ __forceinline__ i64 at(const i64* st, const Row& row, const int y[3],
 struct Window {
   int first[3], count[3], step[3], kernel[3];
 };
+
+// Calls f(y, t) for every key of window w: y its coordinates, t its slot (row-major over the
+// per-axis slots), in slot order.
+template <typename F>
+__device__ __forceinline__ void for_each_key(const Window& w, F&& f) {
+  int y[3];
+  for (int t0 = 0; t0 < w.count[0]; ++t0) {
+    y[0] = w.first[0] + w.step[0] * t0;
+    for (int t1 = 0; t1 < w.count[1]; ++t1) {
+      y[1] = w.first[1] + w.step[1] * t1;
+      for (int t2 = 0; t2 < w.count[2]; ++t2) {
+        y[2] = w.first[2] + w.step[2] * t2;
+        f(y, ((i64)t0 * w.kernel[1] + t1) * w.kernel[2] + t2);
+      }
+    }
+  }
+}
 
 template <int RANK>
 __device__ __forceinline__ Window window_of(const NAParams& p, const int x[3]) {
@@ -198,18 +211,9 @@ __device__ __forceinline__ void window_weighted_sum(const NAParams& p, const T* 
     const Window w = window_of<RANK>(p, row.x);
     const T* wrow = weights + at(sw, row, row.x, 0);
     A acc = 0;
-    int y[3];
-    for (int t0 = 0; t0 < w.count[0]; ++t0) {
-      y[0] = w.first[0] + w.step[0] * t0;
-      for (int t1 = 0; t1 < w.count[1]; ++t1) {
-        y[1] = w.first[1] + w.step[1] * t1;
-        for (int t2 = 0; t2 < w.count[2]; ++t2) {
-          y[2] = w.first[2] + w.step[2] * t2;
-          const i64 t = ((i64)t0 * w.kernel[1] + t1) * w.kernel[2] + t2;
-          acc += to_float(wrow[t * sw[5]]) * to_float(src[at(ss, row, y, e)]);
-        }
-      }
-    }
+    for_each_key(w, [&](const int (&y)[3], i64 t) {
+      acc += to_float(wrow[t * sw[5]]) * to_float(src[at(ss, row, y, e)]);
+    });
     out[at(so, row, row.x, e)] = store_as<T>(acc);
   }
 }
@@ -383,27 +387,18 @@ __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
     A m = negative_infinity<A>(), l = 0, acc[kChunk];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc[j] = 0;
-    int y[3];
-    for (int t0 = 0; t0 < w.count[0]; ++t0) {
-      y[0] = w.first[0] + w.step[0] * t0;
-      for (int t1 = 0; t1 < w.count[1]; ++t1) {
-        y[1] = w.first[1] + w.step[1] * t1;
-        for (int t2 = 0; t2 < w.count[2]; ++t2) {
-          y[2] = w.first[2] + w.step[2] * t2;
-          const A s = dot(q_row, p.q[5], k + at(p.k, row, y, 0), p.k[5], p.head_dim) *
-                      scale_log2;
-          const A m_new = max_of(m, s);
-          const A correction = exp2_of(m - m_new);  // 0 on the first key (m = -inf)
-          const A prob = exp2_of(s - m_new);
-          l = l * correction + prob;
-          const T* v_row = v + at(p.v, row, y, e0);
+    for_each_key(w, [&](const int (&y)[3], i64) {
+      const A s = dot(q_row, p.q[5], k + at(p.k, row, y, 0), p.k[5], p.head_dim) * scale_log2;
+      const A m_new = max_of(m, s);
+      const A correction = exp2_of(m - m_new);  // 0 on the first key (m = -inf)
+      const A prob = exp2_of(s - m_new);
+      l = l * correction + prob;
+      const T* v_row = v + at(p.v, row, y, e0);
 #pragma unroll
-          for (int j = 0; j < kChunk; ++j)
-            if (j < n) acc[j] = acc[j] * correction + prob * to_float(v_row[j * p.v[5]]);
-          m = m_new;
-        }
-      }
-    }
+      for (int j = 0; j < kChunk; ++j)
+        if (j < n) acc[j] = acc[j] * correction + prob * to_float(v_row[j * p.v[5]]);
+      m = m_new;
+    });
     const A inv_l = (A)1 / l;
     T* out_row = out + at(p.o, row, row.x, e0);
 #pragma unroll
@@ -450,26 +445,17 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
     A acc[kChunk];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc[j] = 0;
-    int y[3];
-    for (int t0 = 0; t0 < w.count[0]; ++t0) {
-      y[0] = w.first[0] + w.step[0] * t0;
-      for (int t1 = 0; t1 < w.count[1]; ++t1) {
-        y[1] = w.first[1] + w.step[1] * t1;
-        for (int t2 = 0; t2 < w.count[2]; ++t2) {
-          y[2] = w.first[2] + w.step[2] * t2;
-          const T* k_row = k + at(p.k, row, y, 0);
-          const A prob = exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 -
-                                 lse_log2);
-          const A d_score =
-              prob * (dot(do_row, p.d_o[5], v + at(p.v, row, y, 0), p.v[5], p.head_dim) -
-                      delta_i);
-          const T* k_chunk = k_row + e0 * p.k[5];
+    for_each_key(w, [&](const int (&y)[3], i64) {
+      const T* k_row = k + at(p.k, row, y, 0);
+      const A prob =
+          exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 - lse_log2);
+      const A d_score =
+          prob * (dot(do_row, p.d_o[5], v + at(p.v, row, y, 0), p.v[5], p.head_dim) - delta_i);
+      const T* k_chunk = k_row + e0 * p.k[5];
 #pragma unroll
-          for (int j = 0; j < kChunk; ++j)
-            if (j < n) acc[j] += d_score * to_float(k_chunk[j * p.k[5]]);
-        }
-      }
-    }
+      for (int j = 0; j < kChunk; ++j)
+        if (j < n) acc[j] += d_score * to_float(k_chunk[j * p.k[5]]);
+    });
     T* dq_row = dq + at(p.dq, row, row.x, e0);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j)

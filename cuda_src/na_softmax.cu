@@ -11,12 +11,6 @@
 namespace natten {
 namespace softmax {
 
-template <typename A> __device__ __forceinline__ A neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
-template <> __device__ __forceinline__ double neg_inf<double>() {
-  return __longlong_as_double(0xfff0000000000000ULL);
-}
-
 __device__ __forceinline__ float exp_(float x) { return __expf(x); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
 
@@ -39,7 +33,7 @@ __global__ void __launch_bounds__(256)
 na_softmax_forward(const T* __restrict__ x, T* __restrict__ probs, long long rows, int K, int G,
                    double scale_d) {
   typedef typename Acc<T>::type A;
-  const A scale = (A)scale_d, ninf = neg_inf<A>();
+  const A scale = (A)scale_d, ninf = negative_infinity<A>();
   const int lane = threadIdx.x % G;
   // Every lane of a warp runs the same number of row steps (shuffles need the whole warp):
   // rows past the end run as empty rows and are not stored.
@@ -171,7 +165,7 @@ na_softmax_rows_forward(const T* __restrict__ x, T* __restrict__ probs, long lon
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* const tile = reinterpret_cast<T*>(smem_raw) + warp * 32 * K;
-  const A scale = (A)scale_d, ninf = neg_inf<A>();
+  const A scale = (A)scale_d, ninf = negative_infinity<A>();
   const int sk = lane % K;
   const long long chunks = (rows + 31) / 32;
   for (long long c = (long long)blockIdx.x * kRowWarps + warp; c < chunks;

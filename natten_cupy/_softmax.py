@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy
 
-from ._args import _check_array, _check_dtype, _check_scale, _shape_text
+from ._args import _check_array, _check_dtype, _check_same, _check_scale, _shape_text
 from ._arrays import Inputs
 from ._compile import get_kernel
 from ._dtypes import accumulator_dtype, c_type, DTYPE_NAMES
@@ -56,12 +56,7 @@ def softmax_backward(probs, d_probs, scale=1.0):
     the last axis. Returns a new array; the inputs are not modified."""
     _check_weights("probs", probs)
     _check_weights("d_probs", d_probs)
-    if tuple(d_probs.shape) != tuple(probs.shape):
-        raise ValueError(f"d_probs shape {_shape_text(d_probs.shape)} does not match probs "
-                         f"shape {_shape_text(probs.shape)}")
-    if _check_dtype("d_probs", d_probs) != _check_dtype("probs", probs):
-        raise ValueError(f"d_probs dtype {d_probs.dtype} does not match probs dtype "
-                         f"{probs.dtype}")
+    _check_same("d_probs", d_probs, "probs", probs)
     scale = _check_scale(scale, 1)
     ins = Inputs.gather([("probs", probs), ("d_probs", d_probs)])
     with ins.on_device():

@@ -57,6 +57,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// -inf in the accumulator type (float or double).
+template <typename A> __device__ __forceinline__ A negative_infinity() {
+  return (A)__int_as_float(0xff800000);
+}
+
 // Store an accumulator into an element of type T.
 template <typename T, typename A> __device__ __forceinline__ T store_as(A x) {
   return from_float<T>((float)x);

@@ -49,24 +49,6 @@ __device__ __forceinline__ void cp_async4(unsigned smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem), "l"(gmem));
 }
 
-// Two adjacent row elements (col, col + 1; col even, row aligned to the pair) in one store.
-__device__ __forceinline__ void pack_store(__half* at, float x, float y) {
-  *reinterpret_cast<__half2*>(at) = __floats2half2_rn(x, y);
-}
-__device__ __forceinline__ void pack_store(__nv_bfloat16* at, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(x, y);
-}
-__device__ __forceinline__ void pack_store(float* at, float x, float y) {
-  *reinterpret_cast<float2*>(at) = make_float2(x, y);
-}
-
-// 2^x on the special-function unit (flushes denormals; P underflows to 0 like exp2f).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Per-axis window table, one entry per full-axis coordinate (built by the launcher from the
 // same rules as window.cuh): the in-group window [x, y) of that coordinate as a query and the
 // in-group range [z, w) of queries that see it as a key. A lookup replaces the bisections of

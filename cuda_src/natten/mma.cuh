@@ -1,5 +1,6 @@
 // Warp-level tensor-core building blocks (inline PTX, sm_80+): mma.sync, ldmatrix, cp.async.
-// No kernels here; shared by the tiled and fused backends. Needs no <mma.h>.
+// No kernels here; shared by the tiled and fused backends. Needs no <mma.h>. Also the fused
+// kernels' epilogue helpers (fast_exp2, pack_store).
 // Fragment layouts (lane = 4 * group + quad, group = lane / 4, quad = lane % 4):
 //   m16n8k16 (f16/bf16) A 16x16 row-major: a[0] = (group, 2q..2q+1), a[1] = (group+8, 2q..),
 //     a[2] = (group, 2q+8..), a[3] = (group+8, 2q+8..); B 16x8: b[0] = (k 2q..2q+1, n group),
@@ -101,4 +102,25 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 
 }  // namespace tc
+
+// Epilogue helpers of the fused kernels (forward and backward).
+// 2^x on the special-function unit (flushes denormals; underflows to 0 like exp2f). Softmax
+// weights below 2^-126 of the row maximum are zero either way at 16-bit precision.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two adjacent row elements (col, col + 1; col even, row aligned to the pair) in one store.
+__device__ __forceinline__ void pack_store(__half* at, float x, float y) {
+  *reinterpret_cast<__half2*>(at) = __floats2half2_rn(x, y);
+}
+__device__ __forceinline__ void pack_store(__nv_bfloat16* at, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void pack_store(float* at, float x, float y) {
+  *reinterpret_cast<float2*>(at) = make_float2(x, y);
+}
+
 }  // namespace natten
