@@ -41,7 +41,7 @@ def main():
     scale = cupy.zeros(1, dtype=cupy.float32)
     fn((1,), (1,), (out, scale, p))
     want = numpy.concatenate([numpy.asarray(p[f], dtype=numpy.int64).ravel()
-                              for f in _params.PARAMS_DTYPE.names[:-2]])
+                              for f in _params.PARAMS_DTYPE.names[:-3]])
     check("NAParams by value", bool((out.get() == want).all()) and float(scale.get()[0]) == 0.25,
           f"{out.get()[:20]}")
 

@@ -21,6 +21,17 @@ __device__ __forceinline__ double log2_of(double x) { return log2(x); }
 __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
 
+// The softmax scale in the accumulation type. Double kernels read the unrounded double: the
+// default D ** -0.5 is not a power of two for most head dims, and its float rounding alone
+// costs about 1e-8 relative error.
+template <typename A> __device__ __forceinline__ A scale_of(const NAParams& p);
+template <> __device__ __forceinline__ float scale_of<float>(const NAParams& p) {
+  return p.scale;
+}
+template <> __device__ __forceinline__ double scale_of<double>(const NAParams& p) {
+  return p.scale_f64;
+}
+
 // Grid-stride loops over int64 work indices: the grid is only a size hint.
 __device__ __forceinline__ i64 first_index() {
   return (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -376,7 +387,7 @@ __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
   constexpr int kChunk = Chunk<A>::size;
   const int chunks = num_chunks<kChunk>(p);
   const i64 total = num_rows(p) * chunks;
-  const A scale_log2 = (A)p.scale * (A)kLog2e;
+  const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
     const int c = (int)(idx % chunks);
     const Row row = row_of<RANK>(p, idx / chunks);
@@ -431,7 +442,7 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
   constexpr int kChunk = Chunk<A>::size;
   const int chunks = num_chunks<kChunk>(p);
   const i64 total = num_rows(p) * chunks;
-  const A scale_log2 = (A)p.scale * (A)kLog2e;
+  const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
     const int c = (int)(idx % chunks);
     const Row row = row_of<RANK>(p, idx / chunks);
@@ -459,7 +470,7 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
     T* dq_row = dq + at(p.dq, row, row.x, e0);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j)
-      if (j < n) dq_row[j * p.dq[5]] = store_as<T>(acc[j] * (A)p.scale);
+      if (j < n) dq_row[j * p.dq[5]] = store_as<T>(acc[j] * scale_of<A>(p));
   }
 }
 
@@ -474,7 +485,7 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
   constexpr int kChunk = Chunk<A>::size;
   const int chunks = num_chunks<kChunk>(p);
   const i64 total = num_rows(p) * chunks;
-  const A scale_log2 = (A)p.scale * (A)kLog2e;
+  const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
     const int c = (int)(idx % chunks);
     const Row row = row_of<RANK>(p, idx / chunks);
@@ -516,7 +527,7 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       if (j < n) {
-        dk_row[j * p.dk[5]] = store_as<T>(acc_k[j] * (A)p.scale);
+        dk_row[j * p.dk[5]] = store_as<T>(acc_k[j] * scale_of<A>(p));
         dv_row[j * p.dv[5]] = store_as<T>(acc_v[j]);
       }
     }

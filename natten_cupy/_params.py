@@ -3,6 +3,10 @@
 One NumPy structured scalar, passed by value to every kernel: CuPy hands a ``numpy.void``
 of an aligned structured dtype to the kernel as the struct of the same layout. Field order
 and types here must match the C++ struct exactly.
+
+The softmax scale travels twice: rounded to float32 (``scale``, what the float32, float16
+and bfloat16 kernels compute with) and as the caller's float64 (``scale_f64``, what the
+float64 kernels compute with, so that float64 results do not carry float32's rounding).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ PARAMS_DTYPE = numpy.dtype(
     [(name, _I64, (3,)) for name in ("extent", "kernel", "stride", "dilation", "causal")]
     + [(name, _I64) for name in ("batch", "heads", "head_dim", "num_neighbors")]
     + [(name, _I64, (6,)) for name in TENSOR_FIELDS]
-    + [("scale", numpy.float32), ("pad_", numpy.float32)],
+    + [("scale", numpy.float32), ("pad_", numpy.float32), ("scale_f64", numpy.float64)],
     align=True)
 
 
@@ -69,6 +73,7 @@ def make_params(problem, **tensors):
     p["head_dim"] = problem.head_dim
     p["num_neighbors"] = problem.num_neighbors
     p["scale"] = numpy.float32(problem.scale)
+    p["scale_f64"] = numpy.float64(problem.scale)
     for name, x in tensors.items():
         if name not in TENSOR_FIELDS:
             raise KeyError(f"unknown tensor field {name!r}")

@@ -136,7 +136,7 @@ def test_params_layout_matches(emu):
     """NAParams as g++ lays it out == natten_cupy._params.PARAMS_DTYPE (what CuPy passes)."""
     offsets, size = emu.params_layout()
     names = ["extent", "kernel", "stride", "dilation", "causal", "batch", "heads", "head_dim",
-             "num_neighbors", *TENSOR_FIELDS, "scale", "pad_"]
+             "num_neighbors", *TENSOR_FIELDS, "scale", "pad_", "scale_f64"]
     assert list(PARAMS_DTYPE.names) == names
     assert offsets == [PARAMS_DTYPE.fields[n][1] for n in names]
     assert size == PARAMS_DTYPE.itemsize

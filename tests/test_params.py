@@ -3,7 +3,7 @@
 import numpy
 
 from natten_cupy import _args
-from natten_cupy._params import make_params
+from natten_cupy._params import PARAMS_DTYPE, make_params
 
 
 def test_strides_of_full_lse_and_rpb_tensors():
@@ -17,3 +17,28 @@ def test_strides_of_full_lse_and_rpb_tensors():
     assert list(params["rpb"]) == [25, 1, 5, 0, 0, 0]
     assert list(params["k"]) == [0] * 6
     assert list(params["extent"]) == [5, 7, 1] and list(params["kernel"]) == [3, 3, 1]
+
+
+def test_scale_travels_as_float32_and_float64():
+    """Float kernels read the float32 rounding of the scale, float64 kernels the caller's
+    float64: 24 ** -0.5 is not a float32, so the two fields differ."""
+    q = numpy.zeros((1, 9, 2, 24), dtype=numpy.float64)
+    p = _args.check_fused(1, q, q, q, 3, 1, 1, False, None, "auto")
+    params = make_params(p, q=q)
+    assert p.scale == 24 ** -0.5
+    assert params["scale_f64"].dtype == numpy.float64 and params["scale_f64"] == p.scale
+    assert params["scale"].dtype == numpy.float32 and params["scale"] == numpy.float32(p.scale)
+    assert float(params["scale"]) != p.scale
+    given = make_params(_args.check_fused(1, q, q, q, 3, 1, 1, False, 0.1, "auto"))
+    assert given["scale_f64"] == 0.1 and float(given["scale"]) != 0.1
+
+
+def test_layout_of_the_scale_fields():
+    """The float64 scale follows the float32 pair, 8-byte aligned (C layout of NAParams)."""
+    fields = PARAMS_DTYPE.fields
+    assert PARAMS_DTYPE.names[-3:] == ("scale", "pad_", "scale_f64")
+    assert fields["pad_"][1] == fields["scale"][1] + 4
+    assert fields["scale_f64"][1] == fields["pad_"][1] + 4
+    assert fields["scale_f64"][1] % 8 == 0
+    assert PARAMS_DTYPE.itemsize == fields["scale_f64"][1] + 8
+    assert PARAMS_DTYPE.alignment == 8

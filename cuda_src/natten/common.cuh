@@ -21,8 +21,9 @@ struct NAParams {
   i64 batch, heads, head_dim, num_neighbors;  // num_neighbors = prod(kernel)
   i64 q[6], k[6], v[6], o[6], d_o[6], dq[6], dk[6], dv[6];
   i64 lse[6], delta[6], attn[6], d_attn[6], rpb[6], d_rpb[6];
-  float scale;        // softmax scale (D ** -0.5 unless given)
+  float scale;        // softmax scale (D ** -0.5 unless given), read by the float kernels
   float pad_;
+  double scale_f64;   // the same scale unrounded, read by the double kernels
 };
 
 __device__ __forceinline__ Axis axis_of(const NAParams& p, int a) {

@@ -91,6 +91,7 @@ extern "C" int emu_params_layout(long long* out) {
   EMU_FIELD(q) EMU_FIELD(k) EMU_FIELD(v) EMU_FIELD(o) EMU_FIELD(d_o) EMU_FIELD(dq)
   EMU_FIELD(dk) EMU_FIELD(dv) EMU_FIELD(lse) EMU_FIELD(delta) EMU_FIELD(attn)
   EMU_FIELD(d_attn) EMU_FIELD(rpb) EMU_FIELD(d_rpb) EMU_FIELD(scale) EMU_FIELD(pad_)
+  EMU_FIELD(scale_f64)
 #undef EMU_FIELD
   out[n++] = (long long)sizeof(NAParams);
   return n;
