@@ -152,7 +152,7 @@ def time_all():
             tile = None
             key = (len(spatial), _fused_fwd._bucket(dim))
             saved, _fused_fwd.DEFAULT[key] = _fused_fwd.DEFAULT[key], trial
-        _fused_fwd._plan.cache_clear()  # plans are cached per problem, not per DEFAULT
+        _fused_fwd._tiling.cache_clear()  # plans are cached per problem, not per DEFAULT
         dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
         q, k, v = _inputs(cp, (1,) + spatial + (heads, dim), dtype)
         prob = _args.check_fused(len(spatial), q, k, v, kernel, 1, 1, False, None, "fused",
@@ -163,7 +163,7 @@ def time_all():
         try:
             if why:
                 raise ValueError(why)
-            kname = _fused_fwd._plan(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
+            kname = _fused_fwd._tiling(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
             for _ in range(2):
                 fused.fused_forward(prob, q, k, v, out, lse)
             times = []
@@ -186,7 +186,7 @@ def time_all():
             _fused_fwd.DEFAULT[key] = saved
             name = f"{trial.patch[:2]}x{trial.warps[:2]}k{trial.kb}{'' if trial.lines else ' flat'}"
             rows[-1] = (rows[-1][0], rows[-1][1], name) + rows[-1][3:]
-            _fused_fwd._plan.cache_clear()
+            _fused_fwd._tiling.cache_clear()
         del q, k, v, out, lse
         cp.get_default_memory_pool().free_all_blocks()
     print(f"{'id':<6}{'dtype':<9}{'tile':<30}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
@@ -233,7 +233,7 @@ def split():
     saved = _fused_fwd.DEFAULT[key]
     for cfg in (C((2, 8, 1), (4, 1, 1), 2), C((4, 4, 1), (2, 2, 1), 2, False)):
         _fused_fwd.DEFAULT[key] = cfg
-        _fused_fwd._plan.cache_clear()
+        _fused_fwd._tiling.cache_clear()
         its, mss = [], []
         for ks in (3, 5, 7, 9, 11, 13):
             prob = _args.check_fused(2, q, k, v, ks, 1, 1, False, None, "fused")
@@ -248,7 +248,7 @@ def split():
         slope, fixed = numpy.polyfit(its, mss, 1)
         print(f"  fit: {fixed:.3f} ms fixed + {slope:.3f} ms per iteration")
     _fused_fwd.DEFAULT[key] = saved
-    _fused_fwd._plan.cache_clear()
+    _fused_fwd._tiling.cache_clear()
 
 
 def small():

@@ -17,7 +17,7 @@ from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH
                                   bytes_moved, flops, floor_ms)
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
-           "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "CEILINGS", "COPY_BANDWIDTH",
+           "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "CEILINGS", "COPY_BANDWIDTH",
            "BACKWARD_FLOP_FACTOR", "dtype_spec"]
 
 
@@ -98,7 +98,22 @@ WORKLOADS = {w.id: w for w in (
     Workload("T2", (16, 16), (5, 5), 2, 16, "smoke test", stride=(1, 2), dilation=(1, 2)),
     Workload("T3", (4, 8, 8), (3, 3, 3), 2, 16, "smoke test", causal=(True, False, False)),
     Workload("T1", (128,), (128,), 2, 16, "smoke test: self-attention"),
+    # BENCH.md's model-shaped set: batch > 1, small maps, head dims 64/128, causal axes.
+    Workload("M1", (56, 56), (7, 7), 2, 32, "NAT-Mini stage 1", batch=128),
+    Workload("M2", (28, 28), (7, 7), 4, 32, "DiNAT stage 2, dilated", batch=128,
+             dilation=(4, 4)),
+    Workload("M3", (14, 14), (7, 7), 8, 32, "NAT stage 3, a small map", batch=128),
+    Workload("M4", (16, 40, 64), (5, 9, 9), 16, 64, "video diffusion layer", batch=2),
+    Workload("M5", (128, 128), (21, 21), 16, 128, "image generator, head dim 128"),
+    Workload("M6", (16384,), (4096,), 32, 128, "language model, sliding window",
+             causal=(True,)),
+    Workload("M7", (12, 32, 32), (6, 9, 9), 8, 64, "autoregressive video", batch=4,
+             causal=(True, False, False)),
 )}
+# The model-shaped set with its dtype (BENCH.md), and the extra fp32 runs it asks for.
+MODEL_WORKLOADS = (("M1", "fp16"), ("M2", "fp16"), ("M3", "fp16"), ("M4", "bf16"),
+                   ("M5", "bf16"), ("M6", "bf16"), ("M7", "bf16"), ("M1", "fp32"),
+                   ("M4", "fp32"), ("M1", "tf32"), ("M4", "tf32"))
 DEFAULT_WORKLOADS = ("W2", "W3", "W3b", "W2b", "W1", "SA")
 
 # Names the suite accepts for --dtypes. "tf32" is float32 I/O with TF32 tensor cores allowed.
@@ -135,6 +150,13 @@ PUBLISHED_PEERS = {
     ("W1", "fp32"): {"flex_tiled": (23.1, 203.6)},
     # BENCH.md dense self-attention, fp16, N = 16384, 16 heads, head dim 64.
     ("SA", "fp16"): {"sdpa": (2.47, 8.73)},
+    # BENCH.md: FlexAttention on the M set (eager, row-major order, create_block_mask,
+    # torch.compile'd flex_attention).
+    ("M1", "fp16"): {"flex_eager": (1.28, 4.69)}, ("M2", "fp16"): {"flex_eager": (1.31, 3.67)},
+    ("M3", "fp16"): {"flex_eager": (0.30, 0.97)}, ("M4", "bf16"): {"flex_eager": (7.91, 29.1)},
+    ("M5", "bf16"): {"flex_eager": (1.46, 5.15)}, ("M6", "bf16"): {"flex_eager": (2.43, 9.16)},
+    ("M7", "bf16"): {"flex_eager": (1.50, 5.17)}, ("M1", "fp32"): {"flex_eager": (4.08, 45.7)},
+    ("M4", "fp32"): {"flex_eager": (95.4, 760.0)},
 }
 
 # BENCH.md "Floors" for W2 and W3, ms as (forward, backward). Note: its exact-fp32 row matches

@@ -1,19 +1,41 @@
 """The one place kernels are launched, so the profiler sees every launch.
 
-``launch`` runs a compiled kernel on the current CuPy stream. While a profiler is active
-(``natten_cupy.profile()``), each launch is bracketed by CUDA events and reported to it with
-the kernel's name, backend, tile config and grid. Code that runs array-library operations on
-the GPU instead of its own kernels (the reference backend on CuPy) wraps them in ``region``,
-which the profiler records as one entry.
+Two ways in:
+
+* ``launch`` runs a compiled kernel on the current CuPy stream with CuPy arguments. While a
+  profiler is active (``natten_cupy.profile()``), each launch is bracketed by CUDA events and
+  reported to it with the kernel's name, backend, tile config and grid. Code that runs
+  array-library operations on the GPU instead of its own kernels (the reference backend on
+  CuPy) wraps them in ``region``, which the profiler records as one entry.
+* A ``Plan`` is what a backend part returns for one call signature (shapes, strides,
+  dtypes, options, device): its ``KernelCall``s hold the kernel's function handle, the
+  grid, and the argument bytes with holes for the operands' device pointers, and
+  ``run_plan`` fills the holes and launches through the driver. A warm call of the fast path
+  (``natten_cupy._fast``) does only that: no argument conversion, no CuPy arrays, no device
+  queries, so it is cheap and capturable in any framework's CUDA graph. ``launch`` itself
+  runs the same ``KernelCall`` when its arguments are CuPy arrays, so both ways share one
+  argument packing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
+import struct
+import threading
 
-__all__ = ["launch", "region", "add_recorder", "remove_recorder"]
+import numpy
+
+__all__ = ["launch", "region", "add_recorder", "remove_recorder", "Operand", "KernelCall",
+           "Plan", "run_plan", "profiling"]
 
 _recorders = []
+
+
+def profiling():
+    """Whether a profiler is recording (the fast path then steps aside for ``launch``)."""
+    return bool(_recorders)
 
 
 def add_recorder(rec):
@@ -65,3 +87,125 @@ def region(name, backend):
         for rec in _recorders:
             rec.record(name=name, backend=backend, tile=None, grid=(), block=(),
                        start=start, stop=stop)
+
+
+# ---- prepared launches ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A kernel argument that is the device pointer of the call's ``index``-th array (the
+    operands first, in the order the op names them, then the plan's workspaces)."""
+    index: int
+
+
+def _arg_bytes(a):
+    """(bytes, alignment) of one constant kernel argument: a NumPy scalar or struct, or a
+    device array kept by the plan (its pointer)."""
+    if isinstance(a, numpy.generic):
+        return a.tobytes(), max(a.dtype.alignment, 1)
+    ptr = getattr(getattr(a, "data", None), "ptr", None)
+    if ptr is not None:  # a CuPy array the plan owns (e.g. a window table)
+        return struct.pack("<Q", ptr), 8
+    raise TypeError(f"kernel argument {a!r} must be a NumPy scalar, a struct scalar, a device "
+                    "array or an Operand (Python ints have no C type: use numpy.int32/int64)")
+
+
+class KernelCall:
+    """One launch, prepared: function handle, grid, block, shared memory, and the argument
+    bytes in one buffer whose operand slots are filled per call.
+
+    The buffer is laid out as [pointer table][operand slots][constants]: the driver reads
+    the kernel's arguments through the table, so the operand slots (8 bytes each) are packed
+    together and one ``struct`` call fills them. The buffer is reused under a lock (the driver
+    copies the arguments at launch).
+    """
+
+    def __init__(self, fn, grid, block, args, *, shared_mem=0, name="", backend="", tile=None):
+        self.fn = fn
+        self.grid = tuple(int(g) for g in grid)
+        self.block = tuple(int(b) for b in block)
+        self.shared_mem = int(shared_mem)
+        self.name, self.backend, self.tile = name or fn.name, backend, tile
+        self.args = tuple(args)   # kept: also holds the plan's device arrays alive
+        self.empty = any(g == 0 for g in self.grid)
+        n = len(args)
+        slots = [a.index for a in args if isinstance(a, Operand)]
+        head = 8 * n
+        offsets, consts, pos = [], [], head + 8 * len(slots)
+        slot_at = head
+        for a in args:
+            if isinstance(a, Operand):
+                offsets.append(slot_at)
+                slot_at += 8
+                continue
+            data, align = _arg_bytes(a)
+            pos = -(-pos // max(align, 8)) * max(align, 8)
+            offsets.append(pos)
+            consts.append((pos, data))
+            pos += len(data)
+        self._buf = ctypes.create_string_buffer(max(pos, 8))
+        base = ctypes.addressof(self._buf)
+        struct.pack_into(f"<{n}Q", self._buf, 0, *(base + o for o in offsets))
+        for at, data in consts:
+            ctypes.memmove(base + at, data, len(data))
+        self._slots = tuple(slots)
+        self._pack = struct.Struct(f"<{len(slots)}Q").pack_into
+        self._head = head
+        self._params = base
+        self._lock = threading.Lock()
+        self._func = None
+
+    def prepare(self):
+        """Load the function on the current device and raise its shared-memory limit
+        (once per plan; plans are per device)."""
+        if self._func is None:
+            if self.shared_mem >= 48 * 1024:
+                self.fn.max_dynamic_shared_size_bytes = self.shared_mem
+            self._func = self.fn.kernel.ptr
+        return self
+
+    def __call__(self, ptrs, stream):
+        """Launch on ``stream`` (a raw CUDA stream handle) with the call's pointers."""
+        if self.empty:
+            return
+        from cupy.cuda import driver
+        g, b = self.grid, self.block
+        with self._lock:
+            self._pack(self._buf, self._head, *[ptrs[i] for i in self._slots])
+            driver.launchKernel(self._func, g[0], g[1], g[2], b[0], b[1], b[2],
+                                self.shared_mem, stream, self._params, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything one call needs besides its arrays: the kernels in launch order and the
+    workspaces (``(shape, numpy dtype)``, C-contiguous, any contents) they take after the
+    operands. Plans are built per device (function handles and tables are)."""
+    calls: tuple
+    workspaces: tuple = ()
+
+    def prepare(self):
+        for c in self.calls:
+            c.prepare()
+        return self
+
+
+def run_plan(plan, ptrs, stream):
+    """Launch every kernel of ``plan`` (prepared) on raw stream handle ``stream``; ``ptrs``:
+    device pointers of the operands followed by those of the workspaces."""
+    for c in plan.calls:
+        c(ptrs, stream)
+
+
+def run_plan_on(plan, arrays):
+    """``run_plan`` with CuPy arrays (operands, then workspaces) on CuPy's current stream;
+    through ``launch`` (one event pair a kernel) while a profiler records."""
+    import cupy
+    if _recorders:
+        for c in plan.calls:
+            args = [arrays[a.index] if isinstance(a, Operand) else a for a in c.args]
+            launch(c.fn, c.grid, c.block, args, shared_mem=c.shared_mem, name=c.name,
+                   backend=c.backend, tile=c.tile)
+        return
+    plan.prepare()
+    run_plan(plan, [x.data.ptr for x in arrays], cupy.cuda.get_current_stream().ptr)

@@ -1,6 +1,8 @@
 """Public array-level calls (no autograd): validate, select, launch, hand back.
 
-Every call takes the same four steps: validate and normalize the arguments (``_args``),
+A warm call (a signature seen before, on CuPy arrays or CUDA torch tensors) is served by
+``_fast``: one lookup, then allocation and launch. Otherwise every call takes the same four
+steps: validate and normalize the arguments (``_args``),
 select a backend (logging why others were refused) for where the arrays live, gather the
 arrays as NumPy/CuPy (``_arrays``; the first step that may touch a GPU), and let the backend
 launch its kernels into freshly allocated outputs. The ``run_*`` functions are the same calls
@@ -14,7 +16,7 @@ import logging
 
 import numpy
 
-from . import _args
+from . import _args, _fast
 from ._arrays import Inputs, array_module
 from ._dtypes import accumulator_dtype
 from .backends import get_backend, PREFERENCE
@@ -95,6 +97,10 @@ def run_av_backward(problem, backend, d_out, attn, v, d_attn, dv):
 def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False,
                   scale=None, backend="auto", return_lse=False, allow_tf32=False,
                   deterministic=False, tile=None):
+    hit = _fast.fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
+                              backend, return_lse, allow_tf32, deterministic, tile)
+    if hit is not None:
+        return hit
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                                 backend, allow_tf32, deterministic, tile)
     named = [("q", q), ("k", k), ("v", v)]
@@ -114,6 +120,10 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
 def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
                    is_causal=False, scale=None, backend="auto", allow_tf32=False,
                    deterministic=False, tile=None):
+    hit = _fast.fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
+                               is_causal, scale, backend, allow_tf32, deterministic, tile)
+    if hit is not None:
+        return hit
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                          dilation, is_causal, scale, backend, allow_tf32,
                                          deterministic, tile)

@@ -25,7 +25,7 @@ import numpy
 import torch
 from torch import Tensor, nn
 
-from . import _AXES, _args, _for_rank, ops
+from . import _AXES, _args, _fast, _for_rank, ops
 from ._arrays import check_one_device
 from ._dtypes import BFLOAT16
 
@@ -97,6 +97,66 @@ def _rpb_shape(heads, kernel_size):
     return (heads,) + tuple(2 * k - 1 for k in kernel_size)
 
 
+# ---- validation, cached per call signature ----------------------------------------------
+
+def _forward_problem(q, k, v, options):
+    """(problem, backend) of a fused forward; raises what the array API raises."""
+    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det = options
+    problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
+                                backend, tf32, det)
+    _check_tensors([("q", q), ("k", k), ("v", v)])
+    return problem, ops.select_backend("fused_forward", problem, _xp(q.device), backend)
+
+
+def _backward_problem(tensors, options):
+    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det = options
+    d_out, q, k, v, out, lse = tensors
+    problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
+                                         dilation, is_causal, scale, backend, tf32, det)
+    _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
+                    ("lse", lse)])
+    return problem, ops.select_backend("fused_backward", problem, _xp(q.device), backend)
+
+
+def _forward_entry(q, k, v, options):
+    """The fast-path entry of a fused forward on CUDA tensors (validated on its signature's
+    first call), or None where the general path runs it."""
+    return _fast.torch_entry("fused_forward", options[0], (q, k, v), options,
+                             lambda: _forward_problem(q, k, v, options))
+
+
+def _backward_entry(tensors, options):
+    return _fast.torch_entry("fused_backward", options[0], tensors, options,
+                             lambda: _backward_problem(tensors, options))
+
+
+class _FusedNA(torch.autograd.Function):
+    """Eager fused NA on CUDA tensors: the fast path's forward and backward, no custom-op
+    dispatch (``na`` takes the custom op under torch.compile, where graphs need it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, entry, options):
+        out, lse = _fast.run_torch_call(entry, (q, k, v))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        tensors = (d_out, q, k, v, out, lse)
+        e = _backward_entry(tensors, ctx.options)
+        if e is not None:
+            dq, dk, dv = _fast.run_torch_call(e, tensors)
+        else:
+            rank, ks, st, dl, ca, scale, backend, tf32, det = ctx.options
+            ks, st, dl, ca = _per_axis(rank, ks, dl, ca, st)
+            dq, dk, dv = _fused_backward(d_out, q, k, v, out, lse, ks, st, dl, ca,
+                                         None if scale is None else float(scale), backend,
+                                         bool(tf32), bool(det))
+        return dq, dk, dv, None, None
+
+
 # ---- custom ops (per-axis options arrive as lists) --------------------------------------
 
 @torch.library.custom_op("natten_cupy::na_fused_forward", mutates_args=())
@@ -104,10 +164,13 @@ def _fused_forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
                    stride: list[int], dilation: list[int], is_causal: list[bool],
                    scale: Optional[float], backend: str, allow_tf32: bool,
                    deterministic: bool) -> tuple[Tensor, Tensor]:
-    problem = _args.check_fused(len(kernel_size), q, k, v, kernel_size, stride, dilation,
-                                is_causal, scale, backend, allow_tf32, deterministic)
-    _check_tensors([("q", q), ("k", k), ("v", v)])
-    be = ops.select_backend("fused_forward", problem, _xp(q.device), backend)
+    options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
+               allow_tf32, deterministic)
+    e = _forward_entry(q, k, v, options)
+    if e is not None:
+        out, lse = _fast.run_torch_call(e, (q, k, v))
+        return out, lse
+    problem, be = _forward_problem(q, k, v, options)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
     with _on_torch_stream(q.device):
@@ -126,12 +189,14 @@ def _fused_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     kernel_size: list[int], stride: list[int], dilation: list[int],
                     is_causal: list[bool], scale: Optional[float], backend: str,
                     allow_tf32: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    problem = _args.check_fused_backward(len(kernel_size), d_out, q, k, v, out, lse,
-                                         kernel_size, stride, dilation, is_causal, scale,
-                                         backend, allow_tf32, deterministic)
-    _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
-                    ("lse", lse)])
-    be = ops.select_backend("fused_backward", problem, _xp(q.device), backend)
+    options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
+               allow_tf32, deterministic)
+    tensors = (d_out, q, k, v, out, lse)
+    e = _backward_entry(tensors, options)
+    if e is not None:
+        dq, dk, dv = _fast.run_torch_call(e, tensors)
+        return dq, dk, dv
+    problem, be = _backward_problem(tensors, options)
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     with _on_torch_stream(q.device):
         ops.run_fused_backward(problem, be, *map(_view, (d_out, q, k, v, out, lse, *grads)))
@@ -294,6 +359,11 @@ def na(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, sca
        backend="auto", allow_tf32=False, deterministic=False):
     """Fused neighborhood attention with autograd (``rank`` spatial axes)."""
     if _validating():
+        options = (rank, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+                   deterministic)
+        e = _forward_entry(q, k, v, options)
+        if e is not None:
+            return _FusedNA.apply(q, k, v, e, options)
         _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                           backend, allow_tf32, deterministic)
         _check_tensors([("q", q), ("k", k), ("v", v)])

@@ -26,7 +26,9 @@ import numpy
 
 from .._compile import get_kernel
 from .._dtypes import FLOAT32, HALF_TYPES, c_type
-from .._launch import launch
+from .._launch import KernelCall, Operand, Plan, run_plan_on
+from .._operands import (Layout, copy_back, layout_of, ready_inputs, rows_ready,
+                         writable_outputs)
 from .._params import make_params
 from .._window import group_size, inverse_bounds, window_bounds
 
@@ -75,30 +77,6 @@ def instantiations():
         for dp in D_BUCKETS:
             out += [(SOURCE, name) for name in _names(ct, dp)]
     return out
-
-
-def _rows_ready(x):
-    """True if x's last dim is contiguous and every row starts 16-byte aligned."""
-    item = x.dtype.itemsize
-    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != item:
-        return False
-    if x.data.ptr % 16:
-        return False
-    return all(s % 16 == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
-
-
-def _ready(x):
-    import cupy
-    return x if _rows_ready(x) else cupy.ascontiguousarray(x)
-
-
-def _writable(x):
-    """x when the kernels may write it (rows ready: they store pairs of columns), else a
-    contiguous stand-in of the same shape, copied into x after the launches."""
-    import cupy
-    if _rows_ready(x):
-        return x
-    return cupy.empty(x.shape, dtype=f"u{x.dtype.itemsize}").view(x.dtype)
 
 
 def _axis_table(extent, kernel, stride, dilation, causal):
@@ -180,17 +158,17 @@ def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key):
     return int(rows), int(fixed + rows * row)
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
-    import cupy
-
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
+    """The Plan of one backward on the current device for operand layouts (in this order;
+    then one workspace, delta), or None if an operand other than lse is not ``rows_ready``."""
+    if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
+        return None
     ct = c_type(problem.dtype)
     dp = _bucket(problem.head_dim)
-    q, k, v, out, d_out = (_ready(x) for x in (q, k, v, out, d_out))
-    grads = (dq, dk, dv)
-    dq, dk, dv = (_writable(x) for x in grads)
-    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta)
+    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
 
     tile, patch = TILES[problem.rank]
     nwarps = math.prod(t // w for t, w in zip(tile, patch))
@@ -206,18 +184,28 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     bh = problem.batch * problem.heads
     tab, tab_off, reach = _geometry(problem, tile)
     name_kv, name_q = _names(ct, dp)
+    calls = []
     for name, chunk, owner_is_key, ptrs in (
-            (name_q, min(dp, Q_CHUNK), False, (q, k, v, d_out, out, lse, delta, dq)),
-            (name_kv, min(dp, KV_CHUNK), True, (q, k, v, d_out, lse, delta, dk, dv))):
+            (name_q, min(dp, Q_CHUNK), False, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ)),
+            (name_kv, min(dp, KV_CHUNK), True, (Q, K, V, D_OUT, LSE, DELTA, DK, DV))):
         slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key)
         fn = get_kernel(SOURCE, name)
         gx = ntiles * groups * (dp // chunk)
         for bh0 in range(0, bh, MAX_GRID_Y):
-            launch(fn, (gx, min(MAX_GRID_Y, bh - bh0)), (32 * nwarps,),
-                   (*ptrs, tab, p, numpy.int32(tab_off[1]), numpy.int32(tab_off[2]), *geo,
-                    numpy.int32(slab), numpy.int32(bh0)), shared_mem=smem,
-                   name=name.split("<")[0], backend="fused", tile=tile)
-    for dst, src in zip(grads, (dq, dk, dv)):
-        if src is not dst:
-            unsigned = f"u{dst.dtype.itemsize}"
-            dst.view(unsigned)[...] = src.view(unsigned)
+            calls.append(KernelCall(
+                fn, (gx, min(MAX_GRID_Y, bh - bh0), 1), (32 * nwarps, 1, 1),
+                (*ptrs, tab, p, numpy.int32(tab_off[1]), numpy.int32(tab_off[2]), *geo,
+                 numpy.int32(slab), numpy.int32(bh0)),
+                shared_mem=smem, name=name.split("<")[0], backend="fused", tile=tile))
+    return Plan(tuple(calls), workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+
+
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+    import cupy
+    q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
+    grads = (dq, dk, dv)
+    written = writable_outputs(grads)
+    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    arrays = (d_out, q, k, v, out, lse, *written, delta)
+    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9])), arrays)
+    copy_back(grads, written)

@@ -29,7 +29,9 @@ import numpy
 from .. import _window
 from .._compile import get_kernel
 from .._dtypes import FLOAT32
-from .._launch import launch
+from .._launch import KernelCall, Operand, Plan, run_plan_on
+from .._operands import (Layout, copy_back, layout_of, ready_inputs, rows_ready,
+                         writable_outputs)
 from .._params import make_params
 
 SOURCE = "na_fused_fp32.cu"
@@ -248,89 +250,86 @@ def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
     return plan[()], math.prod(slab) * cell_bytes, grid
 
 
-# ---- arrays ----------------------------------------------------------------------------
-
-def _vector_ok(x):
-    """Whether the kernels can read/write ``x`` with 16-byte accesses as it is."""
-    if x.strides[-1] != 4 or x.data.ptr % 16:
-        return False
-    return all(n == 1 or s % 16 == 0 for n, s in zip(x.shape[:-1], x.strides[:-1]))
-
-
-def _readable(x):
-    import cupy
-    return x if _vector_ok(x) else cupy.ascontiguousarray(x)
-
-
-def _writable(x):
-    """(array the kernel writes, caller's array to copy it into afterwards or None)."""
-    import cupy
-    if _vector_ok(x):
-        return x, None
-    return cupy.empty(x.shape, dtype=x.dtype), x
-
+# ---- plans and launches ----------------------------------------------------------------
 
 def _tile(plan):
     return tuple(int(c) for c in plan["cta"])
 
 
-def _finish(pairs):
-    for tmp, dst in pairs:
-        if dst is not None:
-            dst[...] = tmp
-
-
-# ---- launches --------------------------------------------------------------------------
-
-def forward(problem, q, k, v, out, lse):
+def plan_forward(problem, q, k, v, out, lse):
+    """Plan of one forward for operand layouts (q, k, v, out, lse), or None if one of q, k,
+    v, out cannot be read with 16-byte accesses as it is."""
+    if not all(rows_ready(x) for x in (q, k, v, out)):
+        return None
     p3 = _padded(problem)
     pad = 3 - problem.rank
-    q, k, v = (_readable(x) for x in (q, k, v))
-    out_w = _writable(out)
-    q3, k3, v3, o3 = (_view3(x, pad) for x in (q, k, v, out_w[0]))
-    l3 = _view3(lse, pad)
+    q3, k3, v3, o3, l3 = (x.unsqueezed(pad) for x in (q, k, v, out, lse))
     params = make_params(p3, q=q3, k=k3, v=v3, o=o3, lse=l3)
     lanes = _lanes(problem.head_dim, FWD_COLUMNS)
     micro = MICRO[problem.rank]
     row = _row_floats(lanes, FWD_COLUMNS, micro)
-    plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
+    tiles, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
     fn = get_kernel(SOURCE, _name("na_fwd_fp32", lanes, micro))
-    launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, o3, l3, params, plan), shared_mem=smem,
-           name="na_fwd_fp32", backend="fused", tile=_tile(plan))
-    _finish([out_w])
+    return Plan((KernelCall(fn, grid, (THREADS, 1, 1), (*map(Operand, range(5)), params, tiles),
+                            shared_mem=smem, name="na_fwd_fp32", backend="fused",
+                            tile=_tile(tiles)),))
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
-    import cupy
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
+    """Plan of one backward for operand layouts (in this order; then one workspace,
+    delta), or None if an operand other than lse is not ready for 16-byte accesses."""
+    if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
+        return None
     p3 = _padded(problem)
     pad = 3 - problem.rank
-    q, k, v, out, d_out = (_readable(x) for x in (q, k, v, out, d_out))
-    writes = [_writable(x) for x in (dq, dk, dv)]
-    delta = cupy.empty(lse.shape, dtype=numpy.float32)
-    q3, k3, v3, o3, do3 = (_view3(x, pad) for x in (q, k, v, out, d_out))
-    dq3, dk3, dv3 = (_view3(w[0], pad) for w in writes)
-    l3, de3 = _view3(lse, pad), _view3(delta, pad)
+    delta = Layout.contiguous(lse.shape, numpy.float32)
+    do3, q3, k3, v3, o3, l3, dq3, dk3, dv3, de3 = (
+        x.unsqueezed(pad) for x in (d_out, q, k, v, out, lse, dq, dk, dv, delta))
     params = make_params(p3, q=q3, k=k3, v=v3, o=o3, d_o=do3, dq=dq3, dk=dk3, dv=dv3,
                          lse=l3, delta=de3)
-
+    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
+    calls = []
     rows = problem.batch * problem.num_tokens * problem.heads
-    fn = get_kernel(SOURCE, "na_bwd_delta_fp32")
-    launch(fn, (-(-rows * 8 // THREADS), 1, 1), (THREADS, 1, 1), (o3, do3, de3, params),
-           name="na_bwd_delta_fp32", backend="fused")
+    calls.append(KernelCall(get_kernel(SOURCE, "na_bwd_delta_fp32"),
+                            (-(-rows * 8 // THREADS), 1, 1), (THREADS, 1, 1),
+                            (OUT, D_OUT, DELTA, params), name="na_bwd_delta_fp32",
+                            backend="fused"))
 
     micro = MICRO_DQ
     lanes = _lanes(problem.head_dim, DQ_COLUMNS)
     row = _row_floats(lanes, DQ_COLUMNS, micro)
-    plan, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
-    fn = get_kernel(SOURCE, _name("na_bwd_dq_fp32", lanes, micro))
-    launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dq3, params, plan),
-           shared_mem=smem, name="na_bwd_dq_fp32", backend="fused", tile=_tile(plan))
+    tiles, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
+    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dq_fp32", lanes, micro)), grid,
+                            (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, params, tiles),
+                            shared_mem=smem, name="na_bwd_dq_fp32", backend="fused",
+                            tile=_tile(tiles)))
 
     micro = MICRO[problem.rank]
     lanes = _lanes(problem.head_dim, DKV_COLUMNS)
     row = _row_floats(lanes, DKV_COLUMNS, micro)
-    plan, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
-    fn = get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro))
-    launch(fn, grid, (THREADS, 1, 1), (q3, k3, v3, do3, l3, de3, dk3, dv3, params, plan),
-           shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused", tile=_tile(plan))
-    _finish(writes)
+    tiles, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
+    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro)), grid,
+                            (THREADS, 1, 1),
+                            (Q, K, V, D_OUT, LSE, DELTA, DK, DV, params, tiles),
+                            shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused",
+                            tile=_tile(tiles)))
+    return Plan(tuple(calls), workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+
+
+def forward(problem, q, k, v, out, lse):
+    q, k, v = ready_inputs((q, k, v))
+    (dst,) = writable_outputs((out,))
+    arrays = (q, k, v, dst, lse)
+    run_plan_on(plan_forward(problem, *map(layout_of, arrays)), arrays)
+    copy_back((out,), (dst,))
+
+
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+    import cupy
+    q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
+    grads = (dq, dk, dv)
+    written = writable_outputs(grads)
+    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    arrays = (d_out, q, k, v, out, lse, *written, delta)
+    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9])), arrays)
+    copy_back(grads, written)

@@ -26,7 +26,9 @@ import numpy
 from .. import _window
 from .._compile import get_kernel
 from .._dtypes import FLOAT16, FLOAT32, HALF_TYPES, c_type
-from .._launch import launch
+from .._launch import KernelCall, Operand, Plan
+from .._launch import run_plan_on
+from .._operands import copy_back, layout_of, ready_inputs, rows_ready, writable_outputs
 from .._params import make_params
 
 SOURCE = "na_fused_fwd.cu"
@@ -151,20 +153,9 @@ def instantiations():
     return sorted(set(out))
 
 
-def _readable(x):
-    """Whether the kernel can read ``x`` as is: contiguous last dim, 16-byte aligned rows."""
-    per16 = 16 // x.dtype.itemsize
-    st = [s // x.dtype.itemsize for s in x.strides]
-    if x.shape[-1] > 1 and st[-1] != 1:
-        return False
-    if x.data.ptr % 16:
-        return False
-    return all(s % per16 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
-
-
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything a launch needs besides the arrays (computed once per problem)."""
+class Tiling:
+    """How one problem is cut (depends on the problem alone)."""
     name: str         # kernel name expression
     cfg: TileConfig
     chunk: int        # keys per shared-memory buffer
@@ -174,7 +165,7 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(problem):
+def _tiling(problem):
     cfg = _config(problem)
     dp = _bucket(problem.head_dim)
     es = numpy.dtype(problem.dtype).itemsize
@@ -197,8 +188,8 @@ def _plan(problem):
     for a in range(problem.rank):
         glen = -(-problem.spatial[a] // problem.dilation[a])
         ctas *= problem.dilation[a] * -(-glen // cfg.box[a])
-    return Plan(_name(problem.dtype, problem.rank, dp, cfg), cfg, chunk, stages,
-                q_bytes + stages * chunk * row_bytes, ctas)
+    return Tiling(_name(problem.dtype, problem.rank, dp, cfg), cfg, chunk, stages,
+                  q_bytes + stages * chunk * row_bytes, ctas)
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,24 +198,33 @@ def _smem_limit(device_id):
     return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-def forward(problem, q, k, v, out, lse):
+def plan_forward(problem, q, k, v, out, lse):
+    """The Plan of one forward on the current device for operand layouts (q, k, v, out, lse),
+    or None if one of q, k, v, out cannot be read as it is (``rows_ready``)."""
     import cupy
-    plan = _plan(problem)
+    if not all(rows_ready(x) for x in (q, k, v, out)):
+        return None
+    t = _tiling(problem)
     limit = _smem_limit(cupy.cuda.Device().id)
-    if plan.smem > limit:
-        raise RuntimeError(f"fused forward needs {plan.smem} bytes of shared memory per block, "
+    if t.smem > limit:
+        raise RuntimeError(f"fused forward needs {t.smem} bytes of shared memory per block, "
                            f"the device allows {limit}")
-    if plan.ctas >= 2 ** 31 or problem.batch > 65535:
-        raise ValueError(f"problem too large for one fused-forward launch ({plan.ctas} CTAs, "
+    if t.ctas >= 2 ** 31 or problem.batch > 65535:
+        raise ValueError(f"problem too large for one fused-forward launch ({t.ctas} CTAs, "
                          f"batch {problem.batch})")
-    q, k, v = (x if _readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
-    dst = out if _readable(out) else cupy.empty(out.shape, out.dtype)
-    params = make_params(problem, q=q, k=k, v=v, o=dst, lse=lse)
-    cfg = plan.cfg
-    launch(get_kernel(SOURCE, plan.name), (plan.ctas, 1, problem.batch),
-           (32 * cfg.num_warps, 1, 1),
-           (q, k, v, dst, lse, params, numpy.int32(plan.chunk), numpy.int32(plan.stages)),
-           shared_mem=plan.smem, name="na_fwd_fused", backend="fused",
-           tile=cfg.box[:problem.rank])
-    if dst is not out:
-        out[...] = dst
+    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
+    call = KernelCall(get_kernel(SOURCE, t.name), (t.ctas, 1, problem.batch),
+                      (32 * t.cfg.num_warps, 1, 1),
+                      (*map(Operand, range(5)), params, numpy.int32(t.chunk),
+                       numpy.int32(t.stages)),
+                      shared_mem=t.smem, name="na_fwd_fused", backend="fused",
+                      tile=t.cfg.box[:problem.rank])
+    return Plan((call,))
+
+
+def forward(problem, q, k, v, out, lse):
+    q, k, v = ready_inputs((q, k, v))
+    (dst,) = writable_outputs((out,))
+    arrays = (q, k, v, dst, lse)
+    run_plan_on(plan_forward(problem, *map(layout_of, arrays)), arrays)
+    copy_back((out,), (dst,))

@@ -20,6 +20,7 @@ reuse it without timing again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -61,6 +62,27 @@ def refuse(op, problem):
     return part.refuse(problem)
 
 
+def plan(op, problem, layouts):
+    """The launch Plan of ``op`` on the current device for operand layouts: (q, k, v, out,
+    lse) forward, (d_out, q, k, v, out, lse, dq, dk, dv) backward; None if an operand must
+    first be copied. ``problem.tile`` must not be "autotune" (see ``tuned``)."""
+    part = _part(_parts_for(op, problem))
+    if op == "fused_forward":
+        return part.plan_forward(problem, *layouts)
+    return part.plan_backward(problem, *layouts)
+
+
+def tuned(op, problem):
+    """``problem`` with tile="autotune" replaced by its known winner (or the only candidate),
+    or None while no call has timed the candidates yet."""
+    part = _part(_parts_for(op, problem))
+    boxes = _candidates(part, problem)
+    if len(boxes) < 2:
+        return dataclasses.replace(problem, tile=boxes[0] if boxes else None)
+    box = _tuned_memory.get(_signature(op, problem))
+    return None if box is None else dataclasses.replace(problem, tile=box)
+
+
 def fused_forward(problem, q, k, v, out, lse):
     part = _part(_parts_for("fused_forward", problem))
     problem = _tuned(part, "fused_forward", problem,
@@ -95,12 +117,16 @@ def _cache_file():
     return pathlib.Path(root) / "autotune.json"
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device_id):
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["name"].decode()
+
+
 def _signature(op, problem):
     import cupy
-    dev = cupy.cuda.Device()
-    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     p = dataclasses.replace(problem, tile=None, scale=0.0)
-    return f"{name}|{op}|{p!r}"
+    return f"{_device_name(cupy.cuda.Device().id)}|{op}|{p!r}"
 
 
 def _tuned(part, op, problem, run):

@@ -1,0 +1,262 @@
+"""The model-shaped workloads (M1-M7 of the benchmark notes) timed as users call them.
+
+Per workload and dtype, side by side in one process:
+
+* ``ours_eager``: ``natten_cupy.torch.na{n}d`` on ``[B, *spatial, H, D]`` tensors that require
+  grad, eager; forward, and forward + ``out.backward(d_out)``;
+* ``ours_compiled``: the same call inside ``torch.compile(fullgraph=True)``;
+* ``flex_eager``: FlexAttention as a user writes it: ``[B, H, N, D]`` tensors in row-major
+  token order, ``create_block_mask`` from a ``mask_mod`` that encodes window, dilation and
+  causal axes (made once), ``torch.compile(flex_attention)``;
+* ``*_kernels``: the same forward and forward+backward captured in a CUDA graph and
+  replayed: the kernels alone, no host overhead.
+
+Times are medians of CUDA-event timings after warm-up (``timing.py``); useful TFLOP/s count
+4*B*N*H*K*D forward and 2.5x that backward; "of floor" is the floor (bytes at copy bandwidth
+or FLOPs at the dtype's matmul ceiling) over the time. Outputs and gradients of ours and
+Flex's are compared (max abs error relative to the largest value). Peak is the extra device
+memory of one forward+backward.
+
+    python bench/models.py --out models.json [--groups M1:fp16,M4:bf16] [--budget-s 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import timing  # noqa: E402
+import workloads as wl  # noqa: E402
+
+
+def _mask_mod(w):
+    """A user's mask_mod for workload ``w`` on row-major token indices."""
+    import torch
+    spatial = w.spatial
+    strides = [1] * len(spatial)
+    for a in range(len(spatial) - 2, -1, -1):
+        strides[a] = strides[a + 1] * spatial[a + 1]
+
+    def axis_ok(i, j, L, k, s, d, c):
+        g = i % d
+        ig, jg = i // d, j // d
+        glen = (L - g + d - 1) // d
+        base = (ig // s) * s
+        if c:
+            lead = torch.clamp(base + s - 1, max=glen - 1)
+            start = torch.clamp(lead - k + 1, min=0)
+            end = ig + 1
+        else:
+            lead = torch.minimum(base + s // 2, glen - 1)
+            start = torch.minimum(torch.clamp(lead - k // 2, min=0), glen - k)
+            end = start + k
+        return (j % d == g) & (jg >= start) & (jg < end)
+
+    axes = list(zip(spatial, w.kernel, w.stride, w.dilation, w.causal, strides))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = None
+        for L, k, s, d, c, st in axes:
+            m = axis_ok((q_idx // st) % L, (kv_idx // st) % L, L, k, s, d, c)
+            ok = m if ok is None else ok & m
+        return ok
+
+    return mask_mod
+
+
+_FLEX = {}
+
+
+def _flex():
+    import torch
+    import torch._dynamo as dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+    if "fn" not in _FLEX:
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 64)
+        _FLEX["fn"] = torch.compile(flex_attention)
+    return _FLEX["fn"]
+
+
+def _reps(ms_guess):
+    return (3, 1) if ms_guess > 60 else (10, 1) if ms_guess > 5 else (15, 5)
+
+
+def _time_pair(fwd, fwd_bwd, kernels=True):
+    """(fwd ms, fwd+bwd ms[, graph fwd ms, graph fwd+bwd ms]) of two callables."""
+    import torch
+    t0 = time.perf_counter()
+    fwd()
+    torch.cuda.synchronize()
+    guess = (time.perf_counter() - t0) * 1e3
+    reps, inner = _reps(guess)
+    out = dict(fwd=timing.event_ms(fwd, reps=reps, inner=inner),
+               fwd_bwd=timing.event_ms(fwd_bwd, reps=reps, inner=inner))
+    if kernels:
+        try:
+            out["fwd_kernels"] = timing.graph_ms(fwd, reps=reps, inner=inner)
+            out["fwd_bwd_kernels"] = timing.graph_ms(fwd_bwd, reps=reps, inner=inner)
+        except Exception as e:  # record, do not hide, a capture failure
+            out["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def _peak(fn):
+    import torch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+
+def run_group(w, dtype_key, compiled=True):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from natten_cupy import torch as nt
+    spec = wl.dtype_spec(dtype_key)
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float32": torch.float32}[spec["name"]]
+    tf32 = spec["tf32"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(w.shape, device="cuda", dtype=dt, generator=gen)
+                   for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    na = getattr(nt, f"na{w.rank}d")
+    opts = dict(dilation=w.dilation, is_causal=w.causal, stride=w.stride, allow_tf32=tf32)
+
+    def ours(q, k, v):
+        return na(q, k, v, w.kernel, **opts)
+
+    rec = dict(workload=w.id, dtype=dtype_key, shape=list(w.shape), kernel=list(w.kernel),
+               flops_fwd=w.flops(), flops_bwd=w.flops(True),
+               floor_fwd_ms=w.floor_ms(dtype_key), floor_bwd_ms=w.floor_ms(dtype_key, True))
+
+    def fb(fn, xs):
+        def step():
+            out = fn(*xs)
+            torch.autograd.grad(out, xs, do)
+        return step
+
+    rec["ours_eager"] = _time_pair(lambda: ours(*leaves), fb(ours, leaves))
+    rec["ours_eager"]["peak_gib"] = _peak(fb(ours, leaves))
+    if compiled:
+        comp = torch.compile(ours, fullgraph=True)
+        rec["ours_compiled"] = _time_pair(lambda: comp(*leaves), fb(comp, leaves), kernels=False)
+
+    N = w.tokens
+    B, H, D = w.batch, w.heads, w.dim
+    fl = [x.detach().reshape(B, N, H, D).transpose(1, 2).contiguous().requires_grad_()
+          for x in (q, k, v)]
+    fdo = do.reshape(B, N, H, D).transpose(1, 2).contiguous()
+    flex = _flex()
+    try:
+        bm = create_block_mask(_mask_mod(w), None, None, N, N, device="cuda")
+
+        def peer(q, k, v):
+            return flex(q, k, v, block_mask=bm)
+
+        def peer_fb():
+            out = peer(*fl)
+            torch.autograd.grad(out, fl, fdo)
+
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            rec["flex_eager"] = _time_pair(lambda: peer(*fl), peer_fb)
+            rec["flex_eager"]["peak_gib"] = _peak(peer_fb)
+            ref = peer(*fl)
+            ref_grads = torch.autograd.grad(ref, fl, fdo)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+        mine = ours(*leaves)
+        grads = torch.autograd.grad(mine, leaves, do)
+        err = {}
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (mine, *grads), (ref, *ref_grads)):
+            b = b.transpose(1, 2).reshape(w.shape)
+            err[name] = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+        rec["max_rel_error_vs_flex"] = err
+    except Exception as e:
+        rec["flex_eager"] = dict(error=f"{type(e).__name__}: {e}"[:400])
+    for impl in ("ours_eager", "ours_compiled", "flex_eager"):
+        r = rec.get(impl)
+        if not r or "fwd" not in r:
+            continue
+        r["tflops_fwd"] = w.flops() / r["fwd"] / 1e9
+        r["tflops_fwd_bwd"] = (w.flops() + w.flops(True)) / r["fwd_bwd"] / 1e9
+        r["of_floor_fwd"] = rec["floor_fwd_ms"] / r["fwd"]
+        r["of_floor_bwd"] = rec["floor_bwd_ms"] / max(r["fwd_bwd"] - r["fwd"], 1e-9)
+    return rec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", default=",".join(f"{w}:{d}" for w, d in wl.MODEL_WORKLOADS),
+                    help="workload:dtype pairs, comma separated (default: the whole M set)")
+    ap.add_argument("--out", default=None, help="JSON file for the results (default: none)")
+    ap.add_argument("--budget-s", type=float, default=420,
+                    help="stop starting new groups after this many seconds (default 420)")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="skip the torch.compile'd variant of ours (saves compile time)")
+    args = ap.parse_args(argv)
+    import torch
+    import cupy
+    t0 = time.perf_counter()
+    results, skipped = [], []
+    for item in args.groups.split(","):
+        wid, dt = item.split(":")
+        if time.perf_counter() - t0 > args.budget_s:
+            skipped.append(item)
+            continue
+        print(f"== {item}", flush=True)
+        try:
+            rec = run_group(wl.WORKLOADS[wid], dt, compiled=not args.no_compiled
+                            and dt in ("fp16", "bf16"))
+        except Exception as e:
+            rec = dict(workload=wid, dtype=dt, error=f"{type(e).__name__}: {e}"[:400])
+        rec["seconds"] = time.perf_counter() - t0
+        results.append(rec)
+        torch.cuda.empty_cache()
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  cupy=cupy.__version__, commit=os.environ.get("NATTEN_CUPY_COMMIT", ""),
+                  date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  results=results, not_run=skipped)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(table(report))
+
+
+def table(report):
+    lines = ["| workload | dtype | ours eager fwd / fwd+bwd ms | compiled | Flex eager | "
+             "speedup eager fwd / fwd+bwd | kernels ours / Flex fwd+bwd ms | err vs Flex |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['dtype']} | error: {r['error'][:60]} |")
+            continue
+        o, f, c = r["ours_eager"], r.get("flex_eager", {}), r.get("ours_compiled")
+        cc = f"{c['fwd']:.3g} / {c['fwd_bwd']:.3g}" if c else "-"
+        if "fwd" in f:
+            ff = f"{f['fwd']:.3g} / {f['fwd_bwd']:.3g}"
+            sp = f"{f['fwd'] / o['fwd']:.2f}x / {f['fwd_bwd'] / o['fwd_bwd']:.2f}x"
+            kk = (f"{o.get('fwd_bwd_kernels', float('nan')):.3g} / "
+                  f"{f.get('fwd_bwd_kernels', float('nan')):.3g}")
+            err = max(r.get("max_rel_error_vs_flex", {}).values() or [float("nan")])
+        else:
+            ff, sp, kk, err = f.get("error", "-")[:40], "-", "-", float("nan")
+        lines.append(f"| {r['workload']} | {r['dtype']} | {o['fwd']:.3g} / {o['fwd_bwd']:.3g} "
+                     f"| {cc} | {ff} | {sp} | {kk} | {err:.1e} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Per-call host overhead of natten_cupy on a tiny problem, fast path against general path.
+
+Every row times a call on a problem whose kernels take a few microseconds (2-D 8x8 map,
+kernel 3, one head of 32, float16), 500 calls then one synchronize, median of 5 runs: what a
+model with many small NA layers pays per layer beyond its kernels. Each row runs with the
+fast path (warm calls served by ``natten_cupy._fast``) and with it switched off (the general
+path: validation, backend choice, DLPack, stream objects on every call), side by side in one
+process. Also: the kernels alone (CUDA-graph replay), a cProfile count of the Python calls in
+one warm call, a warm ``tile="autotune"`` call, and FlexAttention's eager call on the same
+problem for scale.
+
+    python bench/overhead.py --out overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import timing  # noqa: E402
+
+SHAPE = (1, 8, 8, 1, 32)
+KERNEL = 3
+
+
+def _python_calls(fn, n=20):
+    """Python function calls made by one warm call of ``fn`` (cProfile, mean over n)."""
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    return stats.total_calls / n, len(stats.stats)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON file for the results (default: none)")
+    ap.add_argument("--calls", type=int, default=500, help="calls per timed run (default 500)")
+    args = ap.parse_args(argv)
+
+    import cupy
+    import torch
+
+    import natten_cupy
+    from natten_cupy import _fast
+    from natten_cupy import torch as nt
+
+    dev = "cuda"
+    tq, tk, tv, tdo = (torch.randn(SHAPE, device=dev, dtype=torch.float16) for _ in range(4))
+    cq, ck, cv, cdo = (cupy.asarray(x) for x in (tq, tk, tv, tdo))
+    tl = [x.detach().clone().requires_grad_() for x in (tq, tk, tv)]
+    out_c, lse_c = natten_cupy.na2d(cq, ck, cv, KERNEL, return_lse=True)
+    out_t, lse_t = natten_cupy.na2d(tq, tk, tv, KERNEL, return_lse=True)
+
+    def layer_fwd_bwd():
+        out = nt.na2d(*tl, KERNEL)
+        out.backward(tdo)
+
+    compiled = torch.compile(lambda q, k, v: nt.na2d(q, k, v, KERNEL), fullgraph=True)
+
+    rows = [
+        ("array API, CuPy: forward", lambda: natten_cupy.na2d(cq, ck, cv, KERNEL)),
+        ("array API, CuPy: backward",
+         lambda: natten_cupy.na2d_backward(cdo, cq, ck, cv, out_c, lse_c, KERNEL)),
+        ("array API, torch tensors: forward", lambda: natten_cupy.na2d(tq, tk, tv, KERNEL)),
+        ("array API, torch tensors: backward",
+         lambda: natten_cupy.na2d_backward(tdo, tq, tk, tv, out_t, lse_t, KERNEL)),
+        ("torch layer: forward (no grad)", lambda: nt.na2d(tq, tk, tv, KERNEL)),
+        ("torch layer: forward (requires grad)", lambda: nt.na2d(*tl, KERNEL)),
+        ("torch layer: forward + backward", layer_fwd_bwd),
+        ("torch.compile(fullgraph): forward", lambda: compiled(*tl)),
+        ("array API, CuPy: forward, tile=autotune",
+         lambda: natten_cupy.na2d(cq, ck, cv, KERNEL, tile="autotune")),
+    ]
+    results = []
+    for name, fn in rows:
+        fast = timing.wall_us(fn, calls=args.calls)
+        _fast.enabled = False
+        general = timing.wall_us(fn, calls=args.calls)
+        _fast.enabled = True
+        results.append(dict(call=name, fast_us=fast, general_us=general))
+
+    kernel_fwd = timing.graph_ms(lambda: nt.na2d(tq, tk, tv, KERNEL)) * 1e3
+    kernel_fb = timing.graph_ms(layer_fwd_bwd) * 1e3
+    calls = {}
+    for label, enabled in (("fast", True), ("general", False)):
+        _fast.enabled = enabled
+        calls[label] = _python_calls(lambda: natten_cupy.na2d(cq, ck, cv, KERNEL))
+    _fast.enabled = True
+
+    flex_us = None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        N = SHAPE[1] * SHAPE[2]
+        flex = torch.compile(flex_attention)
+        fq, fk, fv = (x.reshape(1, N, 1, 32).transpose(1, 2).contiguous() for x in (tq, tk, tv))
+        bm = create_block_mask(lambda b, h, i, j: (i // 8 - j // 8).abs() <= 1, None, None, N,
+                               N, device=dev)
+        flex_us = timing.wall_us(lambda: flex(fq, fk, fv, block_mask=bm), calls=args.calls)
+    except Exception as e:  # FlexAttention is optional context, not a result
+        print(f"FlexAttention not timed: {e}")
+
+    report = dict(problem=dict(shape=SHAPE, kernel=KERNEL, dtype="float16"),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  cupy=cupy.__version__, commit=os.environ.get("NATTEN_CUPY_COMMIT", ""),
+                  rows=results, kernel_only_us=dict(forward=kernel_fwd, forward_backward=kernel_fb),
+                  python_calls_per_warm_forward=dict(
+                      fast=dict(calls=calls["fast"][0], functions=calls["fast"][1]),
+                      general=dict(calls=calls["general"][0], functions=calls["general"][1])),
+                  flex_eager_forward_us=flex_us)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"kernels alone (graph replay): forward {kernel_fwd:.1f} us, "
+          f"forward+backward {kernel_fb:.1f} us; FlexAttention eager forward "
+          f"{flex_us if flex_us is None else round(flex_us, 1)} us")
+    print(f"python calls per warm CuPy forward: fast {calls['fast'][0]:.0f} "
+          f"({calls['fast'][1]} functions), general {calls['general'][0]:.0f} "
+          f"({calls['general'][1]} functions)")
+    print(f"{'call':45s} {'fast us':>9s} {'general us':>11s}")
+    for r in results:
+        print(f"{r['call']:45s} {r['fast_us']:9.1f} {r['general_us']:11.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Warm calls: one dictionary lookup from a call's signature to what its first call worked out.
+
+A call's signature is its op, rank, option values (with their types, so that a later call
+with a bad-typed option is validated anew) and, per array, its framework, shape, strides,
+dtype, device and whether its first element is 16-byte aligned. The first call with a
+signature validates (``_args``), selects the backend, and asks it for a ``Plan``
+(``_launch``): the kernels with their grids and packed arguments, and the workspaces they
+need. Later calls with the same signature only allocate their outputs and workspaces in the
+caller's framework (CuPy or PyTorch), read the data pointers and the caller's current stream,
+and launch: no validation, no DLPack, no stream objects, no CuPy arrays for torch tensors, so
+a warm call costs microseconds and can be captured in a CUDA graph of either framework.
+
+Calls the fast path does not serve return None and take the general path of ``ops``: NumPy
+and JAX arrays, mixed frameworks, backends without plans (reference, naive, tiled), an active
+profiler, ``tile="autotune"`` before its winner is known, or ``NATTEN_CUPY_FAST_PATH=0``.
+Inputs whose rows cannot be read as they are (misaligned, or a strided head dim) are copied
+in the caller's framework first, so the plan is that of contiguous inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import _args
+from ._dtypes import accumulator_dtype, canonical_dtype
+from ._launch import profiling, run_plan
+from ._operands import Layout, rows_ready
+
+__all__ = ["enabled", "fused_forward", "fused_backward", "torch_entry", "run_torch",
+           "clear", "entries"]
+
+enabled = os.environ.get("NATTEN_CUPY_FAST_PATH", "1") != "0"
+
+MAX_ENTRIES = 4096
+_entries = {}
+_SLOW = object()   # an entry for signatures the fast path does not serve
+
+
+def clear():
+    """Forget every cached call (tests; a changed autotune winner)."""
+    _entries.clear()
+
+
+def entries():
+    """Number of cached call signatures."""
+    return len(_entries)
+
+
+# ---- signatures -------------------------------------------------------------------------
+
+_families = {}
+
+
+def _family(x):
+    """'cupy', 'torch' (CUDA or CPU tensors) or '' for one array (by type, memoized)."""
+    t = type(x)
+    fam = _families.get(t)
+    if fam is None:
+        mod = t.__module__.split(".", 1)[0]
+        fam = ""
+        if mod == "cupy" and "cupy" in sys.modules and issubclass(t, sys.modules["cupy"].ndarray):
+            fam = "cupy"
+        elif "torch" in sys.modules and issubclass(t, sys.modules["torch"].Tensor):
+            fam = "torch"
+        _families[t] = fam
+    return fam
+
+
+def _cupy_sig(x):
+    return (x.shape, x.strides, x.dtype, x.data.ptr & 15, x.data.device_id)
+
+
+def _torch_sig(x):
+    return (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.device, x.requires_grad,
+            x.is_neg())
+
+
+_SIGNATURE = {"cupy": _cupy_sig, "torch": _torch_sig}
+
+
+def _opt(v):
+    """An option value with its type (``True`` and ``1`` validate differently)."""
+    t = type(v)
+    if t is tuple or t is list:
+        return (t, tuple(v), tuple(map(type, v)))
+    return (t, v)
+
+
+def _signature(tag, rank, arrays, options):
+    """(family, key) of a call, or (None, None) if the fast path cannot key it."""
+    fam = _family(arrays[0])
+    if not fam:
+        return None, None
+    sig = _SIGNATURE[fam]
+    try:
+        key = (tag, rank, fam, *[sig(x) if _family(x) == fam else None for x in arrays],
+               *map(_opt, options))
+        hash(key)
+    except Exception:  # an unhashable option, or an array the fast path cannot read
+        return None, None
+    return fam, key
+
+
+def _remember(key, entry):
+    if len(_entries) >= MAX_ENTRIES:
+        _entries.clear()
+    _entries[key] = entry
+    return entry
+
+
+# ---- entries ----------------------------------------------------------------------------
+
+class Entry:
+    """What a warm call needs: the plan, the arrays to copy first, outputs and workspaces."""
+
+    __slots__ = ("problem", "plan", "device", "copies", "outputs", "workspaces", "torch_out")
+
+    def __init__(self, problem, plan, device, copies, outputs, workspaces):
+        self.problem = problem
+        self.plan = plan
+        self.device = device
+        self.copies = copies          # input indices that need contiguous copies
+        self.outputs = outputs        # (shape, numpy dtype) per output
+        self.workspaces = workspaces  # (shape, numpy dtype) per workspace
+        self.torch_out = None         # (shape, torch dtype) per output, for torch callers
+
+
+def _layout(fam, x):
+    if fam == "cupy":
+        return Layout(tuple(x.shape), tuple(x.strides), x.dtype, x.data.ptr % 16 == 0)
+    dtype = canonical_dtype(x.dtype)
+    return Layout(tuple(x.shape), tuple(s * dtype.itemsize for s in x.stride()), dtype,
+                  x.data_ptr() % 16 == 0)
+
+
+def _device(fam, x):
+    return x.data.device_id if fam == "cupy" else x.device.index
+
+
+def _build(op, problem, backend, fam, inputs, outputs):
+    """The Entry of a validated call, or _SLOW. ``outputs``: (shape, numpy dtype) each."""
+    from .backends import get_backend
+    if backend is not get_backend("fused") or profiling():
+        return _SLOW
+    if fam == "torch" and (inputs[0].device.type != "cuda"
+                           or any(x.is_neg() or x.is_conj() for x in inputs)):
+        return _SLOW   # CPU tensors run on the reference backend; lazy negation needs a copy
+    if problem.tile == "autotune":
+        from .backends import fused
+        problem = fused.tuned(op, problem)
+        if problem is None:  # the general path times the candidates first
+            return None
+    import cupy
+    device = _device(fam, inputs[0])
+    layouts = [_layout(fam, x) for x in inputs]
+    copies = tuple(i for i, lay in enumerate(layouts)
+                   if i != 5 and not rows_ready(lay))   # 5: lse of the backward, any strides
+    layouts = [Layout.contiguous(lay.shape, lay.dtype) if i in copies else lay
+               for i, lay in enumerate(layouts)]
+    layouts += [Layout.contiguous(s, d) for s, d in outputs]
+    with cupy.cuda.Device(device):
+        plan = backend.plan(op, problem, layouts)
+        if plan is None:
+            return _SLOW
+        plan.prepare()
+    return Entry(problem, plan, device, copies, tuple(outputs), plan.workspaces)
+
+
+def _run_cupy(e, inputs):
+    import cupy
+    if e.copies:
+        inputs = list(inputs)
+        for i in e.copies:
+            inputs[i] = inputs[i].copy(order="C")
+    outs = [cupy.empty(s, d) for s, d in e.outputs]
+    ws = [cupy.empty(s, d) for s, d in e.workspaces]
+    ptrs = [x.data.ptr for x in inputs]
+    ptrs += [x.data.ptr for x in outs]
+    ptrs += [x.data.ptr for x in ws]
+    run_plan(e.plan, ptrs, cupy.cuda.get_current_stream().ptr)
+    return outs
+
+
+def _torch_dtypes(specs):
+    import torch
+    by_name = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+               "bfloat16": torch.bfloat16}
+    return tuple((s, by_name[d.name]) for s, d in specs)
+
+
+def run_torch(e, inputs):
+    """Run entry ``e`` on CUDA torch tensors (outputs allocated by torch, torch's current
+    stream of their device); returns the outputs."""
+    import torch
+    dev = inputs[0].device
+    if e.copies:
+        inputs = list(inputs)
+        for i in e.copies:
+            inputs[i] = inputs[i].clone(memory_format=torch.contiguous_format)
+    if e.torch_out is None:
+        e.torch_out = (_torch_dtypes(e.outputs), _torch_dtypes(e.workspaces))
+    outs = [torch.empty(s, dtype=d, device=dev) for s, d in e.torch_out[0]]
+    ws = [torch.empty(s, dtype=d, device=dev) for s, d in e.torch_out[1]]
+    ptrs = [x.data_ptr() for x in inputs]
+    ptrs += [x.data_ptr() for x in outs]
+    ptrs += [x.data_ptr() for x in ws]
+    run_plan(e.plan, ptrs, torch._C._cuda_getCurrentRawStream(e.device))
+    return outs
+
+
+def _run(fam, e, inputs):
+    import cupy
+    if cupy.cuda.runtime.getDevice() != e.device:
+        with cupy.cuda.Device(e.device):
+            return _run(fam, e, inputs)
+    return _run_cupy(e, inputs) if fam == "cupy" else run_torch(e, inputs)
+
+
+# ---- array-level calls ------------------------------------------------------------------
+
+def _select(op, problem, named, backend):
+    from . import ops
+    from ._arrays import array_module
+    return ops.select_backend(op, problem, array_module(named), backend)
+
+
+def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
+                  return_lse, allow_tf32, deterministic, tile):
+    """``ops.fused_forward`` for a signature the fast path serves, else None."""
+    if not enabled:
+        return None
+    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+               deterministic, tile)
+    fam, key = _signature("fwd", rank, (q, k, v), options)
+    if key is None:
+        return None
+    e = _entries.get(key)
+    if e is None:
+        problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal,
+                                    scale, backend, allow_tf32, deterministic, tile)
+        be = _select("fused_forward", problem, [("q", q), ("k", k), ("v", v)], backend)
+        acc = accumulator_dtype(q.dtype)
+        e = _build("fused_forward", problem, be, fam, (q, k, v),
+                   [(tuple(q.shape), canonical_dtype(q.dtype)), (tuple(q.shape[:-1]), acc)])
+        if e is None:
+            return None
+        _remember(key, e)
+    if e is _SLOW or profiling():
+        return None
+    out, lse = _run(fam, e, (q, k, v))
+    return (out, lse) if return_lse else out
+
+
+def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation, is_causal,
+                   scale, backend, allow_tf32, deterministic, tile):
+    """``ops.fused_backward`` for a signature the fast path serves, else None."""
+    if not enabled:
+        return None
+    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+               deterministic, tile)
+    fam, key = _signature("bwd", rank, (d_out, q, k, v, out, lse), options)
+    if key is None:
+        return None
+    e = _entries.get(key)
+    if e is None:
+        problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size,
+                                             stride, dilation, is_causal, scale, backend,
+                                             allow_tf32, deterministic, tile)
+        named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)]
+        be = _select("fused_backward", problem, named, backend)
+        dt = canonical_dtype(q.dtype)
+        e = _build("fused_backward", problem, be, fam, (d_out, q, k, v, out, lse),
+                   [(tuple(q.shape), dt)] * 3)
+        if e is None:
+            return None
+        _remember(key, e)
+    if e is _SLOW or profiling():
+        return None
+    return tuple(_run(fam, e, (d_out, q, k, v, out, lse)))
+
+
+# ---- the torch layer --------------------------------------------------------------------
+
+def torch_entry(op, rank, tensors, options, problem_of):
+    """The Entry for a torch-layer call on CUDA tensors (``problem_of()`` validates and
+    returns (problem, backend) on the first call of a signature), or None."""
+    if not enabled or profiling():
+        return None
+    try:
+        key = (op, rank, *[_torch_sig(x) for x in tensors], *map(_opt, options))
+        e = _entries.get(key)
+    except Exception:
+        return None
+    if e is None:
+        problem, be = problem_of()
+        q = tensors[0] if op == "fused_forward" else tensors[1]
+        dt = canonical_dtype(q.dtype)
+        if op == "fused_forward":
+            outputs = [(tuple(q.shape), dt), (tuple(q.shape[:-1]), accumulator_dtype(dt))]
+        else:
+            outputs = [(tuple(q.shape), dt)] * 3
+        e = _build(op, problem, be, "torch", tensors, outputs)
+        if e is None:
+            return None
+        _remember(key, e)
+    return None if e is _SLOW else e
+
+
+def run_torch_call(e, tensors):
+    """``run_torch`` on the entry's device."""
+    return _run("torch", e, tensors)

@@ -1,0 +1,270 @@
+"""The fast path for warm calls (``natten_cupy._fast``) on the GPU.
+
+Warm calls must compute bit for bit what the general path computes, for CuPy arrays and
+torch tensors, through the array API and the torch layer, for aligned, misaligned and
+strided inputs; a warm call adds no cache entry; an option of the wrong type is refused
+even after a good call with the same value; and forward and backward of every layer can be
+captured in a CUDA graph (CuPy's and torch's) and replayed.
+"""
+
+import numpy
+import pytest
+
+import natten_cupy
+from natten_cupy import _fast
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+CASES = [  # (rank, spatial, kernel, options)
+    (1, (37,), 7, {"is_causal": True}),
+    (1, (64,), 9, {"dilation": 2, "stride": 2}),
+    (2, (13, 11), (5, 3), {"dilation": (1, 2), "is_causal": (False, True)}),
+    (2, (16, 16), 4, {}),
+    (3, (5, 7, 6), (3, 3, 4), {"stride": (1, 2, 1), "is_causal": (True, False, False)}),
+]
+DTYPES = ["float16", "bfloat16", "float32", "tf32"]
+
+
+def _call(rank):
+    return getattr(natten_cupy, f"na{rank}d"), getattr(natten_cupy, f"na{rank}d_backward")
+
+
+def _cupy_inputs(rng, spatial, dtype, heads=2, dim=32, layout="contiguous"):
+    import cupy
+    np_dtype = "float32" if dtype == "tf32" else dtype
+    shape = (2, *spatial, heads, dim)
+    xs = []
+    for _ in range(4):
+        host = rng.standard_normal(shape).astype(numpy.float32)
+        x = cupy.asarray(host).astype(np_dtype)
+        if layout == "strided":   # heads before the spatial axes in memory
+            perm = (0, len(shape) - 2) + tuple(range(1, len(shape) - 2)) + (len(shape) - 1,)
+            x = cupy.ascontiguousarray(x.transpose(perm)).transpose(numpy.argsort(perm))
+        elif layout == "misaligned":  # contiguous, first element 2 bytes past 16
+            buf = cupy.empty(x.size + 8, dtype=x.dtype)
+            x = buf[1:1 + x.size].reshape(shape)
+            x[...] = cupy.asarray(host).astype(np_dtype)
+        xs.append(x)
+    return xs
+
+
+def _general(monkeypatch):
+    monkeypatch.setattr(_fast, "enabled", False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}d-{c[1]}")
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_cupy_fast_equals_general(rng, monkeypatch, case, dtype, layout):
+    import cupy
+    rank, spatial, kernel, opts = case
+    opts = dict(opts, allow_tf32=dtype == "tf32")
+    fwd, bwd = _call(rank)
+    q, k, v, d_out = _cupy_inputs(rng, spatial, dtype, layout=layout)
+    _fast.clear()
+    got = []
+    for _ in range(2):  # first call builds the entry, second is warm
+        out, lse = fwd(q, k, v, kernel, return_lse=True, **opts)
+        grads = bwd(d_out, q, k, v, out, lse, kernel, **opts)
+        got.append((out, lse, *grads))
+    assert _fast.entries() == 2, "one entry for the forward and one for the backward"
+    with monkeypatch.context() as m:
+        _general(m)
+        out, lse = fwd(q, k, v, kernel, return_lse=True, **opts)
+        want = (out, lse, *bwd(d_out, q, k, v, out, lse, kernel, **opts))
+    for run in got:
+        for g, w in zip(run, want):
+            assert isinstance(g, cupy.ndarray) and g.shape == w.shape and g.dtype == w.dtype
+            assert not bool(cupy.isnan(g.astype(numpy.float32)).any())
+            assert bool((g.view(f"u{g.dtype.itemsize}") == w.view(f"u{w.dtype.itemsize}")).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_tensors_through_array_api(rng, monkeypatch, dtype):
+    q, k, v, d_out = (torch.randn(2, 19, 21, 4, 32, device="cuda", dtype=dtype)
+                      for _ in range(4))
+    _fast.clear()
+    runs = []
+    for _ in range(2):
+        out, lse = natten_cupy.na2d(q, k, v, 5, return_lse=True, dilation=(2, 1))
+        runs.append((out, lse, *natten_cupy.na2d_backward(d_out, q, k, v, out, lse, 5,
+                                                          dilation=(2, 1))))
+    assert _fast.entries() == 2
+    with monkeypatch.context() as m:
+        _general(m)
+        out, lse = natten_cupy.na2d(q, k, v, 5, return_lse=True, dilation=(2, 1))
+        want = (out, lse, *natten_cupy.na2d_backward(d_out, q, k, v, out, lse, 5,
+                                                     dilation=(2, 1)))
+    for run in runs:
+        for g, w in zip(run, want):
+            assert isinstance(g, torch.Tensor) and g.device == q.device
+            assert torch.equal(g, w)
+
+
+def test_wrong_option_type_after_a_good_call(rng):
+    q, k, v, _ = _cupy_inputs(rng, (20,), "float16")
+    natten_cupy.na1d(q, k, v, 5, is_causal=True)
+    natten_cupy.na1d(q, k, v, 5, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal"):
+        natten_cupy.na1d(q, k, v, 5, is_causal=1)
+    with pytest.raises(TypeError, match="kernel_size"):
+        natten_cupy.na1d(q, k, v, (True,))
+
+
+def test_profiler_sees_warm_calls(rng):
+    q, k, v, _ = _cupy_inputs(rng, (40,), "float16")
+    natten_cupy.na1d(q, k, v, 7)
+    natten_cupy.na1d(q, k, v, 7)
+    with natten_cupy.profile() as prof:
+        natten_cupy.na1d(q, k, v, 7)
+    assert [r["name"] for r in prof.records] == ["na_fwd_fused"]
+
+
+def test_explicit_device_context(rng):
+    """Calls inside a device context launch as outside it (the arrays' device)."""
+    import cupy
+    q, k, v, _ = _cupy_inputs(rng, (33,), "float16")
+    want = natten_cupy.na1d(q, k, v, 5)
+    with cupy.cuda.Device(0):
+        got = natten_cupy.na1d(q, k, v, 5)
+    assert bool((got == want).all())
+
+
+# ---- the torch layer ---------------------------------------------------------------------
+
+def _layer_grads(fn, q, k, v, d_out):
+    qs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*qs)
+    out.backward(d_out)
+    return (out.detach(), *[x.grad for x in qs])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}d-{c[1]}")
+def test_torch_layer_eager_equals_custom_op(rng, case, dtype):
+    from natten_cupy import torch as nt
+    rank, spatial, kernel, opts = case
+    q, k, v, d_out = (torch.randn(2, *spatial, 2, 16, device="cuda", dtype=dtype)
+                      for _ in range(4))
+    fn = getattr(nt, f"na{rank}d")
+    _fast.clear()
+    eager = [_layer_grads(lambda q, k, v: fn(q, k, v, kernel, **opts), q, k, v, d_out)
+             for _ in range(2)]
+    compiled = torch.compile(lambda q, k, v: fn(q, k, v, kernel, **opts), fullgraph=True)
+    want = _layer_grads(compiled, q, k, v, d_out)
+    for run in eager:
+        for g, w in zip(run, want):
+            assert torch.equal(g, w)
+    # expanded d_out (stride 0, as from out.sum()) is copied, not misread
+    g_sum = _layer_grads(lambda q, k, v: fn(q, k, v, kernel, **opts), q, k, v,
+                         torch.ones((), device="cuda", dtype=dtype).expand_as(q))
+    g_ref = _layer_grads(lambda q, k, v: fn(q, k, v, kernel, **opts), q, k, v,
+                         torch.ones_like(q))
+    for g, w in zip(g_sum, g_ref):
+        assert torch.equal(g, w)
+
+
+def test_torch_layer_save_on_cpu(rng):
+    from natten_cupy import torch as nt
+    q, k, v, d_out = (torch.randn(1, 30, 3, 32, device="cuda", dtype=torch.float16)
+                      for _ in range(4))
+    want = _layer_grads(lambda q, k, v: nt.na1d(q, k, v, 7), q, k, v, d_out)
+    with torch.autograd.graph.save_on_cpu():
+        got = _layer_grads(lambda q, k, v: nt.na1d(q, k, v, 7), q, k, v, d_out)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def _warm(fn, steps=3):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(steps):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def test_training_step_in_a_torch_cuda_graph():
+    """A NeighborhoodAttention2D training step (forward, backward, optimizer) captured in a
+    CUDA graph and replayed gives the gradients and parameters of eager steps."""
+    from natten_cupy.torch import NeighborhoodAttention2D
+    torch.manual_seed(0)
+    model = NeighborhoodAttention2D(dim=64, num_heads=2, kernel_size=5, dilation=(1, 2)).cuda()
+    twin = NeighborhoodAttention2D(dim=64, num_heads=2, kernel_size=5, dilation=(1, 2)).cuda()
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
+    x = torch.randn(2, 24, 20, 64, device="cuda")
+
+    def step(m, o, inp):
+        o.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+            loss = m(inp).float().square().mean()
+        loss.backward()
+        o.step()
+        return loss
+
+    _warm(lambda: step(model, opt, x))
+    _warm(lambda: step(twin, opt_twin, x))
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(model, opt, static_x)
+    for i in range(3):
+        x_i = torch.randn_like(x)
+        static_x.copy_(x_i)
+        graph.replay()
+        loss = step(twin, opt_twin, x_i)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_loss, loss, rtol=0, atol=0)
+        for p, w in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, w.grad, rtol=0, atol=0)
+            torch.testing.assert_close(p, w, rtol=0, atol=0)
+
+
+def test_array_api_with_torch_tensors_in_a_torch_cuda_graph():
+    q, k, v, d_out = (torch.randn(1, 40, 4, 64, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(4))
+
+    def run():
+        out, lse = natten_cupy.na1d(q, k, v, 9, is_causal=True, return_lse=True)
+        return (out, *natten_cupy.na1d_backward(d_out, q, k, v, out, lse, 9, is_causal=True))
+
+    _warm(run)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run()
+    for x in (q, k, v, d_out):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip(static, run()):
+        assert torch.equal(g, w)
+
+
+def test_array_api_in_a_cupy_cuda_graph(rng):
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q, k, v, d_out = _cupy_inputs(rng, (12, 17), "float16", dim=64)
+
+        def run():
+            out, lse = natten_cupy.na2d(q, k, v, (3, 5), return_lse=True, stride=(1, 2))
+            return (out, *natten_cupy.na2d_backward(d_out, q, k, v, out, lse, (3, 5),
+                                                    stride=(1, 2)))
+
+        for _ in range(3):
+            run()   # builds the entries and warms CuPy's memory pool
+        stream.begin_capture()
+        static = run()
+        graph = stream.end_capture()
+        for x in (q, k, v, d_out):
+            x[...] = cupy.random.standard_normal(x.shape).astype(x.dtype)
+        graph.launch(stream)
+        want = run()
+    stream.synchronize()
+    for g, w in zip(static, want):
+        assert bool((g == w).all())
