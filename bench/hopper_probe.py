@@ -1,0 +1,253 @@
+"""Device probe of the Hopper (wgmma) fused forward: compile, SASS, check, time, in one call.
+
+    CUPY_CACHE_DIR=/tmp/cupy_cache PYTHONUNBUFFERED=1 python3 bench/hopper_probe.py [--no-flex]
+
+1. compile every instantiation (seconds each), dump SASS of each through NVRTC's cubin and
+   cuobjdump, count HGMMA / HMMA / local-memory instructions;
+2. dense problems checked against torch SDPA and against float64 on a slice of queries;
+3. times (CUDA events, 3 warm-ups, median of 20, fresh random inputs) of the Hopper kernel
+   (default and alternative tiles), the current fused kernel (_fused_fwd) and torch SDPA on
+   dense problems, FlexAttention on W1 unless --no-flex; ms and TFLOP/s on useful FLOPs
+   4 B N H K D. Full results in $OUT/hopper_probe.json, SASS in $OUT/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+OUT = os.environ.get("OUT", "/tmp/hopper_probe")
+os.makedirs(OUT, exist_ok=True)
+RESULTS = {"compile": [], "sass": [], "check": [], "time": []}
+
+# (id, B, N, H, D, kernel, stride, dilation, causal)
+WORKLOADS = [
+    ("SA64", 1, 16384, 16, 64, 16384, 1, 1, False),
+    ("SA128", 1, 16384, 16, 128, 16384, 1, 1, False),
+    ("W1", 1, 32768, 16, 64, 2047, 1, 1, False),
+    ("W1-D128", 1, 32768, 16, 128, 2047, 1, 1, False),
+    ("C8K", 2, 8192, 16, 128, 1023, 1, 1, True),
+    ("SA4K", 1, 4096, 16, 128, 4096, 1, 1, False),
+]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def compile_all():
+    from natten_cupy._compile import get_kernel
+    from natten_cupy.backends import _fused_hopper as H
+    for src, name in H.instantiations():
+        t = time.perf_counter()
+        try:
+            get_kernel(src, name, extra_options=H.OPTIONS)
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {str(e)[:1500]}"
+        dt = time.perf_counter() - t
+        RESULTS["compile"].append({"name": name, "s": dt, "error": err})
+        log(f"compile {name}: {dt:.1f} s" + (f" FAILED {err}" if err else ""))
+
+
+def sass_all():
+    """SASS of every instantiation (nvcc -cubin for sm_90a, then cuobjdump or nvdisasm); counts
+    of the instructions that matter per kernel. NVRTC's cubin is not used: the disassemblers
+    rejected it as an invalid ELF file (seen on the H200 and here)."""
+    import shutil
+    from natten_cupy._compile import cuda_src_dir
+    from natten_cupy.backends import _fused_hopper as H
+    names = [n for _, n in H.instantiations()]
+    src = os.path.join(OUT, "hopper_inst.cu")
+    with open(src, "w") as f:
+        f.write(f'#include "{H.SOURCE}"\n')
+        for n in names:
+            t = n[n.index("<") + 1:n.index(",")]
+            f.write(f"template __global__ void {n}(const {t}*, const {t}*, const {t}*, {t}*, "
+                    f"float*, const natten::NAParams);\n")
+    cubin = os.path.join(OUT, "hopper.cubin")
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
+                    f"-I{cuda_src_dir()}", "-o", cubin, src], check=True, timeout=300)
+    dis = shutil.which("cuobjdump")
+    cmd = [dis, "--dump-sass", cubin] if dis else [shutil.which("nvdisasm"), "-c", cubin]
+    sass = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    with open(os.path.join(OUT, "hopper_sass.txt"), "w") as f:
+        f.write(sass)
+    funcs = re.split(r"Function : |//-+ \.text\.", sass)
+    for n in names:
+        tail = n[n.index("<"):]
+        dp, wg, bn, st, pipe = [x.strip() for x in tail[1:-1].split(",")[1:]]
+        mangled = (f"Li{dp}ELi{wg}ELi{bn}ELi{st}ELb{1 if pipe == 'true' else 0}E")
+        tname = "6__half" if "__half" in n else "13__nv_bfloat16"
+        body = next((f for f in funcs if f"I{tname}{mangled}" in f[:300]), "")
+        row = {"name": n}
+        for ins in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "MUFU.EX2", "BAR.SYNC", "SYNCS"):
+            row[ins] = len(re.findall(rf"\b{re.escape(ins)}", body))
+        RESULTS["sass"].append(row)
+        log("sass", row)
+
+
+def _inputs(torch, B, N, H, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(B, N, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+
+
+def _problem(q, L, ks, st, dl, ca):
+    from natten_cupy import _args
+    return _args.check_fused(1, q, q, q, ks, st, dl, ca, None, "fused")
+
+
+def _time(fn, reps=20, warm=3):
+    import cupy
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cupy.cuda.get_elapsed_time(a, b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def workloads(no_flex):
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from natten_cupy.backends import _fused_fwd, _fused_hopper as H
+    for wid, B, N, Hh, D, K, st, dl, ca in WORKLOADS:
+        for tname, tdt in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+            if tname == "bfloat16" and wid not in ("SA64", "SA128", "W1"):
+                continue
+            q, k, v = _inputs(torch, B, N, Hh, D, tdt)
+            cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+            prob = _problem(cq, N, K, st, dl, ca)
+            out = cupy.full(cq.shape, cupy.nan, cq.dtype)
+            lse = cupy.full(cq.shape[:-1], cupy.nan, cupy.float32)
+            flops = 4 * B * N * Hh * K * D
+            why = H.refuse(prob)
+            if why:
+                log(f"{wid} {tname}: refused: {why}")
+                continue
+            tiles = [None] + (list(H.ALTERNATIVES[H._bucket(D)]) if tname == "float16" else [])
+            # correctness on this problem: vs float64 on a slice of queries (and vs SDPA)
+            H.forward(prob, cq, ck, cv, out, lse)
+            cupy.cuda.runtime.deviceSynchronize()
+            nan = int(cupy.isnan(out).sum()) + int(cupy.isnan(lse).sum())
+            ours = torch.from_dlpack(out)
+            ref = _slice_reference(torch, q, k, v, K, ca, prob.scale)
+            rows = ref[0].shape[1]
+            err = float((ours[:1, :rows].double() - ref[0]).abs().max())
+            lse_err = float((torch.from_dlpack(lse)[:1, :rows].double() - ref[1]).abs().max())
+            rec = {"id": wid, "dtype": tname, "nan": nan, "err_vs_f64": err, "lse_err": lse_err}
+            if K == N and not ca:
+                sd = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+                sd = sd.transpose(1, 2)
+                rec["sdpa_err_vs_f64"] = float((sd[:1, :rows].double() - ref[0]).abs().max())
+                rec["vs_sdpa"] = float((ours.float() - sd.float()).abs().max())
+            RESULTS["check"].append(rec)
+            log("check", rec)
+            for tile in tiles:
+                ms = _time(lambda: H.forward(prob, cq, ck, cv, out, lse, tile=tile))
+                _rec(wid, tname, f"hopper {tile or H.DEFAULT[H._bucket(D)]}", ms, flops)
+            if tname == "float16" or wid in ("SA64", "SA128"):
+                fout = cupy.empty_like(out)
+                if _fused_fwd.refuse(prob) is None:
+                    ms = _time(lambda: _fused_fwd.forward(prob, cq, ck, cv, fout, lse), reps=10)
+                    _rec(wid, tname, "fused (mma.sync)", ms, flops)
+            if K == N and not ca:
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                ms = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+                _rec(wid, tname, "torch SDPA", ms, flops)
+            if wid == "W1" and tname == "float16" and not no_flex:
+                _flex(torch, q, k, v, N, K, flops, wid, tname)
+            del q, k, v, cq, ck, cv, out, lse
+            torch.cuda.empty_cache()
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _slice_reference(torch, q, k, v, K, causal, scale):
+    """float64 out and lse of the first 384 queries of batch 0 (1-D, stride 1, dilation 1)."""
+    B, N, Hh, D = q.shape
+    n = min(N, 384)
+    qi = torch.arange(0, n).cuda()
+    kk = torch.arange(N).cuda()
+    lam = K // 2
+    if causal:
+        start = (qi - K + 1).clamp(min=0)
+        end = qi + 1
+    else:
+        start = (qi - lam).clamp(min=0).clamp(max=N - K)
+        end = start + K
+    mask = (kk[None] >= start[:, None]) & (kk[None] < end[:, None])
+    qd, kd, vd = (x[0].double().transpose(0, 1) for x in (q[:, :n], k, v))  # [H, *, D]
+    s = qd @ kd.transpose(1, 2) * scale
+    s = s.masked_fill(~mask[None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ vd
+    return o.transpose(0, 1)[None], lse.transpose(0, 1)[None]
+
+
+def _rec(wid, tname, impl, ms, flops):
+    r = {"id": wid, "dtype": tname, "impl": impl, "ms": ms, "tflops": flops / ms / 1e9}
+    RESULTS["time"].append(r)
+    log(f"time {wid:8s} {tname:8s} {impl:42s} {ms:8.3f} ms {r['tflops']:6.1f} TFLOP/s")
+
+
+def _flex(torch, q, k, v, N, K, flops, wid, tname):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        lam = K // 2
+
+        def mask_mod(b, h, qi, ki):
+            start = (qi - lam).clamp(min=0).clamp(max=N - K)
+            return (ki >= start) & (ki < start + K)
+        bm = create_block_mask(mask_mod, None, None, N, N, device="cuda")
+        fa = torch.compile(flex_attention)
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        t = time.perf_counter()
+        fa(qt, kt, vt, block_mask=bm)
+        torch.cuda.synchronize()
+        log(f"flex compile {time.perf_counter() - t:.1f} s")
+        ms = _time(lambda: fa(qt, kt, vt, block_mask=bm))
+        _rec(wid, tname, "FlexAttention", ms, flops)
+    except Exception as e:
+        log(f"flex failed: {type(e).__name__}: {e}")
+
+
+def main():
+    no_flex = "--no-flex" in sys.argv
+    t0 = time.perf_counter()
+    compile_all()
+    try:
+        sass_all()
+    except Exception as e:
+        log(f"sass failed: {type(e).__name__}: {e}")
+    log(f"[{time.perf_counter() - t0:.0f} s] compiled")
+    try:
+        workloads(no_flex)
+    finally:
+        with open(os.path.join(OUT, "hopper_probe.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        log(f"[{time.perf_counter() - t0:.0f} s] done")
+        log("\n| workload | dtype | impl | ms | TFLOP/s |")
+        for r in RESULTS["time"]:
+            log(f"| {r['id']} | {r['dtype']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} |")
+        for r in RESULTS["check"]:
+            log("check", {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()})
+        for r in RESULTS["sass"]:
+            log("sass", r)
+
+
+if __name__ == "__main__":
+    main()

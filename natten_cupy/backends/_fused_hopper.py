@@ -1,0 +1,152 @@
+"""Fused forward for Hopper (compute capability 9.0, ``cuda_src/na_fused_hopper.cu``):
+float16 and bfloat16 on warpgroup MMA (wgmma), 1-D.
+
+A CTA owns 64 * WG consecutive in-group queries of one dilation group (a dilation group is
+a strided sub-sequence, addressed by row stride, never copied); its key range is
+[start(first query), end(last query)) by the window arithmetic, walked in BN-key tiles that a
+STAGES-deep cp.async pipeline stages in 128-byte-swizzled shared memory; only tiles not inside
+every window of the CTA are masked. Each warpgroup computes S = Q K^T (wgmma, both operands
+from shared memory), an online softmax in exp2, and O += P V (wgmma, P from registers).
+
+Tile configurations are data (``DEFAULT`` per head-dim bucket, ``ALTERNATIVES`` compiled
+for float16 for the probe); predictions and measurements: ``bench/results/NOTES-hopper-fwd.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy
+
+from .._compile import get_kernel
+from .._dtypes import FLOAT16, HALF_TYPES, c_type
+from .._launch import launch
+from .._params import make_params
+
+SOURCE = "na_fused_hopper.cu"
+OPTIONS = ("-arch=sm_90a",)
+BUCKETS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTile:
+    wg: int       # consumer warpgroups per CTA (64 queries each)
+    bn: int       # keys per tile
+    stages: int   # shared-memory pipeline depth (K and V tiles)
+    pipe: bool = False  # overlap a tile's softmax with the previous tile's P V (stages >= 3)
+
+    @property
+    def bm(self):
+        return 64 * self.wg
+
+
+DEFAULT = {64: HopperTile(2, 128, 2), 128: HopperTile(2, 128, 2)}
+ALTERNATIVES = {
+    64: (HopperTile(3, 128, 2), HopperTile(2, 128, 3, True), HopperTile(3, 128, 3, True),
+         HopperTile(2, 128, 4, True)),
+    128: (HopperTile(2, 128, 3, True), HopperTile(2, 64, 4, True), HopperTile(3, 64, 3, True)),
+}
+
+
+def _bucket(head_dim):
+    for b in BUCKETS:
+        if head_dim <= b:
+            return b
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability():
+    """(major, minor) of the current device, or None without a usable GPU."""
+    from .._device import gpu_unavailable_reason
+    if gpu_unavailable_reason() is not None:
+        return None
+    import cupy
+    cc = cupy.cuda.Device().compute_capability
+    return int(cc[:-1]), int(cc[-1])
+
+
+def refuse(problem):
+    if problem.dtype not in HALF_TYPES:
+        return f"the Hopper fused forward runs float16 and bfloat16, not {problem.dtype_name}"
+    if problem.rank != 1:
+        return f"the Hopper fused forward is 1-D only so far, not rank {problem.rank}"
+    if problem.head_dim % 8 or problem.head_dim > 128:
+        return f"head dim {problem.head_dim} is not a multiple of 8 up to 128"
+    if not problem.scale > 0:
+        return f"the Hopper fused forward needs a positive scale, got {problem.scale}"
+    if problem.heads > 65535 or problem.batch > 65535:
+        return f"heads {problem.heads} or batch {problem.batch} over 65535"
+    cc = _compute_capability()
+    if cc != (9, 0):
+        return ("the Hopper fused forward needs compute capability 9.0, "
+                + ("no GPU here" if cc is None else f"this device has {cc[0]}.{cc[1]}"))
+    return None
+
+
+def _name(dtype, dp, tile):
+    return (f"natten::na_fwd_hopper<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
+            f"{'true' if tile.pipe else 'false'}>")
+
+
+def instantiations():
+    out = []
+    for dtype in HALF_TYPES:
+        for dp in BUCKETS:
+            out.append((SOURCE, _name(dtype, dp, DEFAULT[dp])))
+            if dtype == FLOAT16:
+                out += [(SOURCE, _name(dtype, dp, t)) for t in ALTERNATIVES[dp]]
+    return sorted(set(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a launch needs besides the arrays (computed once per problem)."""
+    name: str       # kernel name expression
+    tile: HopperTile
+    grid: tuple
+    block: tuple
+    smem: int       # dynamic shared memory, bytes (+1 KiB to align the tiles to 1024)
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(problem, tile=None):
+    dp = _bucket(problem.head_dim)
+    tile = tile or DEFAULT[dp]
+    L, d = problem.spatial[0], problem.dilation[0]
+    glen = -(-L // d)  # the longest dilation group
+    smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024
+    grid = (d * -(-glen // tile.bm), problem.heads, problem.batch)
+    return Plan(_name(problem.dtype, dp, tile), tile, grid, (128 * tile.wg, 1, 1), smem)
+
+
+def _readable(x):
+    """Whether the kernel can read ``x`` as is: contiguous last dim, 16-byte aligned rows."""
+    per16 = 16 // x.dtype.itemsize
+    st = [s // x.dtype.itemsize for s in x.strides]
+    if x.shape[-1] > 1 and st[-1] != 1:
+        return False
+    if x.data.ptr % 16:
+        return False
+    return all(s % per16 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
+
+
+def forward(problem, q, k, v, out, lse, tile=None):
+    """out, lse = NA forward of q, k, v (CuPy arrays; outputs preallocated, all written).
+
+    ``tile`` (a HopperTile among the instantiations) overrides the default, for probing.
+    """
+    import cupy
+    plan = _plan(problem, tile)
+    if plan.grid[0] >= 2 ** 31:
+        raise ValueError(f"problem too large for one Hopper fused-forward launch "
+                         f"({plan.grid[0]} query tiles)")
+    q, k, v = (x if _readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+    dst = out if _readable(out) else cupy.empty(out.shape, out.dtype)
+    params = make_params(problem, q=q, k=k, v=v, o=dst, lse=lse)
+    launch(get_kernel(SOURCE, plan.name, extra_options=OPTIONS), plan.grid, plan.block,
+           (q, k, v, dst, lse, params), shared_mem=plan.smem, name="na_fwd_hopper",
+           backend="fused", tile=(plan.tile.bm,))
+    if dst is not out:
+        out[...] = dst

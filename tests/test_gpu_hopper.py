@@ -1,0 +1,123 @@
+"""Hopper fused forward (backends/_fused_hopper.py, sm_90a) against the float64 reference.
+
+Each case runs the wgmma kernel on NaN-poisoned outputs and checks, against the reference in
+float64, that its error is at most 2x the error of the reference run in the same precision
+plus a small floor (FlashAttention's rule); every output element must be written. Skipped on
+GPUs other than compute capability 9.0.
+"""
+
+import numpy
+import pytest
+
+from natten_cupy import _args
+from natten_cupy._dtypes import BFLOAT16
+from natten_cupy.backends import _fused_hopper, get_backend
+from natten_cupy.ops import run_fused_forward
+from gpu_cases import to_host, upload
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F64 = numpy.dtype(numpy.float16), BFLOAT16, numpy.dtype(numpy.float64)
+OUT_FLOOR = {F16: 2e-3, BF16: 1.6e-2}
+LSE_FLOOR = {F16: 2e-3, BF16: 2e-3}
+
+# (extent, kernel, stride, dilation, causal, heads, head_dim, dtype, scale)
+CASES = [
+    (97, 7, 1, 2, True, 2, 64, F16, None),
+    (200, 33, 4, 1, False, 3, 40, BF16, None),        # head dim padded to 64
+    (300, 300, 1, 1, False, 2, 128, F16, None),       # self-attention, partial last tile
+    (1500, 511, 1, 1, False, 1, 64, F16, None),
+    (1500, 512, 3, 1, True, 1, 64, BF16, None),       # even kernel, stride, causal
+    (1000, 64, 1, 3, False, 2, 128, BF16, None),      # dilation groups of 334 / 333
+    (777, 777, 1, 1, True, 1, 64, F16, None),         # causal self-attention
+    (129, 2, 2, 1, False, 2, 128, F16, None),         # smallest kernel
+    (2053, 1023, 5, 2, True, 1, 96, F16, None),       # head dim padded to 128
+    (513, 100, 1, 1, False, 1, 64, F16, 0.3),         # explicit scale
+    (2048, 2048, 1, 1, False, 1, 128, BF16, None),    # dense, whole tiles only
+    (64, 64, 64, 1, False, 2, 64, BF16, None),        # stride == kernel: blocked attention
+]
+
+
+def _skip_unless_hopper():
+    if _fused_hopper._compute_capability() != (9, 0):
+        pytest.skip("needs a compute capability 9.0 GPU")
+
+
+def _problem(x, case):
+    L, ks, st, dl, ca, _, _, _, scale = case
+    return _args.check_fused(1, x, x, x, ks, st, dl, ca, scale, "fused")
+
+
+def _reference(problem, q, k, v):
+    out = numpy.empty(q.shape, q.dtype)
+    lse = numpy.empty(q.shape[:-1], F64 if q.dtype == F64 else numpy.float32)
+    run_fused_forward(problem, get_backend("reference"), q, k, v, out, lse)
+    return out.astype(F64), lse.astype(F64)
+
+
+def check_case(case, rng, tile=None, layout="canonical"):
+    """Run one case; returns (out error, reference out error, lse error)."""
+    import cupy as cp
+    L, _, _, _, _, heads, dim, dtype, _ = case
+    shape = (2, L, heads, dim)
+    host = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
+    if layout == "heads_first":  # [B, H, L, D] buffers seen as [B, L, H, D] (no copy)
+        dev = [upload(cp, x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in host]
+    else:
+        dev = [upload(cp, x) for x in host]
+    prob = _problem(host[0], case)
+    assert _fused_hopper.refuse(prob) is None, _fused_hopper.refuse(prob)
+    out = upload(cp, numpy.full(shape, numpy.nan, dtype))
+    lse = cp.full(shape[:-1], cp.nan, dtype=cp.float32)
+    _fused_hopper.forward(prob, *dev, out, lse, tile=tile)
+    out, lse = to_host(out), to_host(lse)
+    h64 = [x.astype(F64) for x in host]
+    ref_out, ref_lse = _reference(_problem(h64[0], case), *h64)
+    low_out, _ = _reference(prob, *host)
+    assert not numpy.isnan(out).any(), "unwritten (NaN) elements in out"
+    assert not numpy.isnan(lse).any(), "unwritten (NaN) elements in lse"
+    err = float(numpy.abs(out.astype(F64) - ref_out).max())
+    ref_err = float(numpy.abs(low_out - ref_out).max())
+    lse_err = float(numpy.abs(lse - ref_lse).max())
+    assert err <= 2 * ref_err + OUT_FLOOR[dtype], (err, ref_err)
+    assert lse_err <= LSE_FLOOR[dtype], lse_err
+    return err, ref_err, lse_err
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}-k{c[1]}-s{c[2]}-d{c[3]}-"
+                         f"{'c' if c[4] else 'n'}-D{c[6]}-{numpy.dtype(c[7]).name}")
+def test_hopper_forward_matches_reference(case, rng):
+    _skip_unless_hopper()
+    check_case(case, rng)
+
+
+@pytest.mark.parametrize("tile", [t for ts in _fused_hopper.ALTERNATIVES.values() for t in ts],
+                         ids=str)
+def test_hopper_alternative_tiles(tile, rng):
+    _skip_unless_hopper()
+    dim = 64 if tile in _fused_hopper.ALTERNATIVES[64] else 128
+    check_case((1100, 300, 2, 1, True, 2, dim, F16, None), rng, tile=tile)
+    check_case((901, 901, 1, 1, False, 1, dim, F16, None), rng, tile=tile)
+
+
+def test_hopper_heads_first_layout(rng):
+    _skip_unless_hopper()
+    check_case((333, 65, 1, 2, False, 3, 64, F16, None), rng, layout="heads_first")
+
+
+def test_hopper_self_attention_equals_dense(rng):
+    """kernel == extent, no stride/dilation/causality: plain softmax attention."""
+    import cupy as cp
+    _skip_unless_hopper()
+    L, H, D = 650, 2, 128
+    host = [rng.standard_normal((1, L, H, D)).astype(F16) for _ in range(3)]
+    prob = _problem(host[0], (L, L, 1, 1, False, H, D, F16, None))
+    out = upload(cp, numpy.full(host[0].shape, numpy.nan, F16))
+    lse = cp.empty((1, L, H), cp.float32)
+    _fused_hopper.forward(prob, *(upload(cp, x) for x in host), out, lse)
+    qf, kf, vf = (x.astype(F64)[0].transpose(1, 0, 2) for x in host)
+    s = qf @ kf.transpose(0, 2, 1) * D ** -0.5
+    p = numpy.exp(s - s.max(-1, keepdims=True))
+    dense = (p / p.sum(-1, keepdims=True)) @ vf
+    assert float(numpy.abs(to_host(out)[0].transpose(1, 0, 2) - dense).max()) < 3e-3
+
