@@ -5,6 +5,11 @@
 #   bash bench/gpu_run.sh [--quick] [--tests-only|--bench-only] [--probe] [extra pytest args...]
 # --probe also runs bench/tiled_probe.py (per-kernel times and bandwidth of the unfused chain,
 # tiled next to naive) after the tests.
+# --sweep runs bench/sweep.py (seeded random configurations per CUDA backend and dtype against
+# the float64 reference; $SWEEP_CASES a stream, subset $SWEEP_SUBSET, $SWEEP_BUDGET_S) and
+# --sanitize bench/sanitize.py (compute-sanitizer memcheck, racecheck, initcheck over every
+# kernel family, $SANITIZE_BUDGET_S), both last; with --tests-only or --bench-only they run
+# after that part only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/natten_cupy_out}
@@ -13,13 +18,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/natten_cupy_kernel_cache}
 PY=${PYTHON:-python3}
 
-mode=all; quick=""; probe=""; pytest_extra=()
+mode=all; quick=""; probe=""; sweep=""; sanitize=""; pytest_extra=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
     --tests-only) mode=tests ;;
     --bench-only) mode=bench ;;
     --probe) probe=1 ;;
+    --sweep) sweep=1 ;;
+    --sanitize) sanitize=1 ;;
     *) pytest_extra+=("$a") ;;
   esac
 done
@@ -68,5 +75,23 @@ if [ "$mode" != tests ]; then
       || echo "   cold start failed or timed out (see cold_start.log)"
   echo "   cold start done in $(( $(date +%s) - t0 )) s"; tail -n 6 "$OUT/cold_start.log"
   [ -f "$OUT/bench.json" ] && "$PY" bench/report.py "$OUT/bench.json" --summary
+fi
+if [ -n "$sweep" ]; then
+  echo "== random sweep"
+  t0=$(date +%s)
+  cases=${SWEEP_CASES:-1000}
+  "$PY" bench/sweep.py --seed 13 --cases "$cases" --first $(( ${SWEEP_SUBSET:-0} * cases )) \
+      --time-budget-s ${SWEEP_BUDGET_S:-300} --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1 \
+      || { echo "   sweep found failures (or could not run):"; status=1; }
+  grep -vE "^(FAILED|       \{)" "$OUT/sweep.log" | tail -n 16; grep -E "^FAILED" "$OUT/sweep.log" | head -10
+  echo "   sweep done in $(( $(date +%s) - t0 )) s (subset ${SWEEP_SUBSET:-0}, seed 13)"
+fi
+if [ -n "$sanitize" ]; then
+  echo "== compute-sanitizer"
+  t0=$(date +%s)
+  "$PY" bench/sanitize.py --out-dir "$OUT/sanitize" --time-budget-s ${SANITIZE_BUDGET_S:-420} \
+      > "$OUT/sanitize.log" 2>&1 || { echo "   sanitizers found errors (or could not run):"; status=1; }
+  cat "$OUT/sanitize.log"
+  echo "   sanitizers done in $(( $(date +%s) - t0 )) s"
 fi
 exit $status

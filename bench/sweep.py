@@ -268,7 +268,8 @@ def problems(cfg, x, backend_name):
     kind = cfg["kind"]
     if kind == "fused":
         p = _args.check_fused(r, x["q"], x["k"], x["v"], ks, cfg["stride"], dl, ca,
-                              cfg["scale"], backend_name, allow_tf32=tf32)
+                              cfg["scale"], backend_name, allow_tf32=tf32,
+                              tile=cfg.get("tile"))
         return {"fused_forward": p, "fused_backward": p}
     if kind == "qk":
         return {"qk": _args.check_qk(r, x["q"], x["k"], ks, dl, ca, x.get("rpb"), backend_name,
