@@ -9,7 +9,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/natten_cupy_kernel_cache}
 echo "== fast-path tests"
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast.py -n 4 2>&1 | tail -25
 echo "== overhead"
-python3 bench/overhead.py --out "$OUT/overhead.json" 2>&1 | tail -16
+python3 bench/overhead.py --profile --out "$OUT/overhead.json" 2>&1 | tail -45
 if [ "${1:-}" = "--all" ]; then
   echo "== all GPU tests"
   python3 -m pytest -q -m gpu -p no:cacheprovider tests -n 8 --ignore=tests/test_gpu_fast.py \

@@ -46,6 +46,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON file for the results (default: none)")
     ap.add_argument("--calls", type=int, default=500, help="calls per timed run (default 500)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where a warm call spends its host time (cProfile)")
     args = ap.parse_args(argv)
 
     import cupy
@@ -68,6 +70,12 @@ def main(argv=None):
 
     compiled = torch.compile(lambda q, k, v: nt.na2d(q, k, v, KERNEL), fullgraph=True)
 
+    ks3 = [KERNEL, KERNEL]
+    x_base = torch.randn(SHAPE, device=dev, requires_grad=True)
+
+    def autograd_baseline():
+        (x_base * 2).backward(tdo.float())
+
     rows = [
         ("array API, CuPy: forward", lambda: natten_cupy.na2d(cq, ck, cv, KERNEL)),
         ("array API, CuPy: backward",
@@ -81,14 +89,34 @@ def main(argv=None):
         ("torch.compile(fullgraph): forward", lambda: compiled(*tl)),
         ("array API, CuPy: forward, tile=autotune",
          lambda: natten_cupy.na2d(cq, ck, cv, KERNEL, tile="autotune")),
+        ("torch custom op called directly: forward",
+         lambda: torch.ops.natten_cupy.na_fused_forward(tq, tk, tv, ks3, [1, 1], [1, 1],
+                                                         [False, False], None, "auto", False,
+                                                         False)),
+        ("torch alone: (x * 2).backward(), for scale", autograd_baseline),
     ]
     results = []
     for name, fn in rows:
-        fast = timing.wall_us(fn, calls=args.calls)
+        fast, fast_host = timing.wall_us(fn, calls=args.calls, host=True)
         _fast.enabled = False
-        general = timing.wall_us(fn, calls=args.calls)
+        general, general_host = timing.wall_us(fn, calls=args.calls, host=True)
         _fast.enabled = True
-        results.append(dict(call=name, fast_us=fast, general_us=general))
+        results.append(dict(call=name, fast_us=fast, general_us=general,
+                            fast_host_us=fast_host, general_host_us=general_host))
+    profiles = {}
+    if args.profile:
+        for name, fn in rows[:2] + rows[6:7]:
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fn()
+            prof.disable()
+            st = pstats.Stats(prof)
+            top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]
+            profiles[name] = [dict(function=f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}",
+                                   calls=v[1] / 200, tottime_us=v[2] / 200 * 1e6)
+                              for k, v in top]
 
     kernel_fwd = timing.graph_ms(lambda: nt.na2d(tq, tk, tv, KERNEL)) * 1e3
     kernel_fb = timing.graph_ms(layer_fwd_bwd) * 1e3
@@ -117,7 +145,7 @@ def main(argv=None):
                   python_calls_per_warm_forward=dict(
                       fast=dict(calls=calls["fast"][0], functions=calls["fast"][1]),
                       general=dict(calls=calls["general"][0], functions=calls["general"][1])),
-                  flex_eager_forward_us=flex_us)
+                  flex_eager_forward_us=flex_us, profiles=profiles)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -127,9 +155,14 @@ def main(argv=None):
     print(f"python calls per warm CuPy forward: fast {calls['fast'][0]:.0f} "
           f"({calls['fast'][1]} functions), general {calls['general'][0]:.0f} "
           f"({calls['general'][1]} functions)")
-    print(f"{'call':45s} {'fast us':>9s} {'general us':>11s}")
+    for name, top in profiles.items():
+        print(f"-- {name}: host time by function (cProfile, inflated)")
+        for t in top[:8]:
+            print(f"   {t['tottime_us']:7.2f} us  x{t['calls']:<4.0f} {t['function']}")
+    print(f"{'call (us per call: wall / host alone)':55s} {'fast':>13s} {'general':>15s}")
     for r in results:
-        print(f"{r['call']:45s} {r['fast_us']:9.1f} {r['general_us']:11.1f}")
+        print(f"{r['call']:55s} {r['fast_us']:6.1f} / {r['fast_host_us']:5.1f} "
+              f"{r['general_us']:7.1f} / {r['general_host_us']:6.1f}")
 
 
 if __name__ == "__main__":

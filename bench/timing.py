@@ -57,15 +57,22 @@ def graph_ms(fn, *, warmup=3, reps=15, inner=1):
     return ms
 
 
-def wall_us(fn, *, calls=500, reps=5, warmup=20):
+def wall_us(fn, *, calls=500, reps=5, warmup=20, host=False):
+    """Microseconds per call: wall time of ``calls`` calls and a synchronize, median of
+    ``reps``; with ``host=True`` also the host time alone (before the synchronize: what the
+    calls cost the CPU while the GPU queue absorbs their kernels), as (wall, host)."""
     for _ in range(warmup):
         fn()
     sync()
-    times = []
+    walls, hosts = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        t1 = time.perf_counter()
         sync()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+        walls.append((time.perf_counter() - t0) / calls * 1e6)
+        hosts.append((t1 - t0) / calls * 1e6)
+    if host:
+        return statistics.median(walls), statistics.median(hosts)
+    return statistics.median(walls)

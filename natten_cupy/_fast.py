@@ -72,7 +72,7 @@ def _cupy_sig(x):
 
 
 def _torch_sig(x):
-    return (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.device, x.requires_grad,
+    return (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(), x.requires_grad,
             x.is_neg())
 
 
@@ -87,15 +87,28 @@ def _opt(v):
     return (t, v)
 
 
+def _options_key(options):
+    """Option values and their types: scalars as they are (with a tuple of their types);
+    tuples and lists with the type of every entry."""
+    types = tuple(map(type, options))
+    if tuple in types or list in types:
+        return tuple(map(_opt, options))
+    return (options, types)
+
+
 def _signature(tag, rank, arrays, options):
-    """(family, key) of a call, or (None, None) if the fast path cannot key it."""
-    fam = _family(arrays[0])
+    """(family, key) of a call, or (None, None) if the fast path cannot key it: arrays of
+    another framework than CuPy or torch, of mixed frameworks, or unhashable options."""
+    fams = _families
+    fam = fams.get(type(arrays[0])) or _family(arrays[0])
     if not fam:
         return None, None
+    for x in arrays:
+        if (fams.get(type(x)) or _family(x)) != fam:
+            return None, None
     sig = _SIGNATURE[fam]
     try:
-        key = (tag, rank, fam, *[sig(x) if _family(x) == fam else None for x in arrays],
-               *map(_opt, options))
+        key = (tag, rank, fam, *map(sig, arrays), _options_key(options))
         hash(key)
     except Exception:  # an unhashable option, or an array the fast path cannot read
         return None, None
@@ -173,8 +186,9 @@ def _run_cupy(e, inputs):
         inputs = list(inputs)
         for i in e.copies:
             inputs[i] = inputs[i].copy(order="C")
-    outs = [cupy.empty(s, d) for s, d in e.outputs]
-    ws = [cupy.empty(s, d) for s, d in e.workspaces]
+    new = cupy.ndarray
+    outs = [new(s, d) for s, d in e.outputs]
+    ws = [new(s, d) for s, d in e.workspaces]
     ptrs = [x.data.ptr for x in inputs]
     ptrs += [x.data.ptr for x in outs]
     ptrs += [x.data.ptr for x in ws]
@@ -209,9 +223,20 @@ def run_torch(e, inputs):
     return outs
 
 
-def _run(fam, e, inputs):
+_ONE_GPU = []
+
+
+def _current_device_differs(device):
+    """Whether ``device`` is not CUDA's current device (never, on a machine with one GPU)."""
     import cupy
-    if cupy.cuda.runtime.getDevice() != e.device:
+    if not _ONE_GPU:
+        _ONE_GPU.append(cupy.cuda.runtime.getDeviceCount() == 1)
+    return not _ONE_GPU[0] and cupy.cuda.runtime.getDevice() != device
+
+
+def _run(fam, e, inputs):
+    if _current_device_differs(e.device):
+        import cupy
         with cupy.cuda.Device(e.device):
             return _run(fam, e, inputs)
     return _run_cupy(e, inputs) if fam == "cupy" else run_torch(e, inputs)
@@ -288,7 +313,7 @@ def torch_entry(op, rank, tensors, options, problem_of):
     if not enabled or profiling():
         return None
     try:
-        key = (op, rank, *[_torch_sig(x) for x in tensors], *map(_opt, options))
+        key = (op, rank, *[_torch_sig(x) for x in tensors], _options_key(options))
         e = _entries.get(key)
     except Exception:
         return None

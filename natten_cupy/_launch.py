@@ -154,26 +154,28 @@ class KernelCall:
         self._params = base
         self._lock = threading.Lock()
         self._func = None
+        self._launch = None
 
     def prepare(self):
         """Load the function on the current device and raise its shared-memory limit
         (once per plan; plans are per device)."""
         if self._func is None:
+            from cupy.cuda import driver
             if self.shared_mem >= 48 * 1024:
                 self.fn.max_dynamic_shared_size_bytes = self.shared_mem
             self._func = self.fn.kernel.ptr
+            self._launch = driver.launchKernel
         return self
 
     def __call__(self, ptrs, stream):
         """Launch on ``stream`` (a raw CUDA stream handle) with the call's pointers."""
         if self.empty:
             return
-        from cupy.cuda import driver
         g, b = self.grid, self.block
         with self._lock:
             self._pack(self._buf, self._head, *[ptrs[i] for i in self._slots])
-            driver.launchKernel(self._func, g[0], g[1], g[2], b[0], b[1], b[2],
-                                self.shared_mem, stream, self._params, 0)
+            self._launch(self._func, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
+                         stream, self._params, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,6 +85,11 @@ def test_option_types_are_part_of_the_signature():
     assert _fast._opt((True, False)) != _fast._opt((1, 0))
     assert _fast._opt([3, 3]) != _fast._opt((3, 3))
     assert _fast._opt(None) == _fast._opt(None)
+    key = _fast._options_key
+    assert key((7, True, None)) != key((7, 1, None))
+    assert key((7, (True, False))) != key((7, (1, 0)))
+    assert key((7, [3, 3])) != key((7, (3, 3)))
+    assert key((7, (3, 3), "auto")) == key((7, (3, 3), "auto"))
 
 
 def test_numpy_and_unhashable_options_take_the_general_path():

@@ -268,3 +268,10 @@ def test_array_api_in_a_cupy_cuda_graph(rng):
     stream.synchronize()
     for g, w in zip(static, want):
         assert bool((g == w).all())
+
+
+def test_mixed_frameworks_take_the_general_path(rng):
+    q, k, v, _ = _cupy_inputs(rng, (20,), "float16")
+    want = natten_cupy.na1d(q, k, v, 5)
+    got = natten_cupy.na1d(q, torch.from_dlpack(k), v, 5)
+    assert bool((got == want).all())

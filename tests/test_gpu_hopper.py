@@ -98,6 +98,8 @@ def test_hopper_alternative_tiles(tile, rng):
     dim = 64 if tile in _fused_hopper.ALTERNATIVES[64] else 128
     check_case((1100, 300, 2, 1, True, 2, dim, F16, None), rng, tile=tile)
     check_case((901, 901, 1, 1, False, 1, dim, F16, None), rng, tile=tile)
+    check_case((1000, 64, 1, 3, False, 2, dim, F16, None), rng, tile=tile)
+    check_case((70, 9, 1, 1, False, 1, dim, F16, None), rng, tile=tile)   # one key tile
 
 
 def test_hopper_heads_first_layout(rng):

@@ -53,6 +53,36 @@ def test_float64_naive_matches_the_float64_reference(index):
     robust.check_float64(case, robust.host(y), truth, f"[naive {case.id}] ")
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("k", [9, 81, 200, 3000])
+def test_float64_softmax_is_exact(rng, k, aligned):
+    """natten_cupy.softmax / softmax_backward in float64 (row kernels, register-held and
+    streamed lane-group kernels) against NumPy float64 at 1e-12, a scale that is not a
+    float32 (0.1)."""
+    import natten_cupy
+    cupy = _cupy()
+    x = 3 * rng.standard_normal((67, k))
+    x[::4, k // 2:] = -numpy.inf
+    g = rng.standard_normal(x.shape)
+    a = x * 0.1
+    m = a.max(axis=-1, keepdims=True)
+    e = numpy.exp(a - m)
+    p_want = e / e.sum(-1, keepdims=True)
+    d_want = 0.1 * p_want * (g - (p_want * g).sum(-1, keepdims=True))
+
+    def put(h):
+        if aligned:
+            return cupy.asarray(h)
+        buf = cupy.empty(h.size + 1, dtype=h.dtype)
+        view = buf[1:].reshape(h.shape)
+        view[...] = cupy.asarray(h)
+        return view
+    p = natten_cupy.softmax(put(x), 0.1)
+    d = natten_cupy.softmax_backward(p, put(g), 0.1)
+    assert robust.relative_error(cupy.asnumpy(p), p_want) <= robust.FLOAT64_RTOL
+    assert robust.relative_error(cupy.asnumpy(d), d_want) <= robust.FLOAT64_RTOL
+
+
 # ---- deterministic mode ----------------------------------------------------------------------
 
 DETERMINISTIC_GEOMS = {

@@ -297,6 +297,18 @@ def unfused_planted_inputs(rng, geom, dtype, kind, source):
     return x, token, slot
 
 
+def own_slice(name, shape):
+    """Boolean of ``shape``: the planted value's batch B0 and head H0 (d_rpb: head H0)."""
+    m = numpy.zeros(shape, dtype=bool)
+    if name == "d_rpb":
+        m[H0] = True
+    elif name == "lse":
+        m[B0, ..., H0] = True
+    else:
+        m[B0, ..., H0, :] = True
+    return m
+
+
 def check_reach(got, reach, where=""):
     """Non-finite exactly where ``reach`` says; elsewhere finite (qk: empty slots -inf)."""
     for name, expect in reach.items():
@@ -309,7 +321,9 @@ def check_reach(got, reach, where=""):
         missed = expect & ~bad
         assert not leaked.any(), (
             f"{where}{name}: non-finite at {int(leaked.sum())} positions outside the windows "
-            f"that read the planted value, first {numpy.argwhere(leaked)[0].tolist()}")
+            f"that read the planted value ({int((leaked & ~own_slice(name, g.shape)).sum())} "
+            f"of them outside its batch and head), first "
+            f"{numpy.argwhere(leaked)[0].tolist()}")
         assert not missed.any(), (
             f"{where}{name}: finite at {int(missed.sum())} positions that read the planted "
             f"value, first {numpy.argwhere(missed)[0].tolist()}")

@@ -31,21 +31,30 @@ BUCKETS = (64, 128)
 
 @dataclasses.dataclass(frozen=True)
 class HopperTile:
-    wg: int       # consumer warpgroups per CTA (64 queries each)
+    wg: int       # compute warpgroups per CTA (64 queries each)
     bn: int       # keys per tile
     stages: int   # shared-memory pipeline depth (K and V tiles)
-    pipe: bool = False  # overlap a tile's softmax with the previous tile's P V (stages >= 3)
+    pipe: bool = False  # overlap a tile's softmax with the previous tile's P V
+    ws: bool = False    # a loader warpgroup (cp.async, mbarriers, setmaxnreg) apart
+    pp: bool = False    # compute warpgroups take turns issuing their GEMMs (ws and pipe)
 
     @property
     def bm(self):
         return 64 * self.wg
 
+    @property
+    def threads(self):
+        return 128 * (self.wg + self.ws)
 
-DEFAULT = {64: HopperTile(2, 128, 2), 128: HopperTile(2, 128, 2)}
+
+T = HopperTile
+DEFAULT = {64: T(2, 128, 2), 128: T(2, 128, 2)}
 ALTERNATIVES = {
-    64: (HopperTile(3, 128, 2), HopperTile(2, 128, 3, True), HopperTile(3, 128, 3, True),
-         HopperTile(2, 128, 4, True)),
-    128: (HopperTile(2, 128, 3, True), HopperTile(2, 64, 4, True), HopperTile(3, 64, 3, True)),
+    64: (T(3, 128, 3, True), T(2, 128, 2, ws=True), T(2, 128, 2, True, True),
+         T(2, 128, 2, True, True, True), T(3, 128, 2, True, True, True),
+         T(2, 128, 3, True, True, True)),
+    128: (T(2, 128, 2, ws=True), T(2, 128, 2, True, True), T(2, 128, 2, True, True, True),
+          T(2, 128, 3, True, True, True), T(2, 64, 4, True, True, True)),
 }
 
 
@@ -86,8 +95,9 @@ def refuse(problem):
 
 
 def _name(dtype, dp, tile):
+    flags = ", ".join("true" if f else "false" for f in (tile.pipe, tile.ws, tile.pp))
     return (f"natten::na_fwd_hopper<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
-            f"{'true' if tile.pipe else 'false'}>")
+            f"{flags}>")
 
 
 def instantiations():
@@ -107,7 +117,8 @@ class Plan:
     tile: HopperTile
     grid: tuple
     block: tuple
-    smem: int       # dynamic shared memory, bytes (+1 KiB to align the tiles to 1024)
+    smem: int       # dynamic shared memory, bytes (+1 KiB to align the tiles to 1024, and
+                    # the mbarriers of a loader warpgroup)
 
 
 @functools.lru_cache(maxsize=512)
@@ -116,9 +127,9 @@ def _plan(problem, tile=None):
     tile = tile or DEFAULT[dp]
     L, d = problem.spatial[0], problem.dilation[0]
     glen = -(-L // d)  # the longest dilation group
-    smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024
+    smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages * tile.ws
     grid = (d * -(-glen // tile.bm), problem.heads, problem.batch)
-    return Plan(_name(problem.dtype, dp, tile), tile, grid, (128 * tile.wg, 1, 1), smem)
+    return Plan(_name(problem.dtype, dp, tile), tile, grid, (tile.threads, 1, 1), smem)
 
 
 def _readable(x):
