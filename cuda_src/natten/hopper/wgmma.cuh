@@ -1,6 +1,6 @@
 // Hopper (sm_90a) warpgroup building blocks in inline PTX: wgmma.mma_async for the shapes the
 // fused forward uses, its fences, shared-memory matrix descriptors (128-byte swizzle), the
-// async-proxy fence and the 16-byte cp.async with zero fill. No kernels here.
+// async-proxy fence, the 16-byte cp.async with zero fill, mbarriers and setmaxnreg. No kernels.
 //
 // Shared-memory tiles (every operand): a tile of R rows of C 16-bit elements is stored as
 // C / 64 column blocks of R x 64 elements (R * 128 bytes each, 1024-byte aligned); row r of a
@@ -67,6 +67,49 @@ __device__ __forceinline__ void cp_async_commit() {
 }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// mbarrier (shared::cta): init by one thread, then a CTA barrier before any use.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n"
+               :: "r"(bar) : "memory");
+}
+// Arrives on bar once every cp.async this thread issued so far has landed (no count change:
+// the barrier's expected count includes these arrivals).
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+// Waits until the phase of the given parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Named CTA barriers (id 1..15; 0 is __syncthreads): sync waits for `threads` arrivals in all,
+// arrive counts this warp in without waiting.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Register budget of a warpgroup (all its warps execute it; the kernel needs a register cap
+// at entry, i.e. __launch_bounds__(threads, 1)).
+template <int N> __device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
 }
 
 struct F16 {};
