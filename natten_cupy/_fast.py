@@ -27,8 +27,8 @@ from ._dtypes import accumulator_dtype, canonical_dtype
 from ._launch import profiling, run_plan
 from ._operands import Layout, rows_ready
 
-__all__ = ["enabled", "fused_forward", "fused_backward", "torch_entry", "run_torch",
-           "clear", "entries"]
+__all__ = ["enabled", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
+           "av_backward", "torch_entry", "run_torch_call", "clear", "entries"]
 
 enabled = os.environ.get("NATTEN_CUPY_FAST_PATH", "1") != "0"
 
@@ -104,11 +104,12 @@ def _signature(tag, rank, arrays, options):
     if not fam:
         return None, None
     for x in arrays:
-        if (fams.get(type(x)) or _family(x)) != fam:
+        if x is not None and (fams.get(type(x)) or _family(x)) != fam:
             return None, None
     sig = _SIGNATURE[fam]
     try:
-        key = (tag, rank, fam, *map(sig, arrays), _options_key(options))
+        key = (tag, rank, fam, *[None if x is None else sig(x) for x in arrays],
+               _options_key(options))
         hash(key)
     except Exception:  # an unhashable option, or an array the fast path cannot read
         return None, None
@@ -152,12 +153,15 @@ def _device(fam, x):
 
 
 def _build(op, problem, backend, fam, inputs, outputs):
-    """The Entry of a validated call, or _SLOW. ``outputs``: (shape, numpy dtype) each."""
-    from .backends import get_backend
-    if backend is not get_backend("fused") or profiling():
+    """The Entry of a validated call, or _SLOW (None: not yet, see autotune). ``inputs``:
+    the op's input arrays in plan order (None for an absent optional one); ``outputs``:
+    (shape, numpy dtype) each."""
+    planner = getattr(backend, "plan", None)
+    present = [x for x in inputs if x is not None]
+    if planner is None or profiling():
         return _SLOW
-    if fam == "torch" and (inputs[0].device.type != "cuda"
-                           or any(x.is_neg() or x.is_conj() for x in inputs)):
+    if fam == "torch" and (present[0].device.type != "cuda"
+                           or any(x.is_neg() or x.is_conj() for x in present)):
         return _SLOW   # CPU tensors run on the reference backend; lazy negation needs a copy
     if problem.tile == "autotune":
         from .backends import fused
@@ -165,15 +169,14 @@ def _build(op, problem, backend, fam, inputs, outputs):
         if problem is None:  # the general path times the candidates first
             return None
     import cupy
-    device = _device(fam, inputs[0])
-    layouts = [_layout(fam, x) for x in inputs]
-    copies = tuple(i for i, lay in enumerate(layouts)
-                   if i != 5 and not rows_ready(lay))   # 5: lse of the backward, any strides
+    device = _device(fam, present[0])
+    layouts = [None if x is None else _layout(fam, x) for x in inputs]
+    copies = tuple(i for i in backend.ROW_INPUTS[op] if not rows_ready(layouts[i]))
     layouts = [Layout.contiguous(lay.shape, lay.dtype) if i in copies else lay
                for i, lay in enumerate(layouts)]
     layouts += [Layout.contiguous(s, d) for s, d in outputs]
     with cupy.cuda.Device(device):
-        plan = backend.plan(op, problem, layouts)
+        plan = planner(op, problem, layouts)
         if plan is None:
             return _SLOW
         plan.prepare()
@@ -189,7 +192,7 @@ def _run_cupy(e, inputs):
     new = cupy.ndarray
     outs = [new(s, d) for s, d in e.outputs]
     ws = [new(s, d) for s, d in e.workspaces]
-    ptrs = [x.data.ptr for x in inputs]
+    ptrs = [0 if x is None else x.data.ptr for x in inputs]
     ptrs += [x.data.ptr for x in outs]
     ptrs += [x.data.ptr for x in ws]
     run_plan(e.plan, ptrs, cupy.cuda.get_current_stream().ptr)
@@ -216,7 +219,7 @@ def run_torch(e, inputs):
         e.torch_out = (_torch_dtypes(e.outputs), _torch_dtypes(e.workspaces))
     outs = [torch.empty(s, dtype=d, device=dev) for s, d in e.torch_out[0]]
     ws = [torch.empty(s, dtype=d, device=dev) for s, d in e.torch_out[1]]
-    ptrs = [x.data_ptr() for x in inputs]
+    ptrs = [0 if x is None else x.data_ptr() for x in inputs]
     ptrs += [x.data_ptr() for x in outs]
     ptrs += [x.data_ptr() for x in ws]
     run_plan(e.plan, ptrs, torch._C._cuda_getCurrentRawStream(e.device))
@@ -250,82 +253,118 @@ def _select(op, problem, named, backend):
     return ops.select_backend(op, problem, array_module(named), backend)
 
 
-def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
-                  return_lse, allow_tf32, deterministic, tile):
-    """``ops.fused_forward`` for a signature the fast path serves, else None."""
+def _call(op, rank, names, arrays, options, backend, check, outputs_of):
+    """One array-level call through the fast path: the outputs (a list), or None where the
+    general path must run it. ``check()`` validates (raising what the general path raises)
+    and returns the problem; ``outputs_of(problem)``: the outputs' (shape, dtype)."""
     if not enabled:
         return None
-    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-               deterministic, tile)
-    fam, key = _signature("fwd", rank, (q, k, v), options)
+    fam, key = _signature(op, rank, arrays, options)
     if key is None:
         return None
     e = _entries.get(key)
     if e is None:
-        problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal,
-                                    scale, backend, allow_tf32, deterministic, tile)
-        be = _select("fused_forward", problem, [("q", q), ("k", k), ("v", v)], backend)
-        acc = accumulator_dtype(q.dtype)
-        e = _build("fused_forward", problem, be, fam, (q, k, v),
-                   [(tuple(q.shape), canonical_dtype(q.dtype)), (tuple(q.shape[:-1]), acc)])
+        problem = check()
+        be = _select(op, problem, list(zip(names, arrays)), backend)
+        e = _build(op, problem, be, fam, arrays, outputs_of(problem))
         if e is None:
             return None
         _remember(key, e)
     if e is _SLOW or profiling():
         return None
-    out, lse = _run(fam, e, (q, k, v))
-    return (out, lse) if return_lse else out
+    return _run(fam, e, arrays)
+
+
+def _same(x, dt=None):
+    return (tuple(x.shape), canonical_dtype(x.dtype) if dt is None else dt)
+
+
+def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
+                  return_lse, allow_tf32, deterministic, tile):
+    """``ops.fused_forward`` for a signature the fast path serves, else None."""
+    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+               deterministic, tile)
+    res = _call("fused_forward", rank, ("q", "k", "v"), (q, k, v), options, backend,
+                lambda: _args.check_fused(rank, q, k, v, kernel_size, stride, dilation,
+                                          is_causal, scale, backend, allow_tf32,
+                                          deterministic, tile),
+                lambda p: [_same(q), (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))])
+    if res is None:
+        return None
+    return tuple(res) if return_lse else res[0]
 
 
 def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation, is_causal,
                    scale, backend, allow_tf32, deterministic, tile):
     """``ops.fused_backward`` for a signature the fast path serves, else None."""
-    if not enabled:
-        return None
     options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
                deterministic, tile)
-    fam, key = _signature("bwd", rank, (d_out, q, k, v, out, lse), options)
-    if key is None:
-        return None
-    e = _entries.get(key)
-    if e is None:
-        problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size,
-                                             stride, dilation, is_causal, scale, backend,
-                                             allow_tf32, deterministic, tile)
-        named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)]
-        be = _select("fused_backward", problem, named, backend)
-        dt = canonical_dtype(q.dtype)
-        e = _build("fused_backward", problem, be, fam, (d_out, q, k, v, out, lse),
-                   [(tuple(q.shape), dt)] * 3)
-        if e is None:
-            return None
-        _remember(key, e)
-    if e is _SLOW or profiling():
-        return None
-    return tuple(_run(fam, e, (d_out, q, k, v, out, lse)))
+    res = _call("fused_backward", rank, ("d_out", "q", "k", "v", "out", "lse"),
+                (d_out, q, k, v, out, lse), options, backend,
+                lambda: _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size,
+                                                   stride, dilation, is_causal, scale, backend,
+                                                   allow_tf32, deterministic, tile),
+                lambda p: [_same(q), _same(k), _same(v)])
+    return None if res is None else tuple(res)
+
+
+def qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32):
+    """``ops.qk`` for a signature the fast path serves, else None."""
+    res = _call("qk", rank, ("q", "k", "rpb"), (q, k, rpb),
+                (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
+                lambda: _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb,
+                                       backend, allow_tf32),
+                lambda p: [(tuple(q.shape[:-1]) + (p.num_neighbors,), p.dtype)])
+    return None if res is None else res[0]
+
+
+def av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32):
+    """``ops.av`` for a signature the fast path serves, else None."""
+    res = _call("av", rank, ("attn", "v"), (attn, v),
+                (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
+                lambda: _args.check_av(rank, attn, v, kernel_size, dilation, is_causal,
+                                       backend, allow_tf32),
+                lambda p: [_same(v)])
+    return None if res is None else res[0]
+
+
+def qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal, backend, allow_tf32):
+    """``ops.qk_backward`` without rpb for a signature the fast path serves, else None."""
+    res = _call("qk_backward", rank, ("d_attn", "q", "k"), (d_attn, q, k),
+                (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
+                lambda: _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation,
+                                                is_causal, None, backend, allow_tf32),
+                lambda p: [_same(q), _same(k)])
+    return None if res is None else tuple(res)
+
+
+def av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32):
+    """``ops.av_backward`` for a signature the fast path serves, else None."""
+    res = _call("av_backward", rank, ("d_out", "attn", "v"), (d_out, attn, v),
+                (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
+                lambda: _args.check_av_backward(rank, d_out, attn, v, kernel_size, dilation,
+                                                is_causal, backend, allow_tf32),
+                lambda p: [_same(attn), _same(v)])
+    return None if res is None else tuple(res)
 
 
 # ---- the torch layer --------------------------------------------------------------------
 
-def torch_entry(op, rank, tensors, options, problem_of):
+def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
     """The Entry for a torch-layer call on CUDA tensors (``problem_of()`` validates and
-    returns (problem, backend) on the first call of a signature), or None."""
+    returns (problem, backend) on the first call of a signature; ``outputs_of(problem)``
+    gives the outputs' (shape, numpy dtype)), or None."""
     if not enabled or profiling():
         return None
     try:
-        key = (op, rank, *[_torch_sig(x) for x in tensors], _options_key(options))
+        key = (op, rank, *[None if x is None else _torch_sig(x) for x in tensors],
+               _options_key(options))
         e = _entries.get(key)
     except Exception:
         return None
     if e is None:
         problem, be = problem_of()
-        q = tensors[0] if op == "fused_forward" else tensors[1]
-        dt = canonical_dtype(q.dtype)
-        if op == "fused_forward":
-            outputs = [(tuple(q.shape), dt), (tuple(q.shape[:-1]), accumulator_dtype(dt))]
-        else:
-            outputs = [(tuple(q.shape), dt)] * 3
-        e = _build(op, problem, be, "torch", tensors, outputs)
+        e = _build(op, problem, be, "torch", tensors, outputs_of(problem))
         if e is None:
             return None
         _remember(key, e)

@@ -140,6 +140,9 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
 
 def qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
        allow_tf32=False):
+    hit = _fast.qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32)
+    if hit is not None:
+        return hit
     problem = _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend,
                              allow_tf32)
     named = [("q", q), ("k", k), ("rpb", rpb)]
@@ -154,6 +157,9 @@ def qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backen
 
 def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
        allow_tf32=False):
+    hit = _fast.av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32)
+    if hit is not None:
+        return hit
     problem = _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend,
                              allow_tf32)
     named = [("attn", attn), ("v", v)]
@@ -168,6 +174,11 @@ def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto
 
 def qk_backward(rank, d_attn, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None,
                 backend="auto", allow_tf32=False):
+    if rpb is None:
+        hit = _fast.qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal, backend,
+                                allow_tf32)
+        if hit is not None:
+            return hit
     problem = _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal,
                                       rpb, backend, allow_tf32)
     named = [("d_attn", d_attn), ("q", q), ("k", k), ("rpb", rpb)]
@@ -188,6 +199,10 @@ def qk_backward(rank, d_attn, q, k, kernel_size, *, dilation=1, is_causal=False,
 
 def av_backward(rank, d_out, attn, v, kernel_size, *, dilation=1, is_causal=False,
                 backend="auto", allow_tf32=False):
+    hit = _fast.av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend,
+                            allow_tf32)
+    if hit is not None:
+        return hit
     problem = _args.check_av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal,
                                       backend, allow_tf32)
     named = [("d_out", d_out), ("attn", attn), ("v", v)]

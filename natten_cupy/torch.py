@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import _AXES, _args, _fast, _for_rank, ops
 from ._arrays import check_one_device
-from ._dtypes import BFLOAT16
+from ._dtypes import BFLOAT16, accumulator_dtype, canonical_dtype
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "NeighborhoodAttention", "NeighborhoodAttention1D",
@@ -118,16 +118,103 @@ def _backward_problem(tensors, options):
     return problem, ops.select_backend("fused_backward", problem, _xp(q.device), backend)
 
 
+def _like(x):
+    return (tuple(x.shape), canonical_dtype(x.dtype))
+
+
 def _forward_entry(q, k, v, options):
     """The fast-path entry of a fused forward on CUDA tensors (validated on its signature's
     first call), or None where the general path runs it."""
-    return _fast.torch_entry("fused_forward", options[0], (q, k, v), options,
-                             lambda: _forward_problem(q, k, v, options))
+    return _fast.torch_entry(
+        "fused_forward", options[0], (q, k, v), options,
+        lambda: _forward_problem(q, k, v, options),
+        lambda p: [_like(q), (tuple(q.shape[:-1]), accumulator_dtype(p.dtype))])
 
 
 def _backward_entry(tensors, options):
+    q, k, v = tensors[1:4]
     return _fast.torch_entry("fused_backward", options[0], tensors, options,
-                             lambda: _backward_problem(tensors, options))
+                             lambda: _backward_problem(tensors, options),
+                             lambda p: [_like(q), _like(k), _like(v)])
+
+
+def _unfused_entry(op, tensors, options):
+    """Fast-path entry of an unfused op on CUDA tensors (``options``: rank, kernel_size,
+    dilation, is_causal, backend, allow_tf32), or None."""
+    rank, ks, dl, ca, backend, tf32 = options
+
+    def problem_of():
+        named = list(zip(_UNFUSED_NAMES[op], tensors))
+        problem = _UNFUSED_CHECKS[op](rank, *tensors, ks, dl, ca, backend, tf32)
+        _check_tensors(named)
+        return problem, ops.select_backend(op, problem, _xp(tensors[0].device), backend)
+
+    return _fast.torch_entry(op, rank, tensors, options, problem_of,
+                             lambda p: _UNFUSED_OUTPUTS[op](p, *tensors))
+
+
+_UNFUSED_NAMES = {"qk": ("q", "k", "rpb"), "av": ("attn", "v"),
+                  "qk_backward": ("d_attn", "q", "k"), "av_backward": ("d_out", "attn", "v")}
+_UNFUSED_CHECKS = {
+    "qk": lambda r, q, k, rpb, ks, dl, ca, be, tf: _args.check_qk(r, q, k, ks, dl, ca, rpb,
+                                                                  be, tf),
+    "av": _args.check_av,
+    "qk_backward": lambda r, da, q, k, ks, dl, ca, be, tf: _args.check_qk_backward(
+        r, da, q, k, ks, dl, ca, None, be, tf),
+    "av_backward": _args.check_av_backward}
+_UNFUSED_OUTPUTS = {
+    "qk": lambda p, q, k, rpb: [(tuple(q.shape[:-1]) + (p.num_neighbors,), p.dtype)],
+    "av": lambda p, attn, v: [_like(v)],
+    "qk_backward": lambda p, d_attn, q, k: [_like(q), _like(k)],
+    "av_backward": lambda p, d_out, attn, v: [_like(attn), _like(v)]}
+
+
+class _QK(torch.autograd.Function):
+    """Eager unfused logits on CUDA tensors through the fast path."""
+
+    @staticmethod
+    def forward(ctx, q, k, rpb, entry, options):
+        (attn,) = _fast.run_torch_call(entry, (q, k, rpb))
+        ctx.save_for_backward(q, k)
+        ctx.with_rpb = rpb is not None
+        ctx.options = options
+        return attn
+
+    @staticmethod
+    def backward(ctx, d_attn):
+        q, k = ctx.saved_tensors
+        e = None if ctx.with_rpb else _unfused_entry("qk_backward", (d_attn, q, k), ctx.options)
+        if e is not None:
+            dq, dk = _fast.run_torch_call(e, (d_attn, q, k))
+            return dq, dk, None, None, None
+        rank, ks, dl, ca, backend, tf32 = ctx.options
+        ks, _, dl, ca = _per_axis(rank, ks, dl, ca)
+        dq, dk, d_rpb = _qk_backward(d_attn, q, k, ctx.with_rpb, ks, dl, ca, backend,
+                                     bool(tf32))
+        return dq, dk, d_rpb if ctx.with_rpb else None, None, None
+
+
+class _AV(torch.autograd.Function):
+    """Eager unfused weighted values on CUDA tensors through the fast path."""
+
+    @staticmethod
+    def forward(ctx, attn, v, entry, options):
+        (out,) = _fast.run_torch_call(entry, (attn, v))
+        ctx.save_for_backward(attn, v)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        attn, v = ctx.saved_tensors
+        e = _unfused_entry("av_backward", (d_out, attn, v), ctx.options)
+        if e is not None:
+            d_attn, dv = _fast.run_torch_call(e, (d_out, attn, v))
+        else:
+            rank, ks, dl, ca, backend, tf32 = ctx.options
+            ks, _, dl, ca = _per_axis(rank, ks, dl, ca)
+            d_attn, dv = _av_backward(d_out, attn, v, ks, dl, ca, backend, bool(tf32))
+        return d_attn, dv, None, None
 
 
 class _FusedNA(torch.autograd.Function):
@@ -377,6 +464,10 @@ def na_qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, bac
           allow_tf32=False):
     """Unfused attention logits ``[B, *spatial, H, K]`` with autograd (q, k and rpb)."""
     if _validating():
+        options = (rank, kernel_size, dilation, is_causal, backend, allow_tf32)
+        e = _unfused_entry("qk", (q, k, rpb), options)
+        if e is not None:
+            return _QK.apply(q, k, rpb, e, options)
         _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32)
         _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
     ks, _, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal)
@@ -387,6 +478,10 @@ def na_av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="a
           allow_tf32=False):
     """Unfused attention-weighted values ``[B, *spatial, H, D]`` with autograd (attn and v)."""
     if _validating():
+        options = (rank, kernel_size, dilation, is_causal, backend, allow_tf32)
+        e = _unfused_entry("av", (attn, v), options)
+        if e is not None:
+            return _AV.apply(attn, v, e, options)
         _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32)
         _check_tensors([("attn", attn), ("v", v)])
     ks, _, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal)

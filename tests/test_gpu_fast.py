@@ -275,3 +275,80 @@ def test_mixed_frameworks_take_the_general_path(rng):
     want = natten_cupy.na1d(q, k, v, 5)
     got = natten_cupy.na1d(q, torch.from_dlpack(k), v, 5)
     assert bool((got == want).all())
+
+
+# ---- unfused ops -------------------------------------------------------------------------
+
+def _unfused_all(rank, q, k, v, d_out, rpb, kernel, opts):
+    m = natten_cupy
+    qk = getattr(m, f"na{rank}d_qk")(q, k, kernel, rpb=rpb, **opts)
+    attn = m.softmax(qk, scale=0.25)
+    out = getattr(m, f"na{rank}d_av")(attn, v, kernel, **opts)
+    d_attn, dv = getattr(m, f"na{rank}d_av_backward")(d_out, attn, v, kernel, **opts)
+    dq, dk = getattr(m, f"na{rank}d_qk_backward")(d_attn, q, k, kernel, **opts)
+    return qk, out, d_attn, dv, dq, dk
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}d-{c[1]}")
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_cupy_unfused_fast_equals_general(rng, monkeypatch, case, dtype, layout):
+    import cupy
+    rank, spatial, kernel, opts = case
+    opts = {n: v for n, v in opts.items() if n != "stride"}
+    opts["allow_tf32"] = dtype == "tf32"
+    q, k, v, d_out = _cupy_inputs(rng, spatial, dtype, layout=layout)
+    _fast.clear()
+    got = [_unfused_all(rank, q, k, v, d_out, None, kernel, opts) for _ in range(2)]
+    assert _fast.entries() == 4, "qk, av, av_backward, qk_backward"
+    with monkeypatch.context() as m:
+        _general(m)
+        want = _unfused_all(rank, q, k, v, d_out, None, kernel, opts)
+    for run in got:
+        for g, w in zip(run, want):
+            assert isinstance(g, cupy.ndarray) and g.shape == w.shape and g.dtype == w.dtype
+            assert bool((g.view(f"u{g.dtype.itemsize}") == w.view(f"u{w.dtype.itemsize}")).all())
+
+
+def test_cupy_qk_with_rpb_fast_equals_general(rng, monkeypatch):
+    import cupy
+    q, k, _, _ = _cupy_inputs(rng, (11, 13), "float16")
+    rpb = cupy.asarray(rng.standard_normal((2, 9, 5))).astype(cupy.float16)
+    got = [natten_cupy.na2d_qk(q, k, (5, 3), rpb=rpb, dilation=(1, 2)) for _ in range(2)]
+    with monkeypatch.context() as m:
+        _general(m)
+        want = natten_cupy.na2d_qk(q, k, (5, 3), rpb=rpb, dilation=(1, 2))
+    for g in got:
+        assert bool((g.view("u2") == want.view("u2")).all())
+
+
+@pytest.mark.parametrize("with_rpb", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_unfused_eager_equals_compiled(rng, dtype, with_rpb):
+    from natten_cupy import torch as nt
+    q, k, v, d_out = (torch.randn(2, 13, 11, 2, 32, device="cuda", dtype=dtype)
+                      for _ in range(4))
+    rpb = torch.randn(2, 9, 5, device="cuda", dtype=dtype) if with_rpb else None
+    opts = dict(dilation=(1, 2), is_causal=(True, False))
+
+    def chain(q, k, v, rpb):
+        attn = torch.softmax(nt.na2d_qk(q, k, (5, 3), rpb=rpb, **opts).float(), -1).to(dtype)
+        return nt.na2d_av(attn, v, (5, 3), **opts)
+
+    def grads(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        r = None if rpb is None else rpb.detach().clone().requires_grad_()
+        out = fn(*leaves, r)
+        out.backward(d_out)
+        return [out.detach()] + [x.grad for x in leaves] + ([] if r is None else [r.grad])
+
+    _fast.clear()
+    eager = [grads(chain) for _ in range(2)]
+    assert _fast.entries() >= 2
+    want = grads(torch.compile(chain, fullgraph=True))
+    for run in eager:
+        for i, (g, w) in enumerate(zip(run, want)):
+            if i == 4:   # d_rpb: float32 atomics in any order
+                torch.testing.assert_close(g, w)
+            else:
+                assert torch.equal(g, w)

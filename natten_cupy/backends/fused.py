@@ -62,6 +62,11 @@ def refuse(op, problem):
     return part.refuse(problem)
 
 
+# Inputs (in plan order) the kernels read by 16-byte rows; the fast path copies those that
+# cannot be read as they are (lse, read element-wise, is not among them).
+ROW_INPUTS = {"fused_forward": (0, 1, 2), "fused_backward": (0, 1, 2, 3, 4)}
+
+
 def plan(op, problem, layouts):
     """The launch Plan of ``op`` on the current device for operand layouts: (q, k, v, out,
     lse) forward, (d_out, q, k, v, out, lse, dq, dk, dv) backward; None if an operand must

@@ -29,7 +29,8 @@ import numpy
 
 from .._compile import get_kernel
 from .._dtypes import FLOAT32, HALF_TYPES, c_type
-from .._launch import launch
+from .._launch import KernelCall, Operand, Plan, launch, run_plan_on
+from .._operands import layout_of, rows_ready
 from .._params import make_params
 from . import OPS
 
@@ -134,33 +135,6 @@ def _grid(problem, heads_per_warp, slices=1):
 
 # ---- operands ----------------------------------------------------------------------------
 
-def _aligned(x):
-    """True when ``x`` can be read and written with 16-byte accesses along its last axis:
-    16-byte aligned base, contiguous last axis, every other stride a multiple of 16 bytes."""
-    if x.data.ptr % 16 or (x.shape[-1] > 1 and x.strides[-1] != x.dtype.itemsize):
-        return False
-    return all(size == 1 or stride % 16 == 0
-               for size, stride in zip(x.shape[:-1], x.strides[:-1]))
-
-
-def _operand(x):
-    import cupy
-    return x if _aligned(x) else cupy.ascontiguousarray(x)
-
-
-class _Output:
-    """An output array, or a contiguous stand-in copied back by ``done()``."""
-
-    def __init__(self, x):
-        import cupy
-        self.target = x
-        self.array = x if _aligned(x) else cupy.empty(x.shape, dtype=x.dtype)
-
-    def done(self):
-        if self.array is not self.target:
-            self.target[...] = self.array
-
-
 # ---- kernels -----------------------------------------------------------------------------
 
 def score_batch(problem):
@@ -208,16 +182,19 @@ def score_heads(problem):
     return _ceil_div(problem.heads, groups), STAGE_BYTES >= per_head
 
 
-def _scores(problem, a, b, rpb, out, fill):
-    """out[i, t] = <a_i, b_j(i, t)> (+ rpb); a in p.q, b in p.k, out in p.attn."""
+def _scores_call(problem, a, b, rpb, out, fill, slots):
+    """KernelCall of out[i, t] = <a_i, b_j(i, t)> (+ rpb) for layouts a, b, rpb (or None),
+    out; ``slots``: their Operand indices (rpb's None when absent)."""
     p = make_params(problem, q=a, k=b, rpb=rpb, attn=out)
     heads, staged = score_heads(problem)
     smem = WARPS * 16 * heads * problem.num_neighbors * problem.dtype.itemsize if staged else 0
     expr = _scores_expr(problem)
-    launch(get_kernel(SOURCE, expr), _grid(problem, heads), (32 * WARPS,),
-           (a, b, _NULL if rpb is None else rpb, out, numpy.float32(fill), numpy.int32(heads),
-            numpy.int32(staged), p),
-           shared_mem=smem, name=expr, backend=NAME)
+    sa, sb, sr, so = (None if i is None else Operand(i) for i in slots)
+    grid = _grid(problem, heads) + (1, 1)
+    return KernelCall(get_kernel(SOURCE, expr), grid, (32 * WARPS, 1, 1),
+                      (sa, sb, _NULL if sr is None else sr, so, numpy.float32(fill),
+                       numpy.int32(heads), numpy.int32(staged), p),
+                      shared_mem=smem, name=expr, backend=NAME)
 
 
 def weight_stage_bytes(problem):
@@ -231,17 +208,19 @@ def weight_stage_bytes(problem):
     return size if size <= WEIGHT_STAGE_BYTES else 0
 
 
-def _weighted(problem, weights, x, out, inverse):
-    """out_r = sum of weights * x over the window (or inverse window) of r."""
+def _weighted_call(problem, weights, x, out, inverse, slots):
+    """KernelCall of out_r = sum of weights * x over the window (or inverse window) of r,
+    for layouts weights, x, out at Operand indices ``slots``."""
     p = make_params(problem, attn=weights, v=x, o=out)
     tiles = slice_tiles(problem)
     slices = _ceil_div(problem.head_dim, 8 * tiles)
     stage = 0 if inverse else weight_stage_bytes(problem)
     expr = _weighted_expr(problem, inverse)
-    launch(get_kernel(SOURCE, expr), _grid(problem, weighted_heads(problem, inverse), slices),
-           (32 * WARPS,),
-           (weights, x, out, numpy.int32(stage > 0), p), shared_mem=WARPS * stage, name=expr,
-           backend=NAME)
+    grid = _grid(problem, weighted_heads(problem, inverse), slices) + (1, 1)
+    sw, sx, so = map(Operand, slots)
+    return KernelCall(get_kernel(SOURCE, expr), grid, (32 * WARPS, 1, 1),
+                      (sw, sx, so, numpy.int32(stage > 0), p), shared_mem=WARPS * stage,
+                      name=expr, backend=NAME)
 
 
 def _rpb_grad(problem, d_attn, d_rpb):
@@ -261,35 +240,74 @@ def _rpb_grad(problem, d_attn, d_rpb):
                shared_mem=4 * count, name=expr, backend=NAME)
 
 
-# ---- the four unfused ops ----------------------------------------------------------------
+# ---- plans of the four unfused ops ---------------------------------------------------------
+
+# Per op: the operands in call order (inputs, then outputs) and which inputs the kernels read
+# by 16-byte rows (the others, attn / d_attn / rpb, are read element-wise with any strides).
+OPERANDS = {"qk": ("q", "k", "rpb", "attn"), "av": ("attn", "v", "out"),
+            "qk_backward": ("d_attn", "q", "k", "dq", "dk"),
+            "av_backward": ("d_out", "attn", "v", "d_attn", "dv")}
+ROW_INPUTS = {"qk": (0, 1), "av": (1,), "qk_backward": (1, 2), "av_backward": (0, 2)}
+ROW_OUTPUTS = {"qk": (), "av": (2,), "qk_backward": (3, 4), "av_backward": (4,)}
+
+
+def plan(op, problem, layouts):
+    """The Plan of unfused ``op`` for operand layouts in ``OPERANDS[op]`` order (rpb may be
+    None), or None if a row operand is not ``rows_ready`` (or, for qk_backward, the rpb
+    gradient is asked for: it runs through ``qk_backward`` below)."""
+    if not all(rows_ready(layouts[i]) for i in ROW_INPUTS[op] + ROW_OUTPUTS[op]):
+        return None
+    if op == "qk":
+        q, k, rpb, attn = layouts
+        slots = (0, 1, None if rpb is None else 2, 3)
+        return Plan((_scores_call(problem, q, k, rpb, attn, -numpy.inf, slots),))
+    if op == "av":
+        attn, v, out = layouts
+        return Plan((_weighted_call(problem, attn, v, out, False, (0, 1, 2)),))
+    if op == "qk_backward":
+        d_attn, q, k, dq, dk = layouts
+        return Plan((_weighted_call(problem, d_attn, k, dq, False, (0, 2, 3)),
+                     _weighted_call(problem, d_attn, q, dk, True, (0, 1, 4))))
+    d_out, attn, v, d_attn, dv = layouts
+    return Plan((_scores_call(problem, d_out, v, None, d_attn, 0.0, (0, 2, None, 3)),
+                 _weighted_call(problem, attn, d_out, dv, True, (1, 0, 4))))
+
+
+def _run(op, problem, arrays):
+    """Run ``op`` on CuPy arrays (OPERANDS order): stand-ins for row operands that are not
+    ready (contiguous copies in, temporaries out), then the plan."""
+    import cupy
+    arrays = list(arrays)
+    outputs = {}
+    for i in ROW_INPUTS[op]:
+        if not rows_ready(arrays[i]):
+            arrays[i] = arrays[i].copy(order="C")
+    for i in ROW_OUTPUTS[op]:
+        if not rows_ready(arrays[i]):
+            outputs[i] = arrays[i]
+            arrays[i] = cupy.empty(arrays[i].shape, dtype=arrays[i].dtype)
+    layouts = [None if x is None else layout_of(x) for x in arrays]
+    run_plan_on(plan(op, problem, layouts), arrays)
+    for i, target in outputs.items():
+        target[...] = arrays[i]
+
 
 def qk(problem, q, k, rpb, attn):
-    _scores(problem, _operand(q), _operand(k), rpb, attn, -numpy.inf)
+    _run("qk", problem, (q, k, rpb, attn))
 
 
 def av(problem, attn, v, out):
-    o = _Output(out)
-    _weighted(problem, attn, _operand(v), o.array, inverse=False)
-    o.done()
+    _run("av", problem, (attn, v, out))
 
 
 def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
-    q, k = _operand(q), _operand(k)
-    dq_o, dk_o = _Output(dq), _Output(dk)
-    _weighted(problem, d_attn, k, dq_o.array, inverse=False)
-    _weighted(problem, d_attn, q, dk_o.array, inverse=True)
-    dq_o.done()
-    dk_o.done()
+    _run("qk_backward", problem, (d_attn, q, k, dq, dk))
     if d_rpb is not None:
         _rpb_grad(problem, d_attn, d_rpb)
 
 
 def av_backward(problem, d_out, attn, v, d_attn, dv):
-    d_out, v = _operand(d_out), _operand(v)
-    _scores(problem, d_out, v, None, d_attn, 0.0)
-    dv_o = _Output(dv)
-    _weighted(problem, attn, d_out, dv_o.array, inverse=True)
-    dv_o.done()
+    _run("av_backward", problem, (d_out, attn, v, d_attn, dv))
 
 
 def instantiations():
