@@ -362,14 +362,20 @@ __device__ __forceinline__ void bwd_pass(
 
 // Resident CTAs per SM the register budget is cut for (the most that compile without
 // spills): the dK/dV pass holds two accumulator sets; sm_80's allocator needs a little more
-// room than sm_90's for the head-dim-32 dQ pass.
-template <int Dp, bool OwnerIsKey> struct MinBlocks {
+// room than sm_90's for the head-dim-32 dQ pass, and so does CUDA 13.0's sm_90 allocator for
+// the head-dim-32 f16/bf16 dK/dV pass (136 spill bytes at 3 CTAs; none from 13.1 on).
+template <typename T, int Dp, bool OwnerIsKey> struct MinBlocks {
 #if __CUDA_ARCH__ >= 900
   static constexpr int q32 = 4;
 #else
   static constexpr int q32 = 3;
 #endif
-  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? 3 : 2) : (Dp <= 32 ? q32 : Dp <= 64 ? 3 : 2);
+#if __CUDA_ARCH__ >= 900 && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1301
+  static constexpr int kv32 = sizeof(T) == 2 ? 2 : 3;
+#else
+  static constexpr int kv32 = 3;
+#endif
+  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? kv32 : 2) : (Dp <= 32 ? q32 : Dp <= 64 ? 3 : 2);
 };
 
 }  // namespace
@@ -378,7 +384,7 @@ template <int Dp, bool OwnerIsKey> struct MinBlocks {
 // bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA tile
 // t and warp patch p (powers of two), log2 l of p, tiles per dilation group n.
 template <typename T, int Dp, int DC>
-__global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, true>::value)
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true>::value)
 na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
                 float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
@@ -397,7 +403,7 @@ na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 // dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o; runs
 // first (the dK/dV pass reads the delta it writes).
 template <typename T, int Dp, int DC>
-__global__ void __launch_bounds__(kWarps * 32, MinBlocks<Dp, false>::value)
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, false>::value)
 na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const T* __restrict__ d_o, const T* __restrict__ o, const float* __restrict__ lse,
                float* __restrict__ delta, T* __restrict__ dq,

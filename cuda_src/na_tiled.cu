@@ -468,8 +468,17 @@ constexpr int kWeightedSmallCtas = 3;
 #else
 constexpr int kWeightedSmallCtas = 2;
 #endif
+// The 16-bit sums held to 3 CTAs (forward, 2 heads a warp) spill more than the 16 bytes
+// accepted for them when compiled by an older CUDA: f16 before 13.1 (16 bytes), bf16 before
+// 13.4 (32-40 bytes). There they keep 2 CTAs.
+constexpr int kCudaVersion = __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__;
+template <typename T> struct SmallCtasSince { static constexpr int value = 0; };
+template <> struct SmallCtasSince<__half> { static constexpr int value = 1301; };
+template <> struct SmallCtasSince<__nv_bfloat16> { static constexpr int value = 1304; };
 template <typename T, int NT, bool INVERSE, bool EXACT, int HB>
-__global__ void __launch_bounds__(kWarps * 32, (!EXACT && HB * NT <= 8) ? kWeightedSmallCtas : 2)
+__global__ void __launch_bounds__(kWarps * 32, (!EXACT && HB * NT <= 8 &&
+                                                kCudaVersion >= SmallCtasSince<T>::value)
+                                                   ? kWeightedSmallCtas : 2)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
                   int staged, NAParams p) {
   constexpr bool F32 = IsF32<T>::value;
