@@ -43,3 +43,13 @@ def test_probe_report_renders_a_probe_file(tmp_path):
     assert "| qk | `tiled::x` | 2.00 | 25% |" in text
     assert text.startswith("x\n") and text.endswith("y\n")
     assert probe_report.update_readme(data, str(readme), check=True)
+
+
+def test_readme_call_tables_match_committed_results():
+    """The overhead and model-shaped tables are what bench/calls_report.py makes of the
+    committed overhead.json and models.json."""
+    if not ((RESULTS / "overhead.json").exists() or (RESULTS / "models.json").exists()):
+        pytest.skip("no committed overhead.json or models.json")
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "calls_report.py"), "--check"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,0 +1,125 @@
+"""README tables of what users see per call: host overhead (bench/overhead.py) and the
+model-shaped workloads as users call them (bench/models.py).
+
+The blocks lie between ``<!-- overhead-table:start -->`` / ``end -->`` and
+``<!-- models-table:start -->`` / ``end -->``.
+
+    python bench/calls_report.py [--overhead bench/results/overhead.json]
+        [--models bench/results/models.json] [--readme README.md] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+DEFAULT_README = os.path.join(os.path.dirname(HERE), "README.md")
+BLOCKS = {"overhead": ("<!-- overhead-table:start -->", "<!-- overhead-table:end -->"),
+          "models": ("<!-- models-table:start -->", "<!-- models-table:end -->")}
+
+
+def _ms(x):
+    return "-" if x is None else f"{x:.3g}"
+
+
+def overhead_table(data):
+    p = data["problem"]
+    lines = [f"Measured on {data['device']} (torch {data['torch']}, cupy {data['cupy']}, commit "
+             f"{data.get('commit') or '?'}) by `bench/overhead.py`: a {p['dtype']} problem of "
+             f"shape {tuple(p['shape'])} (kernel {p['kernel']}) whose kernels take "
+             f"{data['kernel_only_us']['forward']:.0f} us (forward) and "
+             f"{data['kernel_only_us']['forward_backward']:.0f} us (forward + backward) from a "
+             "CUDA graph; host microseconds per call, 500 calls then one synchronize, median of "
+             "5 runs. \"general\" is the same call with the fast path switched off "
+             "(`NATTEN_CUPY_FAST_PATH=0`).",
+             "",
+             "| call | warm call (fast path) | general path |",
+             "|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['call']} | {r['fast_host_us']:.1f} us | {r['general_host_us']:.1f} us |")
+    flex = data.get("flex_eager_forward_us")
+    if flex:
+        lines.append(f"| FlexAttention forward, eager (compiled `flex_attention`), same problem "
+                     f"| {flex:.1f} us | |")
+    return "\n".join(lines)
+
+
+def models_table(data):
+    lines = [f"Measured on {data['device']} (torch {data['torch']}, cupy {data['cupy']}, commit "
+             f"{data.get('commit') or '?'}, {data.get('date', '')}) by `bench/models.py`: each "
+             "workload called as users call it, side by side in one process. Ours: "
+             "`natten_cupy.torch.na{n}d` on tensors that require grad, eager; Flex: "
+             "`torch.compile(flex_attention)` with a `create_block_mask` mask in row-major "
+             "token order. \"kernels\" are CUDA-graph replays of the same calls (no host "
+             "overhead). Medians of CUDA-event timings.",
+             "",
+             "| workload | dtype | ours fwd / fwd+bwd ms | Flex fwd / fwd+bwd ms | speedup fwd / "
+             "fwd+bwd | kernels only, ours / Flex fwd+bwd ms | ours TFLOP/s fwd / fwd+bwd |",
+             "|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['dtype']} | error | | | | |")
+            continue
+        o, f = r["ours_eager"], r.get("flex_eager", {})
+        ours = f"{_ms(o['fwd'])} / {_ms(o['fwd_bwd'])}"
+        tf = f"{o['tflops_fwd']:.0f} / {o['tflops_fwd_bwd']:.0f}"
+        if "fwd" in f:
+            flex = f"{_ms(f['fwd'])} / {_ms(f['fwd_bwd'])}"
+            sp = f"{f['fwd'] / o['fwd']:.2f}x / {f['fwd_bwd'] / o['fwd_bwd']:.2f}x"
+            kk = f"{_ms(o.get('fwd_bwd_kernels'))} / {_ms(f.get('fwd_bwd_kernels'))}"
+        else:
+            flex, sp, kk = "did not run", "-", f"{_ms(o.get('fwd_bwd_kernels'))} / -"
+        lines.append(f"| {r['workload']} | {r['dtype']} | {ours} | {flex} | {sp} | {kk} | {tf} |")
+    if data.get("not_run"):
+        lines.append("")
+        lines.append("Not run in this call's time budget: " + ", ".join(data["not_run"]) + ".")
+    return "\n".join(lines)
+
+
+def update_readme(blocks, readme, check=False):
+    """Replace each block's text in ``readme``; with ``check``, True if already current."""
+    with open(readme) as f:
+        text = f.read()
+    new = text
+    for name, body in blocks.items():
+        start, end = BLOCKS[name]
+        if start not in new or end not in new:
+            raise SystemExit(f"{readme} has no {start} ... {end} block")
+        head, rest = new.split(start, 1)
+        _, tail = rest.split(end, 1)
+        new = f"{head}{start}\n{body}\n{end}{tail}"
+    if check:
+        return new == text
+    with open(readme, "w") as f:
+        f.write(new)
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--overhead", default=os.path.join(RESULTS, "overhead.json"),
+                    help="bench/overhead.py's JSON (default: bench/results/overhead.json)")
+    ap.add_argument("--models", default=os.path.join(RESULTS, "models.json"),
+                    help="bench/models.py's JSON (default: bench/results/models.json)")
+    ap.add_argument("--readme", default=DEFAULT_README, help="README to update (default: ours)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 if the README's blocks differ from the JSON (change nothing)")
+    args = ap.parse_args(argv)
+    blocks = {}
+    for name, path, render in (("overhead", args.overhead, overhead_table),
+                               ("models", args.models, models_table)):
+        if os.path.exists(path):
+            with open(path) as f:
+                blocks[name] = render(json.load(f))
+    ok = update_readme(blocks, args.readme, check=args.check)
+    if args.check and not ok:
+        print("README's overhead/models tables are out of date: run bench/calls_report.py")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
