@@ -385,12 +385,52 @@ def compare(case, got, truth, yard, where=""):
                 f"{list(worst)}: got {g[worst]!r}, expected {t[worst]!r}")
 
 
+def expected_refusal(case, backend_name):
+    """What ``backend_name`` must say of ``case``, from the SPEC's backend table alone: None
+    if it must run it, else a fragment of the message its refusal must hold. Written apart
+    from the backends' own ``refuse`` so that a backend that wrongly starts refusing a
+    supported case fails the suite instead of skipping it."""
+    tensor_cores = case.dtype in ("float16", "bfloat16") or (case.dtype == "float32"
+                                                              and case.tf32)
+    if backend_name == "naive":
+        return None
+    if backend_name == "tiled":
+        if case.kind == "fused":
+            return "runs only the unfused ops"
+        if case.dtype == "float64":
+            return "dtype float64 is not supported"
+        if case.head_dim % 8 or case.head_dim > 256:
+            return "is not a multiple of 8"
+        return None
+    if backend_name == "fused":
+        if case.kind != "fused":
+            return "runs only the fused ops"
+        if case.dtype == "float64":
+            return "dtype float64 is not supported"
+        if tensor_cores and (case.head_dim % 8 or case.head_dim > 256):
+            return "multiple of 8"
+        if not tensor_cores and (case.head_dim % 4 or case.head_dim > 256):
+            return "multiple of 4"
+        return None
+    raise ValueError(f"no capability entry for backend {backend_name!r}")
+
+
 def check_backend(case, backend_name):
-    """Run ``case`` on a GPU backend and compare; returns None or a skip reason."""
+    """Run ``case`` on a GPU backend and compare. A case the backend must run (by
+    ``expected_refusal``) fails if it is refused; one it must refuse fails unless the refusal
+    names the expected reason. Returns None (ran) or the expected refusal's text."""
     import cupy
     backend = get_backend(backend_name)
+    if backend is None:
+        raise AssertionError(f"backend {backend_name} is not available in this install")
     why = refusal(case, backend)
-    if why is not None:
+    expected = expected_refusal(case, backend_name)
+    if expected is None and why is not None:
+        raise AssertionError(f"{backend_name} must run {case.id} but refuses it: {why}")
+    if expected is not None:
+        if why is None or expected not in why:
+            raise AssertionError(f"{backend_name} should refuse {case.id} with a message "
+                                 f"holding {expected!r}, got {why!r}")
         return why
     x, truth, yard = references(case)
     xd = inputs_on_device(x, case)

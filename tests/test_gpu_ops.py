@@ -2,8 +2,9 @@
 
 Parametrized over backend (naive, tiled, fused) x the cases of ``gpu_cases`` (every op kind
 x rank x dtype, causal mixes, odd and even kernels, dilation, stride for the fused ops, odd
-extents, permuted layouts). A backend that is missing or refuses a case is skipped with the
-reason, so the suite covers each backend as it lands. ``NATTEN_CUPY_GPU_QUICK=1`` runs a
+extents, permuted layouts). What each backend must accept is a capability table
+(``gpu_cases.expected_refusal``): a supported case that is refused fails, and a case outside
+a backend's table passes only if its refusal names the reason. ``NATTEN_CUPY_GPU_QUICK=1`` runs a
 quarter of the cases. The tests without the gpu mark check the case list itself on the CPU.
 """
 
@@ -26,9 +27,7 @@ CASES = gpu_cases.make_cases()
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_op_against_reference(backend, case):
-    why = gpu_cases.check_backend(case, backend)
-    if why is not None:
-        pytest.skip(why)
+    gpu_cases.check_backend(case, backend)
 
 
 # ---- empty problems, streams --------------------------------------------------------------
@@ -170,6 +169,23 @@ def _replay_ops(case, mod, probs, x, y):
 
 
 # ---- the case list itself (CPU) -----------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capability_table_matches_the_backends_refusals(backend):
+    """On the CPU (refusals need no GPU): every case a backend must run is accepted, and
+    every other case is refused for the reason the table names."""
+    mod = get_backend(backend)
+    ran = 0
+    for case in CASES:
+        why = gpu_cases.refusal(case, mod)
+        expected = gpu_cases.expected_refusal(case, backend)
+        if expected is None:
+            assert why is None, f"{backend} refuses {case.id}: {why}"
+            ran += 1
+        else:
+            assert why is not None and expected in why, (case.id, expected, why)
+    assert ran >= 20, f"{backend} runs only {ran} cases of the suite"
+
 
 def test_cases_are_valid_and_cover_the_grid():
     seen = set()
