@@ -8,8 +8,8 @@ cache and checks that every output element is written, then once under each tool
 
 and writes one summary JSON: per tool the errors the sanitizer reported (its ERROR SUMMARY;
 racecheck's hazards too), the first error lines, the cases run of those planned, and whether
-the tool's time ran out; plus the kernels the cases launched and the registered
-instantiations none of them launched. Full logs sit next to the summary.
+the tool's time ran out; plus the kernels the cases used and the registered instantiations
+none of them used. Full logs sit next to the summary.
 
     python3 bench/sanitize.py --out-dir $OUT/sanitize --time-budget-s 420
 
@@ -169,8 +169,8 @@ def main(argv=None):
             print(f"   {line}")
     try:
         info = json.loads((out / f"cases_{stages[0]}.json").read_text())
-        summary["kernels_launched"] = len(info["kernels_launched"])
-        summary["never_launched"] = info["never_launched"]
+        summary["kernels_used"] = len(info["kernels_used"])
+        summary["never_used"] = info["never_used"]
     except (OSError, ValueError, KeyError, IndexError):
         pass
     summary["elapsed_s"] = round(time.time() - t_start, 1)
