@@ -8,9 +8,7 @@ import sys
 
 import numpy
 
-import cupy
-
-from natten_cupy import _compile, _params
+from natten_cupy import _compile, _env, _params
 from natten_cupy._args import check_fused
 
 PROBE = r'''
@@ -24,6 +22,12 @@ extern "C" __global__ void echo_params(long long* out, float* scale, natten::NAP
 
 
 def main():
+    try:
+        _env.require_gpu("bench/smoke.py", hint="Run it on a GPU machine.")
+    except _env.NoGPUError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import cupy
     failures = 0
 
     def check(name, ok, detail=""):

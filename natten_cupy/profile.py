@@ -18,7 +18,7 @@ import types
 
 import numpy
 
-from . import _args
+from . import _args, _env
 from .backends import NAMES, PREFERENCE, get_backend
 from ._softmax import softmax, softmax_backward
 from .profiler import Profiler, flops, floor_ms
@@ -69,35 +69,52 @@ def _per_axis(name, values, rank, default):
 def make_parser():
     p = argparse.ArgumentParser(
         prog="natten-cupy-profile",
-        description="Profile natten_cupy's kernels on one neighborhood-attention problem.")
+        description="Profile natten_cupy's kernels on one neighborhood-attention problem "
+                    "(needs a CUDA GPU; --dry-run does not).",
+        epilog="example: natten-cupy-profile -i 1024 1024 -k 9 -n 8 -d 32 --dtype fp16 "
+               "--backprop\n")
     p.add_argument("-i", "--input-size", type=int, nargs="+", required=True, metavar="L",
-                   help="spatial extents, 1 to 3 values (sets the rank: 1-D, 2-D or 3-D)")
-    p.add_argument("-b", "--batch-size", type=int, default=1)
-    p.add_argument("-n", "--heads", type=int, default=1)
-    p.add_argument("-d", "--dim", type=int, default=64, help="head dim")
+                   help="spatial extents, 1 to 3 values (sets the rank: 1-D, 2-D or 3-D; "
+                        "required)")
+    p.add_argument("-b", "--batch-size", type=int, default=1,
+                   help="batch size B (default %(default)s)")
+    p.add_argument("-n", "--heads", type=int, default=1,
+                   help="number of heads H (default %(default)s)")
+    p.add_argument("-d", "--dim", type=int, default=64,
+                   help="head dim D (default %(default)s)")
     p.add_argument("-k", "--kernel-size", type=int, nargs="+", required=True,
-                   help="kernel size, one value or one per axis")
+                   help="kernel size, one value or one per axis (required)")
     p.add_argument("-s", "--stride", type=int, nargs="+", default=None,
                    help="stride, one value or one per axis (default 1)")
     p.add_argument("--dilation", type=int, nargs="+", default=None,
                    help="dilation, one value or one per axis (default 1)")
     p.add_argument("-c", "--causal", type=_bool, nargs="*", default=None,
                    help="causal masking: alone means every axis, else one bool per axis "
-                        "(e.g. -c true false)")
-    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_ALIASES))
-    p.add_argument("--backprop", action="store_true", help="also profile the backward")
-    p.add_argument("--backend", default="auto", choices=("auto",) + NAMES)
+                        "(e.g. -c true false; default not causal)")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_ALIASES),
+                   metavar="DTYPE", help="element type: " + ", ".join(sorted(DTYPE_ALIASES))
+                   + " (default %(default)s)")
+    p.add_argument("--backprop", action="store_true",
+                   help="also profile the backward (default: forward only)")
+    p.add_argument("--backend", default="auto", choices=("auto",) + NAMES,
+                   help="backend to run: " + ", ".join(("auto",) + NAMES)
+                   + " (default %(default)s: the fastest that accepts the problem)")
     p.add_argument("--unfused", action="store_true",
                    help="run the unfused chain qk -> softmax -> av (and its backward) "
-                        "instead of the fused op")
+                        "instead of the fused op (default: the fused op)")
     p.add_argument("--tile", type=int, nargs="+", default=None,
-                   help="tile config passed to the fused backends")
-    p.add_argument("--warmup-steps", type=int, default=10)
+                   help="tile config passed to the fused backends, the CTA query box per "
+                        "axis (default: the backend's choice)")
+    p.add_argument("--warmup-steps", type=int, default=10,
+                   help="untimed runs before the profiled one, at least 1 (compiles the "
+                        "kernels; default %(default)s)")
     p.add_argument("--allow-tf32", action="store_true",
-                   help="let float32 inputs use TF32 tensor cores")
+                   help="let float32 inputs use TF32 tensor cores (default: exact float32)")
     p.add_argument("--dry-run", action="store_true",
-                   help="only list the backends that can run the problem (no GPU needed)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="only list the backends that can run the problem and why the "
+                        "others cannot (no GPU needed)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random inputs (default %(default)s)")
     return p
 
 
@@ -334,9 +351,14 @@ def profile_run(problem, args, console):
 
 
 def main(argv=None):
-    from rich.console import Console
-    console = Console()
     args = parse_args(argv)
+    try:
+        from rich.console import Console
+    except ImportError:
+        print("error: the profiler prints its tables with rich: pip install rich "
+              "(or the package's [bench] extra)", file=sys.stderr)
+        return 2
+    console = Console()
     try:
         problem = build_problem(args)
     except (ValueError, TypeError) as e:
@@ -350,7 +372,18 @@ def main(argv=None):
         console.print(f"[red]backend {args.backend!r} cannot run this:[/red] {refused[0]}"
                       + ("" if args.unfused else " (the unfused ops need --unfused)"))
         return 2
-    return profile_run(problem, args, console)
+    hint = "`--dry-run` lists the backends that can run the problem without one."
+    try:
+        _env.require_gpu("profiling (kernels are timed on the GPU, the reference backend's "
+                         "too)", hint)
+        return profile_run(problem, args, console)
+    except Exception as e:
+        if not _env.is_no_gpu_error(e):
+            raise
+        msg = str(e) if isinstance(e, _env.NoGPUError) else _env.no_gpu_message("profiling",
+                                                                              hint=hint)
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
 
 
 # ``natten_cupy.profile`` is both this module (once imported) and the context-manager
