@@ -210,4 +210,5 @@ def run_plan_on(plan, arrays):
                    backend=c.backend, tile=c.tile)
         return
     plan.prepare()
-    run_plan(plan, [x.data.ptr for x in arrays], cupy.cuda.get_current_stream().ptr)
+    run_plan(plan, [0 if x is None else x.data.ptr for x in arrays],
+             cupy.cuda.get_current_stream().ptr)

@@ -111,3 +111,19 @@ def test_layout_readiness():
     assert rows_ready(unit)
     assert ok.unsqueezed(2).shape == (2, 1, 1, 5, 3, 32)
     assert ok.unsqueezed(2).strides[1:3] == (0, 0)
+
+
+def test_run_plan_on_passes_null_for_absent_operands(monkeypatch):
+    """An optional operand given as None (qk without rpb) reaches the kernel as a null pointer."""
+    calls = _launched(monkeypatch)
+
+    class _Arr:
+        class data:  # noqa: N801
+            ptr = 0x4000
+
+    monkeypatch.setattr(cupy.cuda, "get_current_stream",
+                        lambda: type("S", (), {"ptr": 7})())
+    plan = Plan((KernelCall(_FakeKernel(), (1, 1, 1), (32, 1, 1), (Operand(0), Operand(1))),))
+    _launch.run_plan_on(plan, [_Arr(), None])
+    assert _arg(calls[0]["params"], 0, 8) == (0x4000).to_bytes(8, "little")
+    assert _arg(calls[0]["params"], 1, 8) == bytes(8)
