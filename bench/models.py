@@ -36,7 +36,9 @@ import workloads as wl  # noqa: E402
 
 
 def _mask_mod(w):
-    """A user's mask_mod for workload ``w`` on row-major token indices."""
+    """A careful user's mask_mod for workload ``w`` on row-major token indices: per axis only
+    the arithmetic its options need (no dilation groups without dilation, no stride groups
+    without stride)."""
     import torch
     spatial = w.spatial
     strides = [1] * len(spatial)
@@ -44,26 +46,32 @@ def _mask_mod(w):
         strides[a] = strides[a + 1] * spatial[a + 1]
 
     def axis_ok(i, j, L, k, s, d, c):
-        g = i % d
-        ig, jg = i // d, j // d
-        glen = (L - g + d - 1) // d
-        base = (ig // s) * s
-        if c:
-            lead = torch.clamp(base + s - 1, max=glen - 1)
-            start = torch.clamp(lead - k + 1, min=0)
-            end = ig + 1
+        if d > 1:
+            same = (i % d) == (j % d)
+            glen = (L - i % d + d - 1) // d
+            i, j = i // d, j // d
         else:
-            lead = torch.minimum(base + s // 2, glen - 1)
-            start = torch.minimum(torch.clamp(lead - k // 2, min=0), glen - k)
-            end = start + k
-        return (j % d == g) & (jg >= start) & (jg < end)
+            same, glen = None, L
+        lead = i if s == 1 else (i // s) * s + ((s - 1) if c else s // 2)
+        if c:
+            lead = torch.clamp(lead, max=glen - 1) if s > 1 else lead
+            ok = (j <= i) & (j > lead - k)
+        else:
+            lead = torch.clamp(lead, max=glen - 1) if s > 1 else lead
+            start = torch.clamp(torch.clamp(lead - k // 2, min=0), max=glen - k)
+            ok = (j >= start) & (j < start + k)
+        return ok if same is None else ok & same
 
     axes = list(zip(spatial, w.kernel, w.stride, w.dilation, w.causal, strides))
 
     def mask_mod(b, h, q_idx, kv_idx):
         ok = None
         for L, k, s, d, c, st in axes:
-            m = axis_ok((q_idx // st) % L, (kv_idx // st) % L, L, k, s, d, c)
+            qi = q_idx // st if st > 1 else q_idx
+            ki = kv_idx // st if st > 1 else kv_idx
+            if st * L < w.tokens:
+                qi, ki = qi % L, ki % L
+            m = axis_ok(qi, ki, L, k, s, d, c)
             ok = m if ok is None else ok & m
         return ok
 
