@@ -71,6 +71,13 @@ def main(argv=None):
     compiled = torch.compile(lambda q, k, v: nt.na2d(q, k, v, KERNEL), fullgraph=True)
 
     ks3 = [KERNEL, KERNEL]
+    # The same forward registered one level lower (torch.library.Library + impl on CUDA, no
+    # custom_op wrapper), to measure what the custom_op layer itself costs per call.
+    lib = torch.library.Library("natten_cupy_overhead", "DEF")
+    lib.define("fwd(Tensor q, Tensor k, Tensor v, int[] kernel_size, int[] stride, "
+               "int[] dilation, bool[] is_causal, float? scale, str backend, bool allow_tf32, "
+               "bool deterministic) -> (Tensor, Tensor)")
+    lib.impl("fwd", nt._fused_forward._init_fn, "CUDA")
     x_base = torch.randn(SHAPE, device=dev, requires_grad=True)
 
     def autograd_baseline():
@@ -93,6 +100,10 @@ def main(argv=None):
          lambda: torch.ops.natten_cupy.na_fused_forward(tq, tk, tv, ks3, [1, 1], [1, 1],
                                                          [False, False], None, "auto", False,
                                                          False)),
+        ("same op registered with torch.library.Library.impl: forward",
+         lambda: torch.ops.natten_cupy_overhead.fwd(tq, tk, tv, ks3, [1, 1], [1, 1],
+                                                    [False, False], None, "auto", False,
+                                                    False)),
         ("torch alone: (x * 2).backward(), for scale", autograd_baseline),
     ]
     results = []
