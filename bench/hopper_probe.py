@@ -1,6 +1,8 @@
 """Device probe of the Hopper (wgmma) fused forward: compile, SASS, check, time, in one call.
 
     CUPY_CACHE_DIR=/tmp/cupy_cache PYTHONUNBUFFERED=1 python3 bench/hopper_probe.py [--no-flex]
+        [--no-sass]      (SASS needs no GPU: `python3 -c "import hopper_probe; hopper_probe.sass_all()"`
+                          from bench/ with nvcc and nvdisasm or cuobjdump on the PATH)
 
 1. compile every instantiation (seconds each), dump SASS of each through NVRTC's cubin and
    cuobjdump, count HGMMA / HMMA / local-memory instructions;
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -26,14 +29,20 @@ OUT = os.environ.get("OUT", "/tmp/hopper_probe")
 os.makedirs(OUT, exist_ok=True)
 RESULTS = {"compile": [], "sass": [], "check": [], "time": []}
 
-# (id, B, N, H, D, kernel, stride, dilation, causal)
+# (id, B, spatial, H, D, kernel, causal, dtypes); stride and dilation 1
+F16, BF16 = ("float16",), ("float16", "bfloat16")
 WORKLOADS = [
-    ("SA64", 1, 16384, 16, 64, 16384, 1, 1, False),
-    ("SA128", 1, 16384, 16, 128, 16384, 1, 1, False),
-    ("W1", 1, 32768, 16, 64, 2047, 1, 1, False),
-    ("W1-D128", 1, 32768, 16, 128, 2047, 1, 1, False),
-    ("C8K", 2, 8192, 16, 128, 1023, 1, 1, True),
-    ("SA4K", 1, 4096, 16, 128, 4096, 1, 1, False),
+    ("SA64", 1, (16384,), 16, 64, (16384,), (False,), BF16),
+    ("SA128", 1, (16384,), 16, 128, (16384,), (False,), BF16),
+    ("W1", 1, (32768,), 16, 64, (2047,), (False,), BF16),
+    ("W1-D128", 1, (32768,), 16, 128, (2047,), (False,), F16),
+    ("C8K", 2, (8192,), 16, 128, (1023,), (True,), F16),
+    ("SA4K", 1, (4096,), 16, 128, (4096,), (False,), F16),
+    ("W2b", 1, (256, 256), 4, 128, (13, 13), (False, False), F16),
+    ("2D-33", 1, (256, 256), 16, 128, (33, 33), (False, False), F16),
+    ("M5", 1, (128, 128), 16, 128, (21, 21), (False, False), ("bfloat16",)),
+    ("M4", 2, (16, 40, 64), 16, 64, (5, 9, 9), (False,) * 3, ("bfloat16",)),
+    ("M7", 4, (12, 32, 32), 8, 64, (6, 9, 9), (True, False, False), ("bfloat16",)),
 ]
 
 
@@ -94,14 +103,15 @@ def sass_all():
         log("sass", row)
 
 
-def _inputs(torch, B, N, H, D, dtype, seed=0):
+def _inputs(torch, B, spatial, H, D, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(B, N, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+    return [torch.randn(B, *spatial, H, D, device="cuda", dtype=dtype, generator=g)
+            for _ in range(3)]
 
 
-def _problem(q, L, ks, st, dl, ca):
+def _problem(q, ks, ca):
     from natten_cupy import _args
-    return _args.check_fused(1, q, q, q, ks, st, dl, ca, None, "fused")
+    return _args.check_fused(q.ndim - 3, q, q, q, ks, 1, 1, ca, None, "fused")
 
 
 def _time(fn, reps=20, warm=3):
@@ -125,58 +135,68 @@ def workloads(no_flex):
     import torch
     import torch.nn.functional as F
     from natten_cupy.backends import _fused_fwd, _fused_hopper as H
-    for wid, B, N, Hh, D, K, st, dl, ca in WORKLOADS:
-        for tname, tdt in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
-            if tname == "bfloat16" and wid not in ("SA64", "SA128", "W1"):
-                continue
-            q, k, v = _inputs(torch, B, N, Hh, D, tdt)
+    for wid, B, spatial, Hh, D, ks, ca, dtypes in WORKLOADS:
+        for tname in dtypes:
+            tdt = getattr(torch, tname)
+            q, k, v = _inputs(torch, B, spatial, Hh, D, tdt)
             cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
-            prob = _problem(cq, N, K, st, dl, ca)
+            prob = _problem(cq, ks, ca)
             out = cupy.full(cq.shape, cupy.nan, cq.dtype)
             lse = cupy.full(cq.shape[:-1], cupy.nan, cupy.float32)
+            N, K = math.prod(spatial), math.prod(ks)
             flops = 4 * B * N * Hh * K * D
             why = H.refuse(prob)
             if why:
                 log(f"{wid} {tname}: refused: {why}")
                 continue
-            tiles = [None] + (list(H.ALTERNATIVES[H._bucket(D)]) if tname == "float16" else [])
-            # correctness on this problem: vs float64 on a slice of queries (and vs SDPA)
+            one_d = len(spatial) == 1
+            tiles = [None] + (list(H.ALTERNATIVES[H._bucket(D)])
+                              if tname == "float16" and one_d else [])
+            # correctness on the full problem: NaN-free, vs the mma.sync kernel; 1-D also vs
+            # float64 on the first queries (and vs SDPA where dense)
             H.forward(prob, cq, ck, cv, out, lse)
             cupy.cuda.runtime.deviceSynchronize()
-            nan = int(cupy.isnan(out).sum()) + int(cupy.isnan(lse).sum())
+            rec = {"id": wid, "dtype": tname,
+                   "nan": int(cupy.isnan(out).sum()) + int(cupy.isnan(lse).sum())}
             ours = torch.from_dlpack(out)
-            ref = _slice_reference(torch, q, k, v, K, ca, prob.scale)
-            rows = ref[0].shape[1]
-            err = float((ours[:1, :rows].double() - ref[0]).abs().max())
-            lse_err = float((torch.from_dlpack(lse)[:1, :rows].double() - ref[1]).abs().max())
-            rec = {"id": wid, "dtype": tname, "nan": nan, "err_vs_f64": err, "lse_err": lse_err}
-            if K == N and not ca:
-                sd = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
-                sd = sd.transpose(1, 2)
-                rec["sdpa_err_vs_f64"] = float((sd[:1, :rows].double() - ref[0]).abs().max())
-                rec["vs_sdpa"] = float((ours.float() - sd.float()).abs().max())
+            fout = cupy.empty_like(out)
+            flse = cupy.empty_like(lse)
+            if _fused_fwd.refuse(prob) is None:
+                _fused_fwd.forward(prob, cq, ck, cv, fout, flse)
+                rec["vs_fused"] = float(cupy.abs(out.astype(cupy.float32) - fout).max())
+                rec["lse_vs_fused"] = float(cupy.abs(lse - flse).max())
+            if one_d:
+                ref = _slice_reference(torch, q, k, v, K, ca[0], prob.scale)
+                rows = ref[0].shape[1]
+                rec["err_vs_f64"] = float((ours[:1, :rows].double() - ref[0]).abs().max())
+                rec["lse_err"] = float((torch.from_dlpack(lse)[:1, :rows].double()
+                                        - ref[1]).abs().max())
+                if K == N and not ca[0]:
+                    sd = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+                    sd = sd.transpose(1, 2)
+                    rec["sdpa_err_vs_f64"] = float((sd[:1, :rows].double() - ref[0]).abs().max())
+                    rec["vs_sdpa"] = float((ours.float() - sd.float()).abs().max())
             RESULTS["check"].append(rec)
             _dump()
             log("check", rec)
             for tile in tiles:
                 ms = _time(lambda: H.forward(prob, cq, ck, cv, out, lse, tile=tile))
                 _rec(wid, tname, "hopper " + _label(tile or H.DEFAULT[H._bucket(D)]), ms, flops)
-            if tname == "float16" or wid in ("SA64", "SA128"):
-                fout = cupy.empty_like(out)
-                if _fused_fwd.refuse(prob) is None:
-                    ms = _time(lambda: _fused_fwd.forward(prob, cq, ck, cv, fout, lse), reps=10)
-                    _rec(wid, tname, "fused (mma.sync)", ms, flops)
-            if K == N and not ca:
+            if _fused_fwd.refuse(prob) is None and (tname == "float16" or not one_d
+                                                    or wid.startswith("SA")):
+                ms = _time(lambda: _fused_fwd.forward(prob, cq, ck, cv, fout, flse), reps=10)
+                _rec(wid, tname, "fused (mma.sync)", ms, flops)
+            if one_d and K == N and not ca[0]:
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 ms = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt))
                 _rec(wid, tname, "torch SDPA", ms, flops)
-            del q, k, v, cq, ck, cv, out, lse
+            del q, k, v, cq, ck, cv, out, lse, fout, flse
             torch.cuda.empty_cache()
             cupy.get_default_memory_pool().free_all_blocks()
     if not no_flex:  # last: its compile takes long
-        wid, B, N, Hh, D, K = WORKLOADS[2][:6]
-        _flex(torch, *_inputs(torch, B, N, Hh, D, torch.float16), N, K, 4 * B * N * Hh * K * D,
-              wid, "float16")
+        wid, B, (N,), Hh, D, (K,) = WORKLOADS[2][:6]
+        _flex(torch, *_inputs(torch, B, (N,), Hh, D, torch.float16), N, K,
+              4 * B * N * Hh * K * D, wid, "float16")
 
 
 def _slice_reference(torch, q, k, v, K, causal, scale):
@@ -243,10 +263,11 @@ def main():
     no_flex = "--no-flex" in sys.argv
     t0 = time.perf_counter()
     compile_all()
-    try:
-        sass_all()
-    except Exception as e:
-        log(f"sass failed: {type(e).__name__}: {e}")
+    if "--no-sass" not in sys.argv:
+        try:
+            sass_all()
+        except Exception as e:
+            log(f"sass failed: {type(e).__name__}: {e}")
     log(f"[{time.perf_counter() - t0:.0f} s] compiled")
     try:
         workloads(no_flex)

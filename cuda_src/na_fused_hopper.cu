@@ -32,6 +32,129 @@ __device__ __forceinline__ void load_tile(unsigned dst, const T* src, i64 stride
   }
 }
 
+// Where a CTA's query tile and its key region lie. The query tile is a T0 x T1 x T2 box of
+// in-group coordinates of one dilation group per axis (rank padded to 3 with inert axes);
+// its key region is the box of per-axis ranges [start(first query), end(last query)) (windows
+// are monotone in the query index), walked in row-major order (flat index f) in BN-key
+// tiles. Region coordinates are relative to the region's start.
+template <int RANK, int T0, int T1, int T2>
+struct Geom {
+  int g[3], q0[3], glen[3], rs[3], rk[3];
+  int ilo0, ihi0;  // axis-0 region rows inside every query's window
+  int total;       // keys in the region
+  int inner;       // keys per axis-0 row of the region (rk1 * rk2)
+  bool rows_only;  // windows all span axes 1 and 2 of the region: masks depend on rows only
+
+  __device__ __forceinline__ bool init(const NAParams& p) {
+    const int tdim[3] = {T0, T1, T2};
+    int x = blockIdx.x, tile[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      const Axis ax = axis_of(p, a);
+      const int n = (ax.group_len(0) + tdim[a] - 1) / tdim[a];  // group 0 is the longest
+      tile[a] = x % n;
+      x /= n;
+    }
+    bool spans = true;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      const Axis ax = axis_of(p, a);
+      g[a] = x % ax.dilation;
+      x /= ax.dilation;
+      glen[a] = ax.group_len(g[a]);
+      q0[a] = tile[a] * tdim[a];
+      if (q0[a] >= glen[a]) return false;
+      int fs, fe, ls, le;
+      ax.window(q0[a], glen[a], fs, fe);
+      ax.window(min(q0[a] + tdim[a], glen[a]) - 1, glen[a], ls, le);
+      rs[a] = fs;
+      rk[a] = le - fs;
+      if (a == 0) {
+        ilo0 = ls - fs;
+        ihi0 = fe - fs;
+      } else if (ls > fs || fe < le) {
+        spans = false;
+      }
+    }
+    rows_only = spans;
+    inner = rk[1] * rk[2];
+    total = rk[0] * inner;
+    return true;
+  }
+
+  // Whether some score of the tile of region keys [lo, lo + bn) needs a mask.
+  __device__ __forceinline__ bool needs_mask(int lo, int bn) const {
+    if (RANK == 1) return lo < ilo0 || lo + bn > ihi0;
+    if (!rows_only) return true;
+    return lo < ilo0 * inner || lo + bn > ihi0 * inner;
+  }
+
+  // Element offset of in-group coordinates c (axes beyond RANK are 0) in a tensor of strides st.
+  __device__ __forceinline__ i64 offset(const NAParams& p, const i64* st, int c0, int c1,
+                                        int c2) const {
+    const int c[3] = {c0, c1, c2};
+    i64 off = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a) off += (i64)(g[a] + p.dilation[a] * c[a]) * st[1 + a];
+    return off;
+  }
+
+  // In-group coordinates of row r of the query tile (valid: inside the group on every axis).
+  __device__ __forceinline__ void query(int r, int (&c)[3], bool& valid) const {
+    const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
+    valid = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      c[a] = q0[a] + l[a];
+      valid = valid && c[a] < glen[a];
+    }
+  }
+
+  // Region coordinates of flat region index f.
+  __device__ __forceinline__ void key(int f, int (&c)[3]) const {
+    c[0] = f / inner;
+    const int rem = f - c[0] * inner;
+    c[1] = RANK == 3 ? rem / rk[2] : rem;
+    c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
+  }
+};
+
+// Rows of the query tile (lo < 0; one matrix) or of a key tile (region keys [lo, lo + ROWS);
+// keys and values together, one index computation for both) at their tensor addresses, for
+// rank 2 and 3 (rank 1 steps one pointer: load_tile); keys past the region and queries past
+// a group are zero-filled.
+template <typename T, int D, int ROWS, int NT, int RANK, int T0, int T1, int T2>
+__device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i64* st0,
+                                          unsigned dst1, const T* base1, const i64* st1,
+                                          const Geom<RANK, T0, T1, T2>& G, const NAParams& p,
+                                          int lo, int head_dim, int tid) {
+  constexpr int CPR = D / 8, STEP = NT / CPR;
+  static_assert(NT % CPR == 0 && STEP % 8 == 0, "rows per pass must be a multiple of 8");
+  const int ch = tid % CPR;
+  int r = tid / CPR;
+  unsigned at = (ch / 8) * (ROWS * 128) + swz128(r, ch % 8);
+  const bool col_ok = ch * 8 < head_dim;
+#pragma unroll 1
+  for (; r < ROWS; r += STEP) {
+    int c[3];
+    bool ok;
+    if (lo < 0) {
+      G.query(r, c, ok);
+    } else {
+      ok = lo + r < G.total;
+      G.key(lo + r, c);
+#pragma unroll
+      for (int a = 0; a < 3; ++a) c[a] += G.rs[a];
+    }
+    ok = ok && col_ok;
+    cp_async16(dst0 + at, ok ? base0 + G.offset(p, st0, c[0], c[1], c[2]) + ch * 8 : base0, ok);
+    if (lo >= 0)
+      cp_async16(dst1 + at, ok ? base1 + G.offset(p, st1, c[0], c[1], c[2]) + ch * 8 : base1,
+                 ok);
+    at += STEP * 128;
+  }
+}
+
 // One warpgroup's share of a query tile: the S and O accumulators, the running row maxima
 // (raw scores) and partial row sums of its thread's two rows, and the steps of one key tile.
 template <typename T, int D, int BN>
@@ -71,6 +194,47 @@ struct RowBlock {
     for (int i = 0; i < BN / 2; ++i) {
       const int col = lo + (i / 4) * 8 + 2 * quad + (i % 2), r = (i / 2) % 2;
       if (col < ws[r] || col >= we[r]) acc_s[i] = negative_infinity<float>();
+    }
+  }
+
+  // Rank 2 and 3: the same over region coordinates; row r's window is [wl, wl + wn) per axis
+  // (region coordinates). The thread's columns 8i + 2 quad + e are visited in order, their
+  // coordinates carried forward (steps of 1 and 7 along the last axis of the rank).
+  template <int RANK>
+  __device__ __forceinline__ void mask_nd(int lo, int quad, const int (&rk)[3], int inner,
+                                          const int (&wl)[2][3], const int (&wn)[2][3]) {
+    constexpr int LAST = RANK - 1;
+    int c[3];
+    const int f0 = lo + 2 * quad;
+    c[0] = f0 / inner;
+    const int rem = f0 - c[0] * inner;
+    c[1] = RANK == 3 ? rem / rk[2] : rem;
+    c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
+#pragma unroll
+    for (int jn = 0; jn < BN / 8; ++jn) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          bool in = true;
+#pragma unroll
+          for (int a = 0; a < RANK; ++a)
+            in = in && (unsigned)(c[a] - wl[r][a]) < (unsigned)wn[r][a];
+          if (!in) acc_s[4 * jn + 2 * r + e] = negative_infinity<float>();
+        }
+        c[LAST] += e == 0 ? 1 : 7;
+        while (c[LAST] >= rk[LAST]) {
+          c[LAST] -= rk[LAST];
+          if (RANK == 3) {
+            if (++c[1] >= rk[1]) {
+              c[1] = 0;
+              ++c[0];
+            }
+          } else {
+            ++c[0];
+          }
+        }
+      }
     }
   }
 
@@ -132,8 +296,9 @@ struct RowBlock {
 // PP (ping-pong, with WS and PIPE): the compute warpgroups take turns to issue their GEMMs
 // (named barriers 1..WG), so that one's softmax runs while another's GEMMs hold the tensor
 // cores, instead of all of them contending at once.
-template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool WS, bool PP>
-__device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restrict__ k,
+template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool WS, bool PP, int RANK,
+          int T0, int T1, int T2>
+__device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, T* __restrict__ o,
                                        float* __restrict__ lse, const NAParams& p) {
   constexpr int BM = 64 * WG, NT = WS ? 128 : 128 * WG;  // NT: threads that load
@@ -141,6 +306,8 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
   constexpr int AHEAD = WS ? 1 : PIPE ? STAGES - 2 : STAGES - 1;
   static_assert(AHEAD >= 1 && STAGES >= 2, "PIPE without WS needs STAGES >= 3");
   static_assert(!PP || (WS && PIPE && WG >= 2), "PP needs WS, PIPE and two warpgroups");
+  static_assert(T0 * T1 * T2 == BM && (RANK > 1 || T0 == BM) && (RANK > 2 || T2 == 1),
+                "the query tile is BM queries over the rank's axes");
   constexpr unsigned Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
   constexpr int LOAD_UNROLL = WS ? 2 : 16;  // the loader runs on few registers
 
@@ -149,32 +316,38 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
   const unsigned sk = sq + Q_BYTES, sv = sk + STAGES * KV_BYTES;
   const unsigned full = sv + STAGES * KV_BYTES, empty = full + 8 * STAGES;  // WS barriers
 
-  const Axis ax = axis_of(p, 0);
-  const int tiles = (ax.group_len(0) + BM - 1) / BM;  // group 0 is the longest
-  const int g = blockIdx.x / tiles, q0 = (blockIdx.x % tiles) * BM;
-  const int glen = ax.group_len(g);
-  if (q0 >= glen) return;
+  Geom<RANK, T0, T1, T2> G;
+  if (!G.init(p)) return;
   const int h = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
   const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
   // Compute warpgroup (-1: the loader), read through a shuffle so that the compiler sees it
   // is warp-uniform (setmaxnreg only applies to branches it can prove are).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - (WS ? 1 : 0);
+  const int num_tiles = (G.total + BN - 1) / BN;
 
-  // Key range of the CTA, and the part of it inside every query's window (no mask there).
-  int first_s, first_e, last_s, last_e;
-  ax.window(q0, glen, first_s, first_e);
-  ax.window(min(q0 + BM, glen) - 1, glen, last_s, last_e);
-  const int kv_lo = first_s, num_tiles = (last_e - first_s + BN - 1) / BN;
-
-  const int d = ax.dilation;
-  const T* qb = q + b * p.q[0] + g * p.q[1] + h * p.q[4];
-  const T* kb = k + b * p.k[0] + g * p.k[1] + h * p.k[4];
-  const T* vb = v + b * p.v[0] + g * p.v[1] + h * p.v[4];
-  const i64 q_row = d * p.q[1], k_row = d * p.k[1], v_row = d * p.v[1];
+  // Batch and head offsets; rank 1 also folds in the group and steps rows by dilation.
+  const T* qb = q + b * p.q[0] + h * p.q[4];
+  const T* kb = k + b * p.k[0] + h * p.k[4];
+  const T* vb = v + b * p.v[0] + h * p.v[4];
+  const int d0 = (int)p.dilation[0];
+  auto load_q = [&]() {
+    if (RANK == 1)
+      load_tile<T, D, BM, NT, LOAD_UNROLL>(sq, qb + G.g[0] * p.q[1], d0 * p.q[1], G.q0[0],
+                                           G.glen[0], hd, tid);
+    else
+      load_rows<T, D, BM, NT>(sq, qb, p.q, sq, qb, p.q, G, p, -1, hd, tid);
+  };
   auto load_kv = [&](int j) {  // key/value tile j into its slot
     const unsigned slot = (j % STAGES) * KV_BYTES;
-    load_tile<T, D, BN, NT, LOAD_UNROLL>(sk + slot, kb, k_row, kv_lo + j * BN, glen, hd, tid);
-    load_tile<T, D, BN, NT, LOAD_UNROLL>(sv + slot, vb, v_row, kv_lo + j * BN, glen, hd, tid);
+    if (RANK == 1) {
+      const int row0 = G.rs[0] + j * BN;
+      load_tile<T, D, BN, NT, LOAD_UNROLL>(sk + slot, kb + G.g[0] * p.k[1], d0 * p.k[1], row0,
+                                           G.glen[0], hd, tid);
+      load_tile<T, D, BN, NT, LOAD_UNROLL>(sv + slot, vb + G.g[0] * p.v[1], d0 * p.v[1], row0,
+                                           G.glen[0], hd, tid);
+    } else {
+      load_rows<T, D, BN, NT>(sk + slot, kb, p.k, sv + slot, vb, p.v, G, p, j * BN, hd, tid);
+    }
   };
 
   // Tile j resident for this warpgroup. Without WS the barrier also orders every warpgroup's
@@ -194,10 +367,7 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
   auto release = [&](int j) {  // this warpgroup's GEMMs on tile j are complete
     if (WS) mbar_arrive(empty + 8 * (j % STAGES));
   };
-  auto needs_mask = [&](int j) {
-    const int lo = kv_lo + j * BN;
-    return lo < last_s || lo + BN > first_e;
-  };
+  auto needs_mask = [&](int j) { return G.needs_mask(j * BN, BN); };
 
   auto consume = [&]() {
     // Turns of the ping-pong: every warpgroup takes num_tiles + 1 (S_0; S_j with P_{j-1} V_{j-1};
@@ -211,17 +381,39 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
     };
     if (PP && wg == WG - 1) named_arrive(1, 256);
 
-    // This thread's two accumulator rows and their windows (rows past the group: clamped).
+    // This thread's two accumulator rows and their windows in region coordinates (rows past
+    // a group: clamped); rank 1 keeps them as in-group ranges.
     const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
-    int ws[2], we[2];
-    ax.window(min(q0 + row0, glen - 1), glen, ws[0], we[0]);
-    ax.window(min(q0 + row0 + 8, glen - 1), glen, ws[1], we[1]);
-
+    int ws[2], we[2], wl[2][3], wn[2][3];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int c[3];
+      bool valid;
+      G.query(row0 + 8 * r, c, valid);
+#pragma unroll
+      for (int a = 0; a < RANK; ++a) {
+        int s0, e0;
+        axis_of(p, a).window(min(c[a], G.glen[a] - 1), G.glen[a], s0, e0);
+        wl[r][a] = s0 - G.rs[a];
+        wn[r][a] = e0 - s0;
+        if (a == 0) {
+          ws[r] = s0 - G.rs[0];
+          we[r] = e0 - G.rs[0];
+        }
+      }
+    }
     const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e): softmax in exp2
     const unsigned q_wg = sq + wg * 64 * 128;
     RowBlock<T, D, BN> rb;
     rb.init();
     float alpha[2];
+    auto mask_tile = [&](int j) {  // region keys [j * BN, (j + 1) * BN)
+      if (!needs_mask(j)) return;
+      if (RANK == 1)
+        rb.mask(j * BN, quad, ws, we);
+      else
+        rb.template mask_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn);
+    };
 
     if (!PIPE) {
       for (int j = 0; j < num_tiles; ++j) {
@@ -232,7 +424,7 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(rb.acc_s);
-        if (needs_mask(j)) rb.mask(kv_lo + j * BN, quad, ws, we);
+        mask_tile(j);
         rb.softmax(sl, alpha);
         rb.rescale(alpha);
         rb.pack_p();
@@ -252,7 +444,7 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
       turn_pass(false);
       wgmma_wait<0>();
       fence_regs(rb.acc_s);
-      if (needs_mask(0)) rb.mask(kv_lo, quad, ws, we);
+      mask_tile(0);
       rb.softmax(sl, alpha);  // O is still 0: nothing to rescale
       rb.pack_p();
       for (int j = 1; j < num_tiles; ++j) {
@@ -267,7 +459,7 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
         turn_pass(false);
         wgmma_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
         fence_regs(rb.acc_s);
-        if (needs_mask(j)) rb.mask(kv_lo + j * BN, quad, ws, we);
+        mask_tile(j);
         rb.softmax(sl, alpha);
         wgmma_wait<0>();
         fence_regs(rb.acc_o);
@@ -285,25 +477,25 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
     }
 
     // Epilogue: normalize, store the valid rows, lse = (m * sl + log2 l) * ln 2.
-    T* ob = o + b * p.o[0] + g * p.o[1] + h * p.o[4];
-    const i64 o_row = d * p.o[1];
-  #pragma unroll
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
       float sum = rb.l[r];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int qi = q0 + row0 + 8 * r;
-      if (qi < glen) {
+      int c[3];
+      bool valid;
+      G.query(row0 + 8 * r, c, valid);
+      if (valid) {
         const float inv = 1.f / sum;
-        T* at = ob + (i64)qi * o_row;
-  #pragma unroll
+        T* at = o + b * p.o[0] + h * p.o[4] + G.offset(p, p.o, c[0], c[1], c[2]);
+#pragma unroll
         for (int i = 0; i < D / 8; ++i) {
           const int col = 8 * i + 2 * quad;
           if (col < hd)
             pack_store(at + col, rb.acc_o[4 * i + 2 * r] * inv, rb.acc_o[4 * i + 2 * r + 1] * inv);
         }
         if (quad == 0)
-          lse[b * p.lse[0] + (i64)(g + d * qi) * p.lse[1] + h * p.lse[4]] =
+          lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] =
               (rb.m[r] * sl + __log2f(sum)) * 0.6931471805599453f;
       }
     }
@@ -318,8 +510,8 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
     }
     __syncthreads();
     if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
-      regs_dec<WG == 2 ? 24 : 32>();
-      load_tile<T, D, BM, NT, LOAD_UNROLL>(sq, qb, q_row, q0, glen, hd, tid);
+      regs_dec<WG == 2 ? (RANK == 1 ? 24 : 40) : 32>();  // rank 2, 3: index math
+      load_q();
       for (int j = 0; j < num_tiles; ++j) {
         if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
         load_kv(j);
@@ -327,11 +519,11 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
       }
       cp_async_wait_all();
     } else {
-      regs_inc<WG == 2 ? 240 : 160>();
+      regs_inc<WG == 2 ? (RANK == 1 ? 240 : 232) : 160>();
       consume();
     }
   } else {
-    load_tile<T, D, BM, NT, LOAD_UNROLL>(sq, qb, q_row, q0, glen, hd, tid);
+    load_q();
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) {
       if (s < num_tiles) load_kv(s);
@@ -343,11 +535,12 @@ __device__ __forceinline__ void fwd_1d(const T* __restrict__ q, const T* __restr
 
 }  // namespace hopper
 
-template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool WS, bool PP>
+template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool WS, bool PP, int RANK,
+          int T0, int T1, int T2>
 __global__ void __launch_bounds__(128 * (WG + WS), 1)
 na_fwd_hopper(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const NAParams p) {
-  hopper::fwd_1d<T, D, WG, BN, STAGES, PIPE, WS, PP>(q, k, v, o, lse, p);
+  hopper::fwd<T, D, WG, BN, STAGES, PIPE, WS, PP, RANK, T0, T1, T2>(q, k, v, o, lse, p);
 }
 
 }  // namespace natten

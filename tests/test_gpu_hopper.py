@@ -21,20 +21,32 @@ F16, BF16, F64 = numpy.dtype(numpy.float16), BFLOAT16, numpy.dtype(numpy.float64
 OUT_FLOOR = {F16: 2e-3, BF16: 1.6e-2}
 LSE_FLOOR = {F16: 2e-3, BF16: 2e-3}
 
-# (extent, kernel, stride, dilation, causal, heads, head_dim, dtype, scale)
+# (spatial, kernel, stride, dilation, causal, heads, head_dim, dtype, scale)
 CASES = [
-    (97, 7, 1, 2, True, 2, 64, F16, None),
-    (200, 33, 4, 1, False, 3, 40, BF16, None),        # head dim padded to 64
-    (300, 300, 1, 1, False, 2, 128, F16, None),       # self-attention, partial last tile
-    (1500, 511, 1, 1, False, 1, 64, F16, None),
-    (1500, 512, 3, 1, True, 1, 64, BF16, None),       # even kernel, stride, causal
-    (1000, 64, 1, 3, False, 2, 128, BF16, None),      # dilation groups of 334 / 333
-    (777, 777, 1, 1, True, 1, 64, F16, None),         # causal self-attention
-    (129, 2, 2, 1, False, 2, 128, F16, None),         # smallest kernel
-    (2053, 1023, 5, 2, True, 1, 96, F16, None),       # head dim padded to 128
-    (513, 100, 1, 1, False, 1, 64, F16, 0.3),         # explicit scale
-    (2048, 2048, 1, 1, False, 1, 128, BF16, None),    # dense, whole tiles only
-    (64, 64, 64, 1, False, 2, 64, BF16, None),        # stride == kernel: blocked attention
+    ((97,), 7, 1, 2, True, 2, 64, F16, None),
+    ((200,), 33, 4, 1, False, 3, 40, BF16, None),       # head dim padded to 64
+    ((300,), 300, 1, 1, False, 2, 128, F16, None),      # self-attention, partial last tile
+    ((1500,), 511, 1, 1, False, 1, 64, F16, None),
+    ((1500,), 512, 3, 1, True, 1, 64, BF16, None),      # even kernel, stride, causal
+    ((1000,), 64, 1, 3, False, 2, 128, BF16, None),     # dilation groups of 334 / 333
+    ((777,), 777, 1, 1, True, 1, 64, F16, None),        # causal self-attention
+    ((129,), 2, 2, 1, False, 2, 128, F16, None),        # smallest kernel
+    ((2053,), 1023, 5, 2, True, 1, 96, F16, None),      # head dim padded to 128
+    ((513,), 100, 1, 1, False, 1, 64, F16, 0.3),        # explicit scale
+    ((2048,), 2048, 1, 1, False, 1, 128, BF16, None),   # dense, whole tiles only
+    ((64,), 64, 64, 1, False, 2, 64, BF16, None),       # stride == kernel: blocked attention
+    # 2-D (8 x 16 query boxes) and 3-D (2 x 8 x 8)
+    ((33, 41), (7, 5), (2, 1), (2, 3), (True, False), 2, 64, F16, None),
+    ((24, 37), (4, 6), 1, 1, False, 1, 128, BF16, None),
+    ((30, 29), 13, 1, 1, False, 1, 128, F16, None),
+    ((19, 23), (5, 4), (5, 2), (1, 2), (False, True), 1, 64, BF16, None),
+    ((45, 50), (45, 50), 1, 1, False, 1, 64, F16, None),   # 2-D self-attention
+    ((7, 70), (3, 33), 1, 1, (True, True), 2, 128, F16, 0.2),
+    ((9, 17, 13), (3, 5, 4), 1, (1, 2, 1), (False, False, True), 2, 64, F16, None),
+    ((8, 12, 12), 3, (1, 3, 2), 1, False, 1, 128, BF16, None),
+    ((6, 10, 11), (3, 5, 5), 1, 1, (True, False, False), 1, 64, F16, None),
+    ((5, 6, 7), (5, 6, 7), 1, 1, False, 1, 128, F16, None),  # 3-D self-attention
+    ((10, 20, 21), (5, 9, 9), (2, 1, 3), (1, 2, 2), False, 1, 64, BF16, None),
 ]
 
 
@@ -44,8 +56,8 @@ def _skip_unless_hopper():
 
 
 def _problem(x, case):
-    L, ks, st, dl, ca, _, _, _, scale = case
-    return _args.check_fused(1, x, x, x, ks, st, dl, ca, scale, "fused")
+    spatial, ks, st, dl, ca, _, _, _, scale = case
+    return _args.check_fused(len(spatial), x, x, x, ks, st, dl, ca, scale, "fused")
 
 
 def _reference(problem, q, k, v):
@@ -58,11 +70,14 @@ def _reference(problem, q, k, v):
 def check_case(case, rng, tile=None, layout="canonical"):
     """Run one case; returns (out error, reference out error, lse error)."""
     import cupy as cp
-    L, _, _, _, _, heads, dim, dtype, _ = case
-    shape = (2, L, heads, dim)
+    spatial, _, _, _, _, heads, dim, dtype, _ = case
+    rank = len(spatial)
+    shape = (2,) + tuple(spatial) + (heads, dim)
     host = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
-    if layout == "heads_first":  # [B, H, L, D] buffers seen as [B, L, H, D] (no copy)
-        dev = [upload(cp, x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in host]
+    if layout == "heads_first":  # [B, H, *spatial, D] buffers seen as canonical (no copy)
+        to_hf = (0, rank + 1) + tuple(range(1, rank + 1)) + (rank + 2,)
+        back = tuple(numpy.argsort(to_hf))
+        dev = [upload(cp, x.transpose(to_hf)).transpose(back) for x in host]
     else:
         dev = [upload(cp, x) for x in host]
     prob = _problem(host[0], case)
@@ -84,8 +99,8 @@ def check_case(case, rng, tile=None, layout="canonical"):
     return err, ref_err, lse_err
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}-k{c[1]}-s{c[2]}-d{c[3]}-"
-                         f"{'c' if c[4] else 'n'}-D{c[6]}-{numpy.dtype(c[7]).name}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-s{c[2]}-"
+                         f"d{c[3]}-c{c[4]}-D{c[6]}-{numpy.dtype(c[7]).name}")
 def test_hopper_forward_matches_reference(case, rng):
     _skip_unless_hopper()
     check_case(case, rng)
@@ -96,15 +111,18 @@ def test_hopper_forward_matches_reference(case, rng):
 def test_hopper_alternative_tiles(tile, rng):
     _skip_unless_hopper()
     dim = 64 if tile in _fused_hopper.ALTERNATIVES[64] else 128
-    check_case((1100, 300, 2, 1, True, 2, dim, F16, None), rng, tile=tile)
-    check_case((901, 901, 1, 1, False, 1, dim, F16, None), rng, tile=tile)
-    check_case((1000, 64, 1, 3, False, 2, dim, F16, None), rng, tile=tile)
-    check_case((70, 9, 1, 1, False, 1, dim, F16, None), rng, tile=tile)   # one key tile
+    check_case(((1100,), 300, 2, 1, True, 2, dim, F16, None), rng, tile=tile)
+    check_case(((901,), 901, 1, 1, False, 1, dim, F16, None), rng, tile=tile)
+    check_case(((1000,), 64, 1, 3, False, 2, dim, F16, None), rng, tile=tile)
+    check_case(((70,), 9, 1, 1, False, 1, dim, F16, None), rng, tile=tile)   # one key tile
 
 
-def test_hopper_heads_first_layout(rng):
+@pytest.mark.parametrize("case", [((333,), 65, 1, 2, False, 3, 64, F16, None),
+                                  ((21, 18), (5, 7), 1, (2, 1), False, 3, 64, F16, None)],
+                         ids=("1d", "2d"))
+def test_hopper_heads_first_layout(case, rng):
     _skip_unless_hopper()
-    check_case((333, 65, 1, 2, False, 3, 64, F16, None), rng, layout="heads_first")
+    check_case(case, rng, layout="heads_first")
 
 
 def test_hopper_self_attention_equals_dense(rng):
@@ -113,7 +131,7 @@ def test_hopper_self_attention_equals_dense(rng):
     _skip_unless_hopper()
     L, H, D = 650, 2, 128
     host = [rng.standard_normal((1, L, H, D)).astype(F16) for _ in range(3)]
-    prob = _problem(host[0], (L, L, 1, 1, False, H, D, F16, None))
+    prob = _problem(host[0], ((L,), L, 1, 1, False, H, D, F16, None))
     out = upload(cp, numpy.full(host[0].shape, numpy.nan, F16))
     lse = cp.empty((1, L, H), cp.float32)
     _fused_hopper.forward(prob, *(upload(cp, x) for x in host), out, lse)

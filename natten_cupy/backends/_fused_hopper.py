@@ -1,9 +1,10 @@
 """Fused forward for Hopper (compute capability 9.0, ``cuda_src/na_fused_hopper.cu``):
-float16 and bfloat16 on warpgroup MMA (wgmma), 1-D.
+float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D.
 
-A CTA owns 64 * WG consecutive in-group queries of one dilation group (a dilation group is
-a strided sub-sequence, addressed by row stride, never copied); its key range is
-[start(first query), end(last query)) by the window arithmetic, walked in BN-key tiles that a
+A CTA owns a box of 64 * WG in-group queries of one dilation group per axis (1-D: 128
+consecutive, 2-D: 8 x 16, 3-D: 2 x 8 x 8; a dilation group is a strided sub-grid, addressed
+by strides, never copied); its key region is the box of per-axis ranges [start(first query),
+end(last query)) by the window arithmetic, walked row-major in BN-key tiles that a
 STAGES-deep cp.async pipeline stages in 128-byte-swizzled shared memory; only tiles not inside
 every window of the CTA are masked. Each warpgroup computes S = Q K^T (wgmma, both operands
 from shared memory), an online softmax in exp2, and O += P V (wgmma, P from registers).
@@ -51,11 +52,13 @@ T = HopperTile
 # By the H200 timings of NOTES-hopper-fwd.md (v2): a loader warpgroup, 3 stages, the softmax of
 # tile j under P V of tile j - 1, compute warpgroups taking turns.
 DEFAULT = {64: T(2, 128, 3, True, True, True), 128: T(2, 128, 3, True, True, True)}
-ALTERNATIVES = {
+ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
     64: (T(2, 128, 2), T(2, 128, 3, ws=True), T(2, 128, 4, True, True, True),
-         T(3, 128, 3, True, True, True), T(3, 128, 2, ws=True)),
-    128: (T(2, 128, 2), T(2, 128, 3, ws=True), T(2, 128, 2, ws=True)),
+         T(3, 128, 3, True, True, True)),
+    128: (T(2, 128, 3, ws=True),),
 }
+# The query box of 128 queries per rank (64 * wg with wg 2; rank 1 takes any wg).
+QUERY_BOX = {2: (8, 16, 1), 3: (2, 8, 8)}
 
 
 def _bucket(head_dim):
@@ -79,8 +82,6 @@ def _compute_capability():
 def refuse(problem):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused forward runs float16 and bfloat16, not {problem.dtype_name}"
-    if problem.rank != 1:
-        return f"the Hopper fused forward is 1-D only so far, not rank {problem.rank}"
     if problem.head_dim % 8 or problem.head_dim > 128:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to 128"
     if not problem.scale > 0:
@@ -94,17 +95,22 @@ def refuse(problem):
     return None
 
 
-def _name(dtype, dp, tile):
+def _box(rank, tile):
+    return (tile.bm, 1, 1) if rank == 1 else QUERY_BOX[rank]
+
+
+def _name(dtype, dp, tile, rank=1):
     flags = ", ".join("true" if f else "false" for f in (tile.pipe, tile.ws, tile.pp))
+    box = ", ".join(str(t) for t in _box(rank, tile))
     return (f"natten::na_fwd_hopper<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
-            f"{flags}>")
+            f"{flags}, {rank}, {box}>")
 
 
 def instantiations():
     out = []
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
-            out.append((SOURCE, _name(dtype, dp, DEFAULT[dp])))
+            out += [(SOURCE, _name(dtype, dp, DEFAULT[dp], rank)) for rank in (1, 2, 3)]
             if dtype == FLOAT16:
                 out += [(SOURCE, _name(dtype, dp, t)) for t in ALTERNATIVES[dp]]
     return sorted(set(out))
@@ -125,11 +131,16 @@ class Plan:
 def _plan(problem, tile=None):
     dp = _bucket(problem.head_dim)
     tile = tile or DEFAULT[dp]
-    L, d = problem.spatial[0], problem.dilation[0]
-    glen = -(-L // d)  # the longest dilation group
+    if problem.rank > 1 and tile.wg != 2:
+        raise ValueError(f"rank {problem.rank} runs query boxes of 128 (wg 2), not wg {tile.wg}")
+    box = _box(problem.rank, tile)
+    ctas = 1
+    for a in range(problem.rank):
+        L, d = problem.spatial[a], problem.dilation[a]
+        ctas *= d * -(-(-(-L // d)) // box[a])  # groups x tiles of the longest group
     smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages * tile.ws
-    grid = (d * -(-glen // tile.bm), problem.heads, problem.batch)
-    return Plan(_name(problem.dtype, dp, tile), tile, grid, (tile.threads, 1, 1), smem)
+    return Plan(_name(problem.dtype, dp, tile, problem.rank), tile, (ctas, problem.heads,
+                problem.batch), (tile.threads, 1, 1), smem)
 
 
 def _readable(x):
@@ -146,7 +157,7 @@ def _readable(x):
 def forward(problem, q, k, v, out, lse, tile=None):
     """out, lse = NA forward of q, k, v (CuPy arrays; outputs preallocated, all written).
 
-    ``tile`` (a HopperTile among the instantiations) overrides the default, for probing.
+    ``tile`` (a HopperTile among the instantiations, 1-D) overrides the default, for probing.
     """
     import cupy
     plan = _plan(problem, tile)
@@ -158,6 +169,6 @@ def forward(problem, q, k, v, out, lse, tile=None):
     params = make_params(problem, q=q, k=k, v=v, o=dst, lse=lse)
     launch(get_kernel(SOURCE, plan.name, extra_options=OPTIONS), plan.grid, plan.block,
            (q, k, v, dst, lse, params), shared_mem=plan.smem, name="na_fwd_hopper",
-           backend="fused", tile=(plan.tile.bm,))
+           backend="fused", tile=_box(problem.rank, plan.tile)[:problem.rank])
     if dst is not out:
         out[...] = dst
