@@ -63,16 +63,20 @@ _compiled = {}
 
 
 def compiled_keys():
-    """Keys of the kernels compiled (or loaded from CuPy's disk cache) in this process."""
-    return tuple(_compiled)
+    """(source, name_expression, options) of the kernels compiled (or loaded from CuPy's disk
+    cache) in this process, on any device."""
+    return tuple(dict.fromkeys(k[:3] for k in _compiled))
 
 
 def get_kernel(source, name_expression, extra_options=()):
-    """The ``cupy.RawKernel`` of one template instantiation in ``cuda_src/<source>``."""
-    key = (source, name_expression, tuple(extra_options))
+    """The ``cupy.RawKernel`` of one template instantiation in ``cuda_src/<source>``, loaded
+    on the current device. A module is loaded per device (a function handle belongs to one
+    device's context); CuPy's disk cache keeps one compiled binary for all of them."""
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    key = (source, name_expression, tuple(extra_options), device)
     fn = _compiled.get(key)
     if fn is None:
-        import cupy
         module = cupy.RawModule(code=_read(source), options=compile_options(extra_options),
                                 name_expressions=[name_expression])
         fn = module.get_function(name_expression)
