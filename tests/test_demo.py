@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from natten_cupy.backends import NAMES
 
 
@@ -64,3 +66,14 @@ def test_demo_help_states_the_default_sizes():
     res = _run("demo", "--help")
     assert res.returncode == 0
     assert "default 128 GPU, 96 CPU" in " ".join(res.stdout.split())
+
+
+@pytest.mark.gpu
+def test_demo_check_on_gpu_runs_every_backend():
+    res = _run("demo", "--check")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {line.split("|")[1].strip(): line for line in res.stdout.splitlines()
+            if line.startswith("| ") and line.count("|") == 5}
+    assert not [row for row in rows.values() if "FAILED" in row]
+    assert sum("| ok: " in rows[name] for name in ("naive", "tiled", "fused")) == 3
+    assert "natten_cupy demo on GPU (" in _run("demo", "--size", "32").stdout
