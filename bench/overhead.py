@@ -55,7 +55,7 @@ def main(argv=None):
 
     import natten_cupy
     from natten_cupy import _fast
-    from natten_cupy import torch as nt
+    from natten_cupy import _torch_ops, torch as nt
 
     dev = "cuda"
     tq, tk, tv, tdo = (torch.randn(SHAPE, device=dev, dtype=torch.float16) for _ in range(4))
@@ -77,7 +77,7 @@ def main(argv=None):
     lib.define("fwd(Tensor q, Tensor k, Tensor v, int[] kernel_size, int[] stride, "
                "int[] dilation, bool[] is_causal, float? scale, str backend, bool allow_tf32, "
                "bool deterministic) -> (Tensor, Tensor)")
-    lib.impl("fwd", nt._fused_forward._init_fn, "CUDA")
+    lib.impl("fwd", _torch_ops._fused_forward._init_fn, "CUDA")
     x_base = torch.randn(SHAPE, device=dev, requires_grad=True)
 
     def autograd_baseline():

@@ -91,8 +91,9 @@ del _n, _suffix, _fn, _doc, _name
 
 
 from ._softmax import softmax, softmax_backward  # noqa: E402
+from ._merge import merge_attentions  # noqa: E402
 
-__all__ += ["softmax", "softmax_backward"]
+__all__ += ["softmax", "softmax_backward", "merge_attentions"]
 
 
 def profile(*args, **kwargs):

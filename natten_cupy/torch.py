@@ -1,463 +1,155 @@
 """PyTorch layer: autograd-enabled neighborhood attention and ``NeighborhoodAttention{1,2,3}D``.
 
-Three thin tiers, one set for every rank:
+* ``na1d/na2d/na3d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ...)``
+  (fused, NATTEN's calling convention: argument names, order and ``None`` defaults), with
+  ``return_lse`` and ``additional_keys`` / ``additional_values``; gradients flow to every
+  tensor input, from out and from lse. ``merge_attentions`` joins attentions over disjoint
+  key sets through their lse;
+* ``na{n}d_qk`` / ``na{n}d_av``: the unfused pieces (attention weights in memory, rpb);
+* modules ``NeighborhoodAttention1D/2D/3D``: qkv projection, heads, NA, output projection,
+  with NATTEN's constructor arguments; their state dicts load NATTEN modules' (``qkv``,
+  ``proj``, ``rpb``).
 
-* custom ops ``torch.ops.natten_cupy.*`` (``torch.library.custom_op``): validate, select a
-  backend, let torch allocate every output, and fill it through ``natten_cupy.ops.run_*`` on
-  zero-copy NumPy (CPU) or CuPy (CUDA) views, launched on torch's current stream. Each op has
-  a fake (shape-only) implementation for ``torch.compile`` and, for the forward ops, an
-  autograd formula that saves its tensors through ``ctx.save_for_backward`` (so saved-tensor
-  hooks such as ``torch.autograd.graph.save_on_cpu`` apply);
-* public functions ``na1d/na2d/na3d`` (fused) and ``na{n}d_qk`` / ``na{n}d_av`` (unfused),
-  which raise the same errors as the array-level calls before any work;
-* modules ``NeighborhoodAttention1D/2D/3D``: qkv projection, heads, NA, output projection.
-
-Tensors are ``[B, *spatial, H, D]`` with any strides; unfused weights ``[B, *spatial, H, K]``.
+Eager calls on CUDA tensors run warm calls through autograd functions; under ``torch.compile``
+the custom ops ``torch.ops.natten_cupy.*`` run (``natten_cupy._torch_ops``). Tensors are
+``[B, *spatial, H, D]`` with any strides; unfused weights ``[B, *spatial, H, K]``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Optional
 
-import numpy
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from . import _AXES, _args, _fast, _for_rank, ops
-from ._arrays import check_one_device
-from ._dtypes import BFLOAT16, accumulator_dtype, canonical_dtype
+from . import _AXES, _args
+from ._torch_ops import (AV, QK, FusedNA, _av, _check_tensors, _forward_entry, _fused_forward,
+                         _qk, _unfused_entry, per_axis)
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
-           "na3d_av", "NeighborhoodAttention", "NeighborhoodAttention1D",
+           "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",
            "NeighborhoodAttention2D", "NeighborhoodAttention3D"]
 
+# NATTEN's backend names: its kernel choices, which natten_cupy makes itself.
+NATTEN_BACKENDS = ("cutlass-fna", "hopper-fna", "blackwell-fna", "flex-fna")
 
-# ---- torch tensors as NumPy / CuPy arrays -----------------------------------------------
-
-def _check_tensors(named):
-    """The checks the array API makes in ``Inputs.gather``, for torch: types, devices."""
-    present = [(n, x) for n, x in named if x is not None]
-    for n, x in present:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{n} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"{n} lives on device {x.device}; only CPU and CUDA tensors are "
-                            "supported")
-    check_one_device({n: ("gpu" if x.is_cuda else "cpu") for n, x in present})
-    devices = {x.device for _, x in present}
-    if len(devices) > 1:
-        raise ValueError("all arrays must be on the same GPU, got devices "
-                         f"{sorted(d.index for d in devices)}")
-
-
-def _xp(device):
-    """The array module that runs on ``device``: numpy (CPU) or cupy (CUDA)."""
-    if device.type == "cpu":
-        return numpy
-    import cupy
-    return cupy
-
-
-@contextlib.contextmanager
-def _on_torch_stream(device):
-    """Launch context: the tensor's GPU and torch's current stream there (nothing on CPU)."""
-    if device.type == "cpu":
-        yield
-        return
-    import cupy
-    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device))
-    with cupy.cuda.Device(device.index), stream:
-        yield
-
-
-def _view(t):
-    """A zero-copy, writable NumPy/CuPy view of tensor ``t`` (None stays None).
-
-    Call inside ``_on_torch_stream`` so that CuPy imports the tensor on torch's stream.
-    """
-    if t is None:
-        return None
-    t = t.detach()
-    if t.device.type == "cpu":
-        if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: reinterpret the bits
-            return t.view(torch.int16).numpy().view(BFLOAT16)
-        return t.numpy()
-    import cupy
-    return cupy.from_dlpack(t)
-
-
-def _accumulator(dtype):
-    """lse / d_rpb accumulation dtype: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _rpb_shape(heads, kernel_size):
-    return (heads,) + tuple(2 * k - 1 for k in kernel_size)
-
-
-# ---- validation, cached per call signature ----------------------------------------------
-
-def _forward_problem(q, k, v, options):
-    """(problem, backend) of a fused forward; raises what the array API raises."""
-    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det = options
-    problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
-                                backend, tf32, det)
-    _check_tensors([("q", q), ("k", k), ("v", v)])
-    return problem, ops.select_backend("fused_forward", problem, _xp(q.device), backend)
-
-
-def _backward_problem(tensors, options):
-    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det = options
-    d_out, q, k, v, out, lse = tensors
-    problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
-                                         dilation, is_causal, scale, backend, tf32, det)
-    _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
-                    ("lse", lse)])
-    return problem, ops.select_backend("fused_backward", problem, _xp(q.device), backend)
-
-
-def _like(x):
-    return (tuple(x.shape), canonical_dtype(x.dtype))
-
-
-def _forward_entry(q, k, v, options):
-    """The fast-path entry of a fused forward on CUDA tensors (validated on its signature's
-    first call), or None where the general path runs it."""
-    return _fast.torch_entry(
-        "fused_forward", options[0], (q, k, v), options,
-        lambda: _forward_problem(q, k, v, options),
-        lambda p: [_like(q), (tuple(q.shape[:-1]), accumulator_dtype(p.dtype))])
-
-
-def _backward_entry(tensors, options):
-    q, k, v = tensors[1:4]
-    return _fast.torch_entry("fused_backward", options[0], tensors, options,
-                             lambda: _backward_problem(tensors, options),
-                             lambda p: [_like(q), _like(k), _like(v)])
-
-
-def _unfused_entry(op, tensors, options):
-    """Fast-path entry of an unfused op on CUDA tensors (``options``: rank, kernel_size,
-    dilation, is_causal, backend, allow_tf32), or None."""
-    rank, ks, dl, ca, backend, tf32 = options
-
-    def problem_of():
-        named = list(zip(_UNFUSED_NAMES[op], tensors))
-        problem = _UNFUSED_CHECKS[op](rank, *tensors, ks, dl, ca, backend, tf32)
-        _check_tensors(named)
-        return problem, ops.select_backend(op, problem, _xp(tensors[0].device), backend)
-
-    return _fast.torch_entry(op, rank, tensors, options, problem_of,
-                             lambda p: _UNFUSED_OUTPUTS[op](p, *tensors))
-
-
-_UNFUSED_NAMES = {"qk": ("q", "k", "rpb"), "av": ("attn", "v"),
-                  "qk_backward": ("d_attn", "q", "k"), "av_backward": ("d_out", "attn", "v")}
-_UNFUSED_CHECKS = {
-    "qk": lambda r, q, k, rpb, ks, dl, ca, be, tf: _args.check_qk(r, q, k, ks, dl, ca, rpb,
-                                                                  be, tf),
-    "av": _args.check_av,
-    "qk_backward": lambda r, da, q, k, ks, dl, ca, be, tf: _args.check_qk_backward(
-        r, da, q, k, ks, dl, ca, None, be, tf),
-    "av_backward": _args.check_av_backward}
-_UNFUSED_OUTPUTS = {
-    "qk": lambda p, q, k, rpb: [(tuple(q.shape[:-1]) + (p.num_neighbors,), p.dtype)],
-    "av": lambda p, attn, v: [_like(v)],
-    "qk_backward": lambda p, d_attn, q, k: [_like(q), _like(k)],
-    "av_backward": lambda p, d_out, attn, v: [_like(attn), _like(v)]}
-
-
-class _QK(torch.autograd.Function):
-    """Eager unfused logits on CUDA tensors through the fast path."""
-
-    @staticmethod
-    def forward(ctx, q, k, rpb, entry, options):
-        (attn,) = _fast.run_torch_call(entry, (q, k, rpb))
-        ctx.save_for_backward(q, k)
-        ctx.with_rpb = rpb is not None
-        ctx.options = options
-        return attn
-
-    @staticmethod
-    def backward(ctx, d_attn):
-        q, k = ctx.saved_tensors
-        e = None if ctx.with_rpb else _unfused_entry("qk_backward", (d_attn, q, k), ctx.options)
-        if e is not None:
-            dq, dk = _fast.run_torch_call(e, (d_attn, q, k))
-            return dq, dk, None, None, None
-        rank, ks, dl, ca, backend, tf32 = ctx.options
-        ks, _, dl, ca = _per_axis(rank, ks, dl, ca)
-        dq, dk, d_rpb = _qk_backward(d_attn, q, k, ctx.with_rpb, ks, dl, ca, backend,
-                                     bool(tf32))
-        return dq, dk, d_rpb if ctx.with_rpb else None, None, None
-
-
-class _AV(torch.autograd.Function):
-    """Eager unfused weighted values on CUDA tensors through the fast path."""
-
-    @staticmethod
-    def forward(ctx, attn, v, entry, options):
-        (out,) = _fast.run_torch_call(entry, (attn, v))
-        ctx.save_for_backward(attn, v)
-        ctx.options = options
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        attn, v = ctx.saved_tensors
-        e = _unfused_entry("av_backward", (d_out, attn, v), ctx.options)
-        if e is not None:
-            d_attn, dv = _fast.run_torch_call(e, (d_out, attn, v))
-        else:
-            rank, ks, dl, ca, backend, tf32 = ctx.options
-            ks, _, dl, ca = _per_axis(rank, ks, dl, ca)
-            d_attn, dv = _av_backward(d_out, attn, v, ks, dl, ca, backend, bool(tf32))
-        return d_attn, dv, None, None
-
-
-class _FusedNA(torch.autograd.Function):
-    """Eager fused NA on CUDA tensors: the fast path's forward and backward, no custom-op
-    dispatch (``na`` takes the custom op under torch.compile, where graphs need it)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, entry, options):
-        out, lse = _fast.run_torch_call(entry, (q, k, v))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = options
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        tensors = (d_out, q, k, v, out, lse)
-        e = _backward_entry(tensors, ctx.options)
-        if e is not None:
-            dq, dk, dv = _fast.run_torch_call(e, tensors)
-        else:
-            rank, ks, st, dl, ca, scale, backend, tf32, det = ctx.options
-            ks, st, dl, ca = _per_axis(rank, ks, dl, ca, st)
-            dq, dk, dv = _fused_backward(d_out, q, k, v, out, lse, ks, st, dl, ca,
-                                         None if scale is None else float(scale), backend,
-                                         bool(tf32), bool(det))
-        return dq, dk, dv, None, None
-
-
-# ---- custom ops (per-axis options arrive as lists) --------------------------------------
-
-@torch.library.custom_op("natten_cupy::na_fused_forward", mutates_args=())
-def _fused_forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
-                   stride: list[int], dilation: list[int], is_causal: list[bool],
-                   scale: Optional[float], backend: str, allow_tf32: bool,
-                   deterministic: bool) -> tuple[Tensor, Tensor]:
-    options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
-               allow_tf32, deterministic)
-    e = _forward_entry(q, k, v, options)
-    if e is not None:
-        out, lse = _fast.run_torch_call(e, (q, k, v))
-        return out, lse
-    problem, be = _forward_problem(q, k, v, options)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
-    with _on_torch_stream(q.device):
-        ops.run_fused_forward(problem, be, *map(_view, (q, k, v, out, lse)))
-    return out, lse
-
-
-@_fused_forward.register_fake
-def _(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-      deterministic):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype))
-
-
-@torch.library.custom_op("natten_cupy::na_fused_backward", mutates_args=())
-def _fused_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    kernel_size: list[int], stride: list[int], dilation: list[int],
-                    is_causal: list[bool], scale: Optional[float], backend: str,
-                    allow_tf32: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
-               allow_tf32, deterministic)
-    tensors = (d_out, q, k, v, out, lse)
-    e = _backward_entry(tensors, options)
-    if e is not None:
-        dq, dk, dv = _fast.run_torch_call(e, tensors)
-        return dq, dk, dv
-    problem, be = _backward_problem(tensors, options)
-    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
-    with _on_torch_stream(q.device):
-        ops.run_fused_backward(problem, be, *map(_view, (d_out, q, k, v, out, lse, *grads)))
-    return tuple(grads)
-
-
-@_fused_backward.register_fake
-def _(d_out, q, k, v, out, lse, *options):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _fused_setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
-
-
-def _fused_grad(ctx, d_out, d_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _fused_backward(d_out, q, k, v, out, lse, *ctx.options)
-    return (dq, dk, dv) + (None,) * len(ctx.options)
-
-
-_fused_forward.register_autograd(_fused_grad, setup_context=_fused_setup_context)
-
-
-@torch.library.custom_op("natten_cupy::na_qk", mutates_args=())
-def _qk(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int],
-        dilation: list[int], is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
-    problem = _args.check_qk(len(kernel_size), q, k, kernel_size, dilation, is_causal, rpb,
-                             backend, allow_tf32)
-    _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
-    be = ops.select_backend("qk", problem, _xp(q.device), backend)
-    attn = torch.empty(q.shape[:-1] + (problem.num_neighbors,), dtype=q.dtype, device=q.device)
-    with _on_torch_stream(q.device):
-        ops.run_qk(problem, be, *map(_view, (q, k, rpb, attn)))
-    return attn
-
-
-@_qk.register_fake
-def _(q, k, rpb, kernel_size, *options):
-    return q.new_empty(q.shape[:-1] + (math.prod(kernel_size),))
-
-
-@torch.library.custom_op("natten_cupy::na_qk_backward", mutates_args=())
-def _qk_backward(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
-                 kernel_size: list[int], dilation: list[int], is_causal: list[bool],
-                 backend: str, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, d_rpb); d_rpb is an empty tensor of shape (0,) unless ``with_rpb``."""
-    problem = _args.check_qk_backward(len(kernel_size), d_attn, q, k, kernel_size, dilation,
-                                      is_causal, None, backend, allow_tf32)
-    _check_tensors([("d_attn", d_attn), ("q", q), ("k", k)])
-    be = ops.select_backend("qk_backward", problem, _xp(q.device), backend)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    d_rpb = None
-    if with_rpb:  # accumulated in float32 (float64), zeroed by run_qk_backward
-        d_rpb = torch.empty(_rpb_shape(problem.heads, problem.kernel_size),
-                            dtype=_accumulator(q.dtype), device=q.device)
-    with _on_torch_stream(q.device):
-        ops.run_qk_backward(problem, be, *map(_view, (d_attn, q, k, dq, dk, d_rpb)))
-    if d_rpb is None:
-        return dq, dk, q.new_empty((0,))
-    return dq, dk, d_rpb.to(q.dtype)
-
-
-@_qk_backward.register_fake
-def _(d_attn, q, k, with_rpb, kernel_size, *options):
-    heads = q.shape[-2]
-    d_rpb_shape = _rpb_shape(heads, kernel_size) if with_rpb else (0,)
-    return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(d_rpb_shape)
-
-
-def _qk_setup_context(ctx, inputs, output):
-    q, k, rpb, *options = inputs
-    ctx.save_for_backward(q, k)
-    ctx.with_rpb = rpb is not None
-    ctx.options = options
-
-
-def _qk_grad(ctx, d_attn):
-    q, k = ctx.saved_tensors
-    dq, dk, d_rpb = _qk_backward(d_attn, q, k, ctx.with_rpb, *ctx.options)
-    return (dq, dk, d_rpb if ctx.with_rpb else None) + (None,) * len(ctx.options)
-
-
-_qk.register_autograd(_qk_grad, setup_context=_qk_setup_context)
-
-
-@torch.library.custom_op("natten_cupy::na_av", mutates_args=())
-def _av(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int],
-        is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
-    problem = _args.check_av(len(kernel_size), attn, v, kernel_size, dilation, is_causal,
-                             backend, allow_tf32)
-    _check_tensors([("attn", attn), ("v", v)])
-    be = ops.select_backend("av", problem, _xp(v.device), backend)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    with _on_torch_stream(v.device):
-        ops.run_av(problem, be, *map(_view, (attn, v, out)))
-    return out
-
-
-@_av.register_fake
-def _(attn, v, *options):
-    return v.new_empty(v.shape)
-
-
-@torch.library.custom_op("natten_cupy::na_av_backward", mutates_args=())
-def _av_backward(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[int],
-                 dilation: list[int], is_causal: list[bool], backend: str,
-                 allow_tf32: bool) -> tuple[Tensor, Tensor]:
-    problem = _args.check_av_backward(len(kernel_size), d_out, attn, v, kernel_size, dilation,
-                                      is_causal, backend, allow_tf32)
-    _check_tensors([("d_out", d_out), ("attn", attn), ("v", v)])
-    be = ops.select_backend("av_backward", problem, _xp(v.device), backend)
-    d_attn = torch.empty(attn.shape, dtype=attn.dtype, device=attn.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    with _on_torch_stream(v.device):
-        ops.run_av_backward(problem, be, *map(_view, (d_out, attn, v, d_attn, dv)))
-    return d_attn, dv
-
-
-@_av_backward.register_fake
-def _(d_out, attn, v, *options):
-    return attn.new_empty(attn.shape), v.new_empty(v.shape)
-
-
-def _av_setup_context(ctx, inputs, output):
-    attn, v, *options = inputs
-    ctx.save_for_backward(attn, v)
-    ctx.options = options
-
-
-def _av_grad(ctx, d_out):
-    attn, v = ctx.saved_tensors
-    d_attn, dv = _av_backward(d_out, attn, v, *ctx.options)
-    return (d_attn, dv) + (None,) * len(ctx.options)
-
-
-_av.register_autograd(_av_grad, setup_context=_av_setup_context)
-
-
-# ---- public functions -------------------------------------------------------------------
 
 def _validating():
     """Eager calls validate up front; under torch.compile the ops validate when they run."""
     return not torch.compiler.is_compiling()
 
 
-def _per_axis(rank, kernel_size, dilation, is_causal, stride=1):
-    return ([int(x) for x in _args.normalize_axes("kernel_size", kernel_size, rank, int)],
-            [int(x) for x in _args.normalize_axes("stride", stride, rank, int)],
-            [int(x) for x in _args.normalize_axes("dilation", dilation, rank, int)],
-            [bool(x) for x in _args.normalize_axes("is_causal", is_causal, rank, bool)])
+def _backend(name):
+    return "auto" if name is None or name in NATTEN_BACKENDS else name
 
 
-def na(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
-       backend="auto", allow_tf32=False, deterministic=False):
-    """Fused neighborhood attention with autograd (``rank`` spatial axes)."""
+# ---- merging attentions -------------------------------------------------------------------
+
+def merge_attentions(outputs, lse_tensors):
+    """(out, lse) of attention over the union of disjoint key sets, from the attention over
+    each set: ``lse = log sum_x exp(lse_x)``, ``out = sum_x exp(lse_x - lse) out_x``.
+
+    outputs: list of ``[B, *spatial, H, D]`` tensors (one dtype), lse_tensors: the matching
+    ``[B, *spatial, H]`` (float32). Differentiable in every input (no in-place writes, so
+    saved-tensor hooks such as ``save_on_cpu`` apply). lse comes back float32 (float64 for
+    float64 outputs); out in the outputs' dtype.
+    """
+    outputs, lse_tensors = list(outputs), list(lse_tensors)
+    if not outputs or len(outputs) != len(lse_tensors):
+        raise ValueError(f"merge_attentions needs one lse per output and at least one of each, "
+                         f"got {len(outputs)} outputs and {len(lse_tensors)} lse tensors")
+    first = outputs[0]
+    for i, (o, lse) in enumerate(zip(outputs, lse_tensors)):
+        if not isinstance(o, torch.Tensor) or not isinstance(lse, torch.Tensor):
+            raise TypeError(f"outputs[{i}] and lse_tensors[{i}] must be torch tensors, got "
+                            f"{type(o).__name__} and {type(lse).__name__}")
+        if tuple(o.shape) != tuple(first.shape) or o.dtype != first.dtype:
+            raise ValueError(f"outputs[{i}] is {tuple(o.shape)} {o.dtype}; outputs[0] is "
+                             f"{tuple(first.shape)} {first.dtype}")
+        if tuple(lse.shape) != tuple(first.shape[:-1]):
+            raise ValueError(f"lse_tensors[{i}] shape {tuple(lse.shape)} must be the outputs' "
+                             f"shape without the head dim, {tuple(first.shape[:-1])}")
+    acc = torch.float64 if first.dtype == torch.float64 else torch.float32
+    lses = torch.stack([lse.to(acc) for lse in lse_tensors])
+    lse = torch.logsumexp(lses, dim=0)
+    # A row no set saw (every lse -inf) gets out 0, not NaN.
+    weights = torch.exp(lses - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    out = sum(w.unsqueeze(-1) * o.to(acc) for w, o in zip(weights, outputs))
+    return out.to(first.dtype), lse
+
+
+def _additional_attention(q, keys, values, scale):
+    """(out, lse) of every query attending to the same T extra tokens ``[B, T, H, D]``
+    (dense, in torch ops; chunked over the queries to bound the score memory)."""
+    for name, x in (("additional_keys", keys), ("additional_values", values)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
+        if x.ndim != 4 or x.shape[0] != q.shape[0] or x.shape[2] != q.shape[-2]:
+            raise ValueError(f"{name} must be [B, T, H, D] with q's batch {q.shape[0]} and "
+                             f"heads {q.shape[-2]}, got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} is {x.dtype} on {x.device}; q is {q.dtype} on {q.device}")
+    if keys.shape[:3] != values.shape[:3] or keys.shape[3] != q.shape[-1]:
+        raise ValueError(f"additional_keys {tuple(keys.shape)} and additional_values "
+                         f"{tuple(values.shape)} must agree on [B, T, H], and the keys' head "
+                         f"dim must be q's ({q.shape[-1]})")
+    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
+    s = D ** -0.5 if scale is None else float(scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    flat = q.reshape(B, -1, H, D)
+    chunk = max(1, (1 << 26) // max(1, H * keys.shape[1]))
+    outs, lses = [], []
+    for i in range(0, flat.shape[1], chunk):
+        scores = torch.einsum("bnhd,bthd->bnht", flat[:, i:i + chunk], keys).to(acc) * s
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1)).to(values.dtype)
+        outs.append(torch.einsum("bnht,bthd->bnhd", probs, values))
+        lses.append(lse)
+    out = torch.cat(outs, 1).reshape(q.shape[:-1] + (values.shape[-1],))
+    return out, torch.cat(lses, 1).reshape(q.shape[:-1])
+
+
+# ---- public functions ---------------------------------------------------------------------
+
+def _na(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+        deterministic, lse_grad=False):
+    """(out, lse) with autograd through out, and through lse where ``lse_grad`` (eager calls
+    always carry it: an unused lse costs nothing there)."""
     if _validating():
         options = (rank, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
                    deterministic)
         e = _forward_entry(q, k, v, options)
         if e is not None:
-            return _FusedNA.apply(q, k, v, e, options)
+            return FusedNA.apply(q, k, v, e, options)
         _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                           backend, allow_tf32, deterministic)
         _check_tensors([("q", q), ("k", k), ("v", v)])
-    ks, st, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal, stride)
-    out, _ = _fused_forward(q, k, v, ks, st, dl, ca, None if scale is None else float(scale),
-                            backend, bool(allow_tf32), bool(deterministic))
-    return out
+    ks, st, dl, ca = per_axis(rank, kernel_size, dilation, is_causal, stride)
+    return _fused_forward(q, k, v, ks, st, dl, ca, None if scale is None else float(scale),
+                          backend, bool(allow_tf32), bool(deterministic), bool(lse_grad))
+
+
+def na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=False,
+       scale=None, additional_keys=None, additional_values=None, attention_kwargs=None,
+       backend=None, q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+       backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+       run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
+       return_lse=False, *, allow_tf32=False, deterministic=False):
+    """Fused neighborhood attention with autograd (``rank`` spatial axes)."""
+    stride = 1 if stride is None else stride
+    dilation = 1 if dilation is None else dilation
+    is_causal = False if is_causal is None else is_causal
+    extra = additional_keys is not None or additional_values is not None
+    out, lse = _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                   _backend(backend), allow_tf32, deterministic, return_lse or extra)
+    if extra:
+        if additional_keys is None or additional_values is None:
+            raise ValueError("additional_keys and additional_values must be given together, "
+                             f"got {type(additional_keys).__name__} and "
+                             f"{type(additional_values).__name__}")
+        extra = _additional_attention(query, additional_keys, additional_values, scale)
+        out, lse = merge_attentions([out, extra[0]], [lse, extra[1]])
+    return (out, lse) if return_lse else out
 
 
 def na_qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
@@ -467,10 +159,10 @@ def na_qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, bac
         options = (rank, kernel_size, dilation, is_causal, backend, allow_tf32)
         e = _unfused_entry("qk", (q, k, rpb), options)
         if e is not None:
-            return _QK.apply(q, k, rpb, e, options)
+            return QK.apply(q, k, rpb, e, options)
         _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32)
         _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
-    ks, _, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal)
+    ks, _, dl, ca = per_axis(rank, kernel_size, dilation, is_causal)
     return _qk(q, k, rpb, ks, dl, ca, backend, bool(allow_tf32))
 
 
@@ -481,27 +173,34 @@ def na_av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="a
         options = (rank, kernel_size, dilation, is_causal, backend, allow_tf32)
         e = _unfused_entry("av", (attn, v), options)
         if e is not None:
-            return _AV.apply(attn, v, e, options)
+            return AV.apply(attn, v, e, options)
         _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32)
         _check_tensors([("attn", attn), ("v", v)])
-    ks, _, dl, ca = _per_axis(rank, kernel_size, dilation, is_causal)
+    ks, _, dl, ca = per_axis(rank, kernel_size, dilation, is_causal)
     return _av(attn, v, ks, dl, ca, backend, bool(allow_tf32))
 
+
+_NA_DOC = """{n}-D fused neighborhood attention with autograd (NATTEN's calling convention).
+
+    query, key, value: torch tensors ``[B, {axes}, H, D]`` (any strides, CPU or CUDA).
+    kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple
+    (``None`` means the default: 1, 1, False); scale defaults to ``D ** -0.5``.
+    additional_keys, additional_values: ``[B, T, H, D]`` tokens that every query attends
+    besides its neighborhood (one softmax over both). ``return_lse=True`` also returns lse
+    ``[B, {axes}, H]`` (float32, natural log); gradients flow to every tensor from out and
+    from lse. ``backend``: None or "auto" (NATTEN's backend names also mean auto), reference
+    (CPU tensors run here), naive, fused. NATTEN's kernel-tuning arguments (attention_kwargs,
+    q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+    backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
+    torch_compile) are accepted and have no effect. Keyword-only: ``allow_tf32`` lets float32
+    inputs use TF32 tensor cores; ``deterministic`` is accepted (every fused-op kernel is
+    deterministic already).
+    """
 
 _UNFUSED_OPTIONS = """
     kernel_size, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple; stride
     is 1. ``backend``: auto, reference (CPU tensors run here), naive, tiled. ``allow_tf32``
     lets float32 inputs use TF32 tensor cores (tiled).
-    """
-
-_NA_DOC = """{n}-D fused neighborhood attention with autograd.
-
-    q, k, v: torch tensors ``[B, {axes}, H, D]`` (any strides, CPU or CUDA).
-    kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple;
-    scale defaults to ``D ** -0.5``. Returns ``out`` like q. Gradients flow to q, k and v.
-    ``backend``: auto, reference (CPU tensors run here), naive, fused. ``allow_tf32`` lets
-    float32 inputs use TF32 tensor cores; ``deterministic`` is accepted (every fused-op kernel
-    is deterministic already).
     """
 
 _QK_DOC = """{n}-D unfused attention logits with autograd: ``[B, {axes}, H, K]``.
@@ -518,39 +217,149 @@ _AV_DOC = """{n}-D unfused attention-weighted values with autograd.
     """ + _UNFUSED_OPTIONS
 
 
-na1d, na2d, na3d = (_for_rank(na, n, f"na{n}d", _NA_DOC) for n in (1, 2, 3))
-na1d_qk, na2d_qk, na3d_qk = (_for_rank(na_qk, n, f"na{n}d_qk", _QK_DOC) for n in (1, 2, 3))
-na1d_av, na2d_av, na3d_av = (_for_rank(na_av, n, f"na{n}d_av", _AV_DOC) for n in (1, 2, 3))
+def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
+         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
+         return_lse=False, *, allow_tf32=False, deterministic=False):
+    return na(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+              additional_keys, additional_values, backend=backend, return_lse=return_lse,
+              allow_tf32=allow_tf32, deterministic=deterministic)
+
+
+def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
+         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
+         return_lse=False, *, allow_tf32=False, deterministic=False):
+    return na(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+              additional_keys, additional_values, backend=backend, return_lse=return_lse,
+              allow_tf32=allow_tf32, deterministic=deterministic)
+
+
+def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
+         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
+         return_lse=False, *, allow_tf32=False, deterministic=False):
+    return na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+              additional_keys, additional_values, backend=backend, return_lse=return_lse,
+              allow_tf32=allow_tf32, deterministic=deterministic)
+
+
+def na1d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+            allow_tf32=False):
+    return na_qk(1, q, k, kernel_size, dilation=dilation, is_causal=is_causal, rpb=rpb,
+                 backend=backend, allow_tf32=allow_tf32)
+
+
+def na2d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+            allow_tf32=False):
+    return na_qk(2, q, k, kernel_size, dilation=dilation, is_causal=is_causal, rpb=rpb,
+                 backend=backend, allow_tf32=allow_tf32)
+
+
+def na3d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+            allow_tf32=False):
+    return na_qk(3, q, k, kernel_size, dilation=dilation, is_causal=is_causal, rpb=rpb,
+                 backend=backend, allow_tf32=allow_tf32)
+
+
+def na1d_av(attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+            allow_tf32=False):
+    return na_av(1, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
+                 backend=backend, allow_tf32=allow_tf32)
+
+
+def na2d_av(attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+            allow_tf32=False):
+    return na_av(2, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
+                 backend=backend, allow_tf32=allow_tf32)
+
+
+def na3d_av(attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+            allow_tf32=False):
+    return na_av(3, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
+                 backend=backend, allow_tf32=allow_tf32)
+
+
+for _n in (1, 2, 3):
+    for _fn, _doc in ((f"na{_n}d", _NA_DOC), (f"na{_n}d_qk", _QK_DOC), (f"na{_n}d_av", _AV_DOC)):
+        globals()[_fn].__doc__ = _doc.format(n=_n, axes=_AXES[_n])
+del _n, _fn, _doc
 
 
 # ---- modules ----------------------------------------------------------------------------
 
 class NeighborhoodAttention(nn.Module):
-    """Multi-head neighborhood attention over ``[B, *spatial, dim]`` inputs.
+    """Multi-head neighborhood attention over ``[B, *spatial, embed_dim]`` inputs.
 
-    qkv linear projection, split into ``num_heads`` heads of ``dim // num_heads``, fused NA,
-    merge heads, output projection. Use the rank-specific subclasses
-    ``NeighborhoodAttention1D/2D/3D``.
+    qkv linear projection, split into ``num_heads`` heads of ``embed_dim // num_heads``, NA,
+    merge heads, output projection. Constructor arguments are NATTEN's (``embed_dim`` may
+    also be given as ``dim``; ``qk_scale`` as ``scale``); ``rel_pos_bias=True`` adds a learned
+    relative positional bias ``rpb`` [H, 2k_0-1, ...], and ``attn_drop > 0`` drops attention
+    weights in training: both run the unfused chain (qk, softmax, av), everything else the
+    fused op. Use the rank-specific subclasses ``NeighborhoodAttention1D/2D/3D``.
     """
 
     rank = None
 
-    def __init__(self, dim, num_heads, kernel_size, *, stride=1, dilation=1, is_causal=False,
-                 qkv_bias=True, proj_bias=True, scale=None, backend="auto"):
+    def __init__(self, embed_dim=None, num_heads=None, kernel_size=None, stride=1, dilation=1,
+                 is_causal=False, qkv_bias=True, qk_scale=None, proj_drop=0.0, attn_drop=0.0,
+                 rel_pos_bias=False, *, dim=None, proj_bias=True, scale=None, backend="auto"):
         super().__init__()
         if self.rank is None:
             raise TypeError("NeighborhoodAttention has no rank; use NeighborhoodAttention1D, "
                             "NeighborhoodAttention2D or NeighborhoodAttention3D")
+        if (embed_dim is None) == (dim is None):
+            raise TypeError("give the feature size once, as embed_dim or dim, got "
+                            f"embed_dim={embed_dim!r} and dim={dim!r}")
+        dim = embed_dim if dim is None else dim
+        if num_heads is None or kernel_size is None:
+            raise TypeError("num_heads and kernel_size are required")
+        if qk_scale is not None and scale is not None:
+            raise TypeError("give the softmax scale once, as qk_scale or scale")
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f"dim must be a positive multiple of num_heads, got dim={dim} "
                              f"and num_heads={num_heads}")
-        ks, st, dl, ca = _per_axis(self.rank, kernel_size, dilation, is_causal, stride)
+        for name, p in (("proj_drop", proj_drop), ("attn_drop", attn_drop)):
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+        stride = 1 if stride is None else stride
+        dilation = 1 if dilation is None else dilation
+        is_causal = False if is_causal is None else is_causal
+        ks, st, dl, ca = per_axis(self.rank, kernel_size, dilation, is_causal, stride)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.kernel_size, self.stride = tuple(ks), tuple(st)
         self.dilation, self.is_causal = tuple(dl), tuple(ca)
-        self.scale, self.backend = scale, backend
+        self.scale = qk_scale if qk_scale is not None else scale
+        self.backend = _backend(backend)
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.attn_drop_p = float(attn_drop)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if (rel_pos_bias or attn_drop > 0) and any(s != 1 for s in st):
+            raise ValueError(f"rel_pos_bias and attn_drop run the unfused chain, which takes "
+                             f"stride 1, got stride={tuple(st)}")
+        if rel_pos_bias:
+            self.rpb = nn.Parameter(torch.zeros(num_heads, *(2 * k - 1 for k in ks)))
+            nn.init.trunc_normal_(self.rpb, std=0.02, a=-2.0, b=2.0)
+        else:
+            self.register_parameter("rpb", None)
+
+    def _unfused(self, q, k, v):
+        """qk (+ rpb) -> softmax (float32) -> dropout -> av: NA with weights in memory."""
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        rpb = None if self.rpb is None else self.rpb.to(q.dtype)
+        logits = na_qk(self.rank, q * scale, k, self.kernel_size, dilation=self.dilation,
+                       is_causal=self.is_causal, rpb=rpb, backend="auto")
+        attn = self.attn_drop(torch.softmax(logits.float(), dim=-1)).to(v.dtype)
+        return na_av(self.rank, attn, v, self.kernel_size, dilation=self.dilation,
+                     is_causal=self.is_causal, backend="auto")
 
     def forward(self, x):
         if x.ndim != self.rank + 2 or x.shape[-1] != self.dim:
@@ -559,27 +368,30 @@ class NeighborhoodAttention(nn.Module):
                              f"got shape {tuple(x.shape)}")
         qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
         q, k, v = qkv.unbind(-3)
-        out = na(self.rank, q, k, v, self.kernel_size, stride=self.stride,
-                 dilation=self.dilation, is_causal=self.is_causal, scale=self.scale,
-                 backend=self.backend)
-        return self.proj(out.flatten(-2))
+        if self.rpb is not None or (self.training and self.attn_drop_p > 0):
+            out = self._unfused(q, k, v)
+        else:
+            out, _ = _na(self.rank, q, k, v, self.kernel_size, self.stride, self.dilation,
+                         self.is_causal, self.scale, self.backend, False, False)
+        return self.proj_drop(self.proj(out.flatten(-2)))
 
     def extra_repr(self):
-        return (f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
-                f"stride={self.stride}, dilation={self.dilation}, is_causal={self.is_causal}, "
-                f"backend={self.backend!r}")
+        return (f"embed_dim={self.dim}, num_heads={self.num_heads}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"dilation={self.dilation}, is_causal={self.is_causal}, "
+                f"rel_pos_bias={self.rpb is not None}, backend={self.backend!r}")
 
 
 class NeighborhoodAttention1D(NeighborhoodAttention):
-    """Neighborhood attention over ``[B, L, dim]``."""
+    """Neighborhood attention over ``[B, L, embed_dim]``."""
     rank = 1
 
 
 class NeighborhoodAttention2D(NeighborhoodAttention):
-    """Neighborhood attention over ``[B, X, Y, dim]``."""
+    """Neighborhood attention over ``[B, X, Y, embed_dim]``."""
     rank = 2
 
 
 class NeighborhoodAttention3D(NeighborhoodAttention):
-    """Neighborhood attention over ``[B, X, Y, Z, dim]``."""
+    """Neighborhood attention over ``[B, X, Y, Z, embed_dim]``."""
     rank = 3

@@ -352,3 +352,39 @@ def test_torch_unfused_eager_equals_compiled(rng, dtype, with_rpb):
                 torch.testing.assert_close(g, w)
             else:
                 assert torch.equal(g, w)
+
+
+# ---- lse gradients and extra tokens on the GPU --------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_lse_and_extra_tokens_match_float64(dtype):
+    """CUDA eager (fast path) and torch.compile, against the CPU float64 run of the same
+    call: out, lse and the gradients of a loss that uses both and the extra tokens."""
+    from natten_cupy import torch as nt
+    gen = torch.Generator().manual_seed(3)
+    host = [torch.randn(2, 12, 11, 2, 32, generator=gen, dtype=torch.float64)
+            for _ in range(3)]
+    extra = [torch.randn(2, 7, 2, 32, generator=gen, dtype=torch.float64) for _ in range(2)]
+    opts = dict(dilation=(1, 2), is_causal=(True, False))
+
+    def loss(q, k, v, ek, ev):
+        out, lse = nt.na2d(q, k, v, 5, additional_keys=ek, additional_values=ev,
+                           return_lse=True, **opts)
+        return out.float().square().sum() + (lse.float() * 0.1).sum(), out, lse
+
+    def run(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        total, out, lse = fn(*leaves)
+        grads = torch.autograd.grad(total, leaves)
+        return [out.detach().double().cpu(), lse.detach().double().cpu()] + \
+            [g.double().cpu() for g in grads]
+
+    want = run(loss, host + extra)
+    cuda = [t.to("cuda", dtype) for t in host + extra]
+    eager = run(loss, cuda)
+    compiled = run(torch.compile(loss, fullgraph=True), cuda)
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 2e-3}[dtype]
+    for got in (eager, compiled):
+        for g, w in zip(got, want):
+            err = (g - w).abs().max() / w.abs().max()
+            assert err < tol, (dtype, float(err))

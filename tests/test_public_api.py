@@ -23,7 +23,7 @@ def test_torch_api_signature_drops_rank():
     nt = pytest.importorskip("natten_cupy.torch")
     for name in ("na2d", "na2d_qk", "na2d_av"):
         params = list(inspect.signature(getattr(nt, name)).parameters)
-        assert params[0] in ("q", "attn") and "rank" not in params
+        assert params[0] in ("query", "q", "attn") and "rank" not in params
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -43,3 +43,13 @@ def test_torch_docstring_names_every_keyword(name):
     missing = [p.name for p in params
                if p.kind == p.KEYWORD_ONLY and p.name not in fn.__doc__]
     assert not missing, f"torch {name}'s docstring does not mention {missing}"
+
+
+def test_torch_fused_calls_take_nattens_convention():
+    """NATTEN's argument names and order (stride, dilation, is_causal, scale positional)."""
+    nt = pytest.importorskip("natten_cupy.torch")
+    for n in (1, 2, 3):
+        params = list(inspect.signature(getattr(nt, f"na{n}d")).parameters)
+        assert params[:10] == ["query", "key", "value", "kernel_size", "stride", "dilation",
+                               "is_causal", "scale", "additional_keys", "additional_values"]
+        assert "return_lse" in params and "backend" in params

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import natten_cupy  # noqa: E402
 import natten_cupy.torch as nt  # noqa: E402
+from natten_cupy import _torch_ops  # noqa: E402
 
 NA = {1: nt.na1d, 2: nt.na2d, 3: nt.na3d}
 QK = {1: nt.na1d_qk, 2: nt.na2d_qk, 3: nt.na3d_qk}
@@ -111,7 +112,7 @@ def test_scale_is_used(rng):
 def test_unfused_match_array_api(rng, rank, spatial, ks, opts):
     q, k, v = _qkv(rng, spatial, dtype=torch.float32)
     heads = q.shape[-2]
-    rpb = _tensor(rng, (heads,) + tuple(2 * x - 1 for x in nt._per_axis(rank, ks, 1, False)[0]),
+    rpb = _tensor(rng, (heads,) + tuple(2 * x - 1 for x in _torch_ops.per_axis(rank, ks, 1, False)[0]),
                   dtype=torch.float32)
     attn = QK[rank](q, k, ks, rpb=rpb, **opts)
     want = getattr(natten_cupy, f"na{rank}d_qk")(_np(q), _np(k), ks, rpb=_np(rpb), **opts)
@@ -163,7 +164,7 @@ def test_gradcheck_unfused(rng, rank, spatial, ks, opts):
     One 3-D case only (dilated, partly causal): a full 3-D Jacobian takes long on the CPU.
     """
     q, k, v = _qkv(rng, spatial, heads=1, dim=2, requires_grad=True)
-    ks_t = nt._per_axis(rank, ks, 1, False)[0]
+    ks_t = _torch_ops.per_axis(rank, ks, 1, False)[0]
     rpb = _tensor(rng, (1,) + tuple(2 * x - 1 for x in ks_t), requires_grad=True)
 
     def f(q, k, v, rpb):
@@ -444,7 +445,7 @@ def test_gpu_gradcheck_naive(rng, rank, spatial, ks, opts):
 @pytest.mark.parametrize("rank,spatial,ks,opts", UNFUSED, ids=UNFUSED_IDS)
 def test_gpu_gradcheck_unfused_naive(rng, rank, spatial, ks, opts):
     q, k, v = _qkv(rng, spatial, heads=2, dim=2, device="cuda", requires_grad=True)
-    ks_t = nt._per_axis(rank, ks, 1, False)[0]
+    ks_t = _torch_ops.per_axis(rank, ks, 1, False)[0]
     rpb = _tensor(rng, (2,) + tuple(2 * x - 1 for x in ks_t), device="cuda",
                   requires_grad=True)
 
