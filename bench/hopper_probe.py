@@ -180,8 +180,17 @@ def workloads(no_flex):
             _dump()
             log("check", rec)
             for tile in tiles:
-                ms = _time(lambda: H.forward(prob, cq, ck, cv, out, lse, tile=tile))
-                _rec(wid, tname, "hopper " + _label(tile or H.DEFAULT[H._bucket(D)]), ms, flops)
+                if one_d:
+                    ms = _time(lambda: H.forward(prob, cq, ck, cv, out, lse, tile=tile))
+                    _rec(wid, tname, "hopper " + _label(tile or H.DEFAULT[H._bucket(D)]), ms,
+                         flops)
+                    continue
+                chosen = "boxes" if "true>" in H._plan(prob).name else "flat"
+                for walk in (False, True):
+                    ms = _time(lambda: H.forward(prob, cq, ck, cv, out, lse, walk_boxes=walk))
+                    name = "boxes" if walk else "flat"
+                    _rec(wid, tname, f"hopper {_label(H.DEFAULT_ND)} {name}"
+                         + (" (default)" if name == chosen else ""), ms, flops)
             if _fused_fwd.refuse(prob) is None and (tname == "float16" or not one_d
                                                     or wid.startswith("SA")):
                 ms = _time(lambda: _fused_fwd.forward(prob, cq, ck, cv, fout, flse), reps=10)
@@ -222,7 +231,7 @@ def _slice_reference(torch, q, k, v, K, causal, scale):
 
 
 def _label(t):
-    flags = "".join(f"/{n}" for n in ("pipe", "ws", "pp") if getattr(t, n))
+    flags = "".join(f"/{n}" for n in ("pipe", "pp") if getattr(t, n))
     return f"{t.wg}x64 q, {t.bn} k, {t.stages} st{flags}"
 
 

@@ -1,6 +1,6 @@
-// Fused neighborhood-attention forward for Hopper (sm_90a), 1-D: out = softmax(scale q k^T) v over each query's window and lse (natural log), flash-style on wgmma.
-// One CTA = BM = 64 * WG consecutive in-group queries of one dilation group, head and batch; warpgroup w owns queries 64w..64w+63 (one m64 wgmma row block), all warpgroups walk the CTA's key range [start(first query), end(last query)) in BN-key tiles.
-// Reads q, k, v (last dim contiguous, rows 16-byte aligned) through a STAGES-deep cp.async pipeline into 128-byte-swizzled shared memory; wgmma reads Q, K (K-major) and V (N-major) from there, P from registers; writes out and lse (float32).
+// Fused neighborhood-attention forward for Hopper (sm_90a), 1-D, 2-D and 3-D: out = softmax(scale q k^T) v over each query's window and lse (natural log), flash-style on wgmma.
+// One CTA = a box of 64 * WG in-group queries (1-D: consecutive; 2-D 8x16; 3-D 2x8x8) of one dilation group per axis, head and batch; warpgroup 0 loads (cp.async, mbarriers), compute warpgroup w owns query rows 64w..64w+63 (one m64 wgmma row block), all walk the box's key region in 128-key tiles.
+// Reads q, k, v (last dim contiguous, rows 16-byte aligned) through a STAGES-deep pipeline into 128-byte-swizzled shared memory; wgmma reads Q, K (K-major) and V (N-major) from there, P from registers; writes out and lse (float32).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
@@ -36,11 +36,14 @@ __device__ __forceinline__ void load_tile(unsigned dst, const T* src, i64 stride
 // in-group coordinates of one dilation group per axis (rank padded to 3 with inert axes);
 // its key region is the box of per-axis ranges [start(first query), end(last query)) (windows
 // are monotone in the query index), walked in row-major order (flat index f) in BN-key
-// tiles. Region coordinates are relative to the region's start.
+// tiles, or (BOX, rank 2 and 3) in key boxes of the query box's shape, padded past the region
+// (no index arithmetic per key, and boxes inside every window need no mask). Region
+// coordinates are relative to the region's start.
 template <int RANK, int T0, int T1, int T2>
 struct Geom {
   int g[3], q0[3], glen[3], rs[3], rk[3];
-  int ilo0, ihi0;  // axis-0 region rows inside every query's window
+  int ilo[3], ihi[3];  // per axis, the region coordinates inside every query's window
+  int nb[3];           // key boxes per axis
   int total;       // keys in the region
   int inner;       // keys per axis-0 row of the region (rk1 * rk2)
   bool rows_only;  // windows all span axes 1 and 2 of the region: masks depend on rows only
@@ -69,12 +72,10 @@ struct Geom {
       ax.window(min(q0[a] + tdim[a], glen[a]) - 1, glen[a], ls, le);
       rs[a] = fs;
       rk[a] = le - fs;
-      if (a == 0) {
-        ilo0 = ls - fs;
-        ihi0 = fe - fs;
-      } else if (ls > fs || fe < le) {
-        spans = false;
-      }
+      ilo[a] = ls - fs;
+      ihi[a] = fe - fs;
+      nb[a] = (rk[a] + tdim[a] - 1) / tdim[a];
+      if (a > 0 && (ls > fs || fe < le)) spans = false;
     }
     rows_only = spans;
     inner = rk[1] * rk[2];
@@ -84,9 +85,23 @@ struct Geom {
 
   // Whether some score of the tile of region keys [lo, lo + bn) needs a mask.
   __device__ __forceinline__ bool needs_mask(int lo, int bn) const {
-    if (RANK == 1) return lo < ilo0 || lo + bn > ihi0;
+    if (RANK == 1) return lo < ilo[0] || lo + bn > ihi[0];
     if (!rows_only) return true;
-    return lo < ilo0 * inner || lo + bn > ihi0 * inner;
+    return lo < ilo[0] * inner || lo + bn > ihi[0] * inner;
+  }
+
+  // Box walk: origin (region coordinates) of key box j, and whether it needs a mask.
+  __device__ __forceinline__ void box_origin(int j, int (&org)[3]) const {
+    org[2] = (j % nb[2]) * T2;
+    org[1] = ((j / nb[2]) % nb[1]) * T1;
+    org[0] = (j / (nb[1] * nb[2])) * T0;
+  }
+  __device__ __forceinline__ bool box_needs_mask(const int (&org)[3]) const {
+    const int tdim[3] = {T0, T1, T2};
+    bool inside = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) inside = inside && org[a] >= ilo[a] && org[a] + tdim[a] <= ihi[a];
+    return !inside;
   }
 
   // Element offset of in-group coordinates c (axes beyond RANK are 0) in a tensor of strides st.
@@ -119,11 +134,11 @@ struct Geom {
   }
 };
 
-// Rows of the query tile (lo < 0; one matrix) or of a key tile (region keys [lo, lo + ROWS);
-// keys and values together, one index computation for both) at their tensor addresses, for
-// rank 2 and 3 (rank 1 steps one pointer: load_tile); keys past the region and queries past
-// a group are zero-filled.
-template <typename T, int D, int ROWS, int NT, int RANK, int T0, int T1, int T2>
+// Rows of the query tile (lo < 0; one matrix) or of a key tile (keys and values together, one
+// index computation for both: region keys [lo, lo + ROWS), or with BOX key box lo) at their
+// tensor addresses, for rank 2 and 3 (rank 1 steps one pointer: load_tile); keys past the
+// region and queries past a group are zero-filled.
+template <typename T, int D, int ROWS, int NT, bool BOX, int RANK, int T0, int T1, int T2>
 __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i64* st0,
                                           unsigned dst1, const T* base1, const i64* st1,
                                           const Geom<RANK, T0, T1, T2>& G, const NAParams& p,
@@ -134,12 +149,23 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
   int r = tid / CPR;
   unsigned at = (ch / 8) * (ROWS * 128) + swz128(r, ch % 8);
   const bool col_ok = ch * 8 < head_dim;
+  int org[3] = {0, 0, 0};
+  if (BOX && lo >= 0) G.box_origin(lo, org);
 #pragma unroll 1
   for (; r < ROWS; r += STEP) {
     int c[3];
     bool ok;
     if (lo < 0) {
       G.query(r, c, ok);
+    } else if (BOX) {
+      const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
+      ok = true;
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        c[a] = org[a] + l[a];
+        ok = ok && c[a] < G.rk[a];
+        c[a] += G.rs[a];
+      }
     } else {
       ok = lo + r < G.total;
       G.key(lo + r, c);
@@ -238,6 +264,37 @@ struct RowBlock {
     }
   }
 
+  // Box walk (rank 2, 3): key box with region origin org, shaped T0 x T1 x T2 like the query
+  // box; column 8 jn + 2 quad + e is box-local key (8 jn / TL spread over the outer axes,
+  // 8 jn % TL + 2 quad + e on the last, TL its extent), so only the last axis costs run time.
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ void mask_box(const int (&org)[3], int quad, const int (&wl)[2][3],
+                                           const int (&wn)[2][3]) {
+    constexpr int TL = RANK == 3 ? T2 : T1;
+    static_assert(TL % 8 == 0 && T0 * T1 * T2 == BN, "key boxes of BN keys, last axis by 8");
+    int lo[2][3];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int a = 0; a < RANK; ++a) lo[r][a] = wl[r][a] - org[a] - (a == RANK - 1 ? 2 * quad : 0);
+#pragma unroll
+    for (int jn = 0; jn < BN / 8; ++jn) {
+      const int outer = 8 * jn / TL, last = 8 * jn % TL;
+      const int l[3] = {RANK == 3 ? outer / T1 : outer, RANK == 3 ? outer % T1 : last, last};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          bool in = true;
+#pragma unroll
+          for (int a = 0; a < RANK; ++a)
+            in = in && (unsigned)(l[a] + (a == RANK - 1 ? e : 0) - lo[r][a]) < (unsigned)wn[r][a];
+          if (!in) acc_s[4 * jn + 2 * r + e] = negative_infinity<float>();
+        }
+      }
+    }
+  }
+
   // Online softmax of the tile in exp2 (sl = scale * log2 e): acc_s becomes P; returns the
   // factor by which each row's O must shrink. A row's BN values sit on the 4 lanes of a quad.
   __device__ __forceinline__ void softmax(float sl, float (&alpha)[2]) {
@@ -285,36 +342,35 @@ struct RowBlock {
   }
 };
 
-// PIPE: each warpgroup issues S_j = Q K_j and O += P_{j-1} V_{j-1} together and runs the
-// softmax of tile j while the second GEMM is in flight; else the two GEMMs and the softmax
-// of a tile run one after the other.
-// WS (warp specialization): warpgroup 0 only loads (cp.async, 128 threads, few registers),
-// signalling each stage's arrival on an mbarrier (full) and waiting for the consumers to free
-// it (empty); warpgroups 1..WG compute and never wait for each other. Without WS every
-// warpgroup loads a share of each tile and computes, with a CTA barrier per tile (PIPE then
-// needs STAGES >= 3, since two tiles are read at once).
-// PP (ping-pong, with WS and PIPE): the compute warpgroups take turns to issue their GEMMs
-// (named barriers 1..WG), so that one's softmax runs while another's GEMMs hold the tensor
-// cores, instead of all of them contending at once.
-template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool WS, bool PP, int RANK,
-          int T0, int T1, int T2>
+// Warp specialization: warpgroup 0 only loads (cp.async, 128 threads, few registers),
+// signalling each stage's arrival on an mbarrier (full) and waiting for the compute
+// warpgroups to free it (empty); warpgroups 1..WG compute and never wait for each other.
+// (Loading from the compute warpgroups with a CTA barrier per tile ran them in lock step:
+// 2.9-3.9 ms against 2.3-2.7 dense at D64, NOTES-hopper-fwd.md v1/v2.)
+// PIPE: each compute warpgroup issues S_j = Q K_j and O += P_{j-1} V_{j-1} together and runs
+// the softmax of tile j while the second GEMM is in flight; else the two GEMMs and the
+// softmax of a tile run one after the other.
+// PP (ping-pong, with PIPE): the compute warpgroups take turns to issue their GEMMs (named
+// barriers 1..WG), so that one's softmax runs while another's GEMMs hold the tensor cores,
+// instead of all of them contending at once.
+template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
+          int T1, int T2, bool BOX>
 __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, T* __restrict__ o,
                                        float* __restrict__ lse, const NAParams& p) {
-  constexpr int BM = 64 * WG, NT = WS ? 128 : 128 * WG;  // NT: threads that load
-  // Without WS, tiles loaded ahead: a slot is free once every warpgroup waited on its GEMMs.
-  constexpr int AHEAD = WS ? 1 : PIPE ? STAGES - 2 : STAGES - 1;
-  static_assert(AHEAD >= 1 && STAGES >= 2, "PIPE without WS needs STAGES >= 3");
-  static_assert(!PP || (WS && PIPE && WG >= 2), "PP needs WS, PIPE and two warpgroups");
+  constexpr int BM = 64 * WG, NT = 128;  // NT: threads that load (warpgroup 0)
+  static_assert(STAGES >= 2, "two stages at least");
+  static_assert(!PP || (PIPE && WG >= 2), "PP needs PIPE and two compute warpgroups");
   static_assert(T0 * T1 * T2 == BM && (RANK > 1 || T0 == BM) && (RANK > 2 || T2 == 1),
                 "the query tile is BM queries over the rank's axes");
+  static_assert(!BOX || (RANK > 1 && BM == BN), "key boxes (rank 2, 3) have the query box's shape");
   constexpr unsigned Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
-  constexpr int LOAD_UNROLL = WS ? 2 : 16;  // the loader runs on few registers
+  constexpr int LOAD_UNROLL = 2;  // the loader runs on few registers
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned sq = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sk = sq + Q_BYTES, sv = sk + STAGES * KV_BYTES;
-  const unsigned full = sv + STAGES * KV_BYTES, empty = full + 8 * STAGES;  // WS barriers
+  const unsigned full = sv + STAGES * KV_BYTES, empty = full + 8 * STAGES;  // mbarriers
 
   Geom<RANK, T0, T1, T2> G;
   if (!G.init(p)) return;
@@ -322,8 +378,8 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
   // Compute warpgroup (-1: the loader), read through a shuffle so that the compiler sees it
   // is warp-uniform (setmaxnreg only applies to branches it can prove are).
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - (WS ? 1 : 0);
-  const int num_tiles = (G.total + BN - 1) / BN;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
+  const int num_tiles = BOX ? G.nb[0] * G.nb[1] * G.nb[2] : (G.total + BN - 1) / BN;
 
   // Batch and head offsets; rank 1 also folds in the group and steps rows by dilation.
   const T* qb = q + b * p.q[0] + h * p.q[4];
@@ -335,7 +391,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       load_tile<T, D, BM, NT, LOAD_UNROLL>(sq, qb + G.g[0] * p.q[1], d0 * p.q[1], G.q0[0],
                                            G.glen[0], hd, tid);
     else
-      load_rows<T, D, BM, NT>(sq, qb, p.q, sq, qb, p.q, G, p, -1, hd, tid);
+      load_rows<T, D, BM, NT, BOX>(sq, qb, p.q, sq, qb, p.q, G, p, -1, hd, tid);
   };
   auto load_kv = [&](int j) {  // key/value tile j into its slot
     const unsigned slot = (j % STAGES) * KV_BYTES;
@@ -346,28 +402,21 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       load_tile<T, D, BN, NT, LOAD_UNROLL>(sv + slot, vb + G.g[0] * p.v[1], d0 * p.v[1], row0,
                                            G.glen[0], hd, tid);
     } else {
-      load_rows<T, D, BN, NT>(sk + slot, kb, p.k, sv + slot, vb, p.v, G, p, j * BN, hd, tid);
+      load_rows<T, D, BN, NT, BOX>(sk + slot, kb, p.k, sv + slot, vb, p.v, G, p,
+                                   BOX ? j : j * BN, hd, tid);
     }
   };
 
-  // Tile j resident for this warpgroup. Without WS the barrier also orders every warpgroup's
-  // last GEMM on the slot that the next load (tile j + AHEAD) overwrites.
+  // Tile j resident for this warpgroup (the loader's cp.async writes, seen through the
+  // mbarrier, made visible to the tensor cores' async proxy).
   auto acquire = [&](int j) {
-    if (WS) {
-      mbar_wait(full + 8 * (j % STAGES), (j / STAGES) & 1);
-      fence_proxy_async();
-    } else {
-      cp_async_wait<AHEAD - 1>();
-      fence_proxy_async();
-      __syncthreads();
-      if (j + AHEAD < num_tiles) load_kv(j + AHEAD);
-      cp_async_commit();
-    }
+    mbar_wait(full + 8 * (j % STAGES), (j / STAGES) & 1);
+    fence_proxy_async();
   };
   auto release = [&](int j) {  // this warpgroup's GEMMs on tile j are complete
-    if (WS) mbar_arrive(empty + 8 * (j % STAGES));
+    mbar_arrive(empty + 8 * (j % STAGES));
   };
-  auto needs_mask = [&](int j) { return G.needs_mask(j * BN, BN); };
+  auto needs_mask = [&](int j) { return G.needs_mask(j * BN, BN); };  // flat walk
 
   auto consume = [&]() {
     // Turns of the ping-pong: every warpgroup takes num_tiles + 1 (S_0; S_j with P_{j-1} V_{j-1};
@@ -407,12 +456,17 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     RowBlock<T, D, BN> rb;
     rb.init();
     float alpha[2];
-    auto mask_tile = [&](int j) {  // region keys [j * BN, (j + 1) * BN)
-      if (!needs_mask(j)) return;
-      if (RANK == 1)
-        rb.mask(j * BN, quad, ws, we);
-      else
-        rb.template mask_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn);
+    auto mask_tile = [&](int j) {  // flat: region keys [j * BN, (j + 1) * BN); BOX: box j
+      if constexpr (BOX) {
+        int org[3];
+        G.box_origin(j, org);
+        if (G.box_needs_mask(org)) rb.template mask_box<RANK, T0, T1, T2>(org, quad, wl, wn);
+      } else if (needs_mask(j)) {
+        if (RANK == 1)
+          rb.mask(j * BN, quad, ws, we);
+        else
+          rb.template mask_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn);
+      }
     };
 
     if (!PIPE) {
@@ -501,46 +555,36 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     }
   };
 
-  if (WS) {
-    if (tid == 0) {
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full + 8 * s, 128);
-        mbar_init(empty + 8 * s, 128 * WG);
-      }
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 128);
+      mbar_init(empty + 8 * s, 128 * WG);
     }
-    __syncthreads();
-    if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
-      regs_dec<WG == 2 ? (RANK == 1 ? 24 : 40) : 32>();  // rank 2, 3: index math
-      load_q();
-      for (int j = 0; j < num_tiles; ++j) {
-        if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
-        load_kv(j);
-        cp_async_arrive(full + 8 * (j % STAGES));
-      }
-      cp_async_wait_all();
-    } else {
-      regs_inc<WG == 2 ? (RANK == 1 ? 240 : 232) : 160>();
-      consume();
-    }
-  } else {
+  }
+  __syncthreads();
+  if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
+    regs_dec<WG == 2 ? (RANK == 1 ? 24 : RANK == 2 ? 40 : 56) : 32>();  // rank 2, 3: index math
     load_q();
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-      if (s < num_tiles) load_kv(s);
-      cp_async_commit();
+    for (int j = 0; j < num_tiles; ++j) {
+      if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
+      load_kv(j);
+      cp_async_arrive(full + 8 * (j % STAGES));
     }
+    cp_async_wait_all();
+  } else {
+    regs_inc<WG == 2 ? (RANK == 1 ? 240 : RANK == 2 ? 232 : 224) : 160>();
     consume();
   }
 }
 
 }  // namespace hopper
 
-template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool WS, bool PP, int RANK,
-          int T0, int T1, int T2>
-__global__ void __launch_bounds__(128 * (WG + WS), 1)
+template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
+          int T1, int T2, bool BOX>
+__global__ void __launch_bounds__(128 * (WG + 1), 1)
 na_fwd_hopper(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const NAParams p) {
-  hopper::fwd<T, D, WG, BN, STAGES, PIPE, WS, PP, RANK, T0, T1, T2>(q, k, v, o, lse, p);
+  hopper::fwd<T, D, WG, BN, STAGES, PIPE, PP, RANK, T0, T1, T2, BOX>(q, k, v, o, lse, p);
 }
 
 }  // namespace natten

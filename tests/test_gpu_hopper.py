@@ -67,7 +67,7 @@ def _reference(problem, q, k, v):
     return out.astype(F64), lse.astype(F64)
 
 
-def check_case(case, rng, tile=None, layout="canonical"):
+def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None):
     """Run one case; returns (out error, reference out error, lse error)."""
     import cupy as cp
     spatial, _, _, _, _, heads, dim, dtype, _ = case
@@ -84,7 +84,7 @@ def check_case(case, rng, tile=None, layout="canonical"):
     assert _fused_hopper.refuse(prob) is None, _fused_hopper.refuse(prob)
     out = upload(cp, numpy.full(shape, numpy.nan, dtype))
     lse = cp.full(shape[:-1], cp.nan, dtype=cp.float32)
-    _fused_hopper.forward(prob, *dev, out, lse, tile=tile)
+    _fused_hopper.forward(prob, *dev, out, lse, tile=tile, walk_boxes=walk_boxes)
     out, lse = to_host(out), to_host(lse)
     h64 = [x.astype(F64) for x in host]
     ref_out, ref_lse = _reference(_problem(h64[0], case), *h64)
@@ -104,6 +104,14 @@ def check_case(case, rng, tile=None, layout="canonical"):
 def test_hopper_forward_matches_reference(case, rng):
     _skip_unless_hopper()
     check_case(case, rng)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if len(c[0]) > 1],
+                         ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}")
+@pytest.mark.parametrize("walk_boxes", [False, True], ids=("flat", "boxes"))
+def test_hopper_key_walks(case, walk_boxes, rng):
+    _skip_unless_hopper()
+    check_case(case, rng, walk_boxes=walk_boxes)
 
 
 @pytest.mark.parametrize("tile", [t for ts in _fused_hopper.ALTERNATIVES.values() for t in ts],

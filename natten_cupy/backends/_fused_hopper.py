@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy
 
@@ -36,8 +37,7 @@ class HopperTile:
     bn: int       # keys per tile
     stages: int   # shared-memory pipeline depth (K and V tiles)
     pipe: bool = False  # overlap a tile's softmax with the previous tile's P V
-    ws: bool = False    # a loader warpgroup (cp.async, mbarriers, setmaxnreg) apart
-    pp: bool = False    # compute warpgroups take turns issuing their GEMMs (ws and pipe)
+    pp: bool = False    # compute warpgroups take turns issuing their GEMMs (with pipe)
 
     @property
     def bm(self):
@@ -45,17 +45,19 @@ class HopperTile:
 
     @property
     def threads(self):
-        return 128 * (self.wg + self.ws)
+        return 128 * (self.wg + 1)  # and the loader warpgroup
 
 
 T = HopperTile
-# By the H200 timings of NOTES-hopper-fwd.md (v2): a loader warpgroup, 3 stages, the softmax of
-# tile j under P V of tile j - 1, compute warpgroups taking turns.
-DEFAULT = {64: T(2, 128, 3, True, True, True), 128: T(2, 128, 3, True, True, True)}
+# By the H200 timings of NOTES-hopper-fwd.md (v2): 3 stages, the softmax of tile j under P V of
+# tile j - 1, compute warpgroups taking turns.
+# 1-D head dim 64 takes 3 compute warpgroups (192 queries): 2.29 vs 2.63 ms dense (v3). Rank
+# 2 and 3 take query boxes of 128 (two compute warpgroups) whatever the head dim.
+DEFAULT = {64: T(3, 128, 3, True, True), 128: T(2, 128, 3, True, True)}
+DEFAULT_ND = T(2, 128, 3, True, True)
 ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
-    64: (T(2, 128, 2), T(2, 128, 3, ws=True), T(2, 128, 4, True, True, True),
-         T(3, 128, 3, True, True, True)),
-    128: (T(2, 128, 3, ws=True),),
+    64: (T(2, 128, 3, True, True), T(3, 128, 2, True, True)),
+    128: (T(2, 128, 3),),
 }
 # The query box of 128 queries per rank (64 * wg with wg 2; rank 1 takes any wg).
 QUERY_BOX = {2: (8, 16, 1), 3: (2, 8, 8)}
@@ -99,21 +101,37 @@ def _box(rank, tile):
     return (tile.bm, 1, 1) if rank == 1 else QUERY_BOX[rank]
 
 
-def _name(dtype, dp, tile, rank=1):
-    flags = ", ".join("true" if f else "false" for f in (tile.pipe, tile.ws, tile.pp))
+def _name(dtype, dp, tile, rank=1, walk_boxes=False):
+    flags = ", ".join("true" if f else "false" for f in (tile.pipe, tile.pp))
     box = ", ".join(str(t) for t in _box(rank, tile))
     return (f"natten::na_fwd_hopper<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
-            f"{flags}, {rank}, {box}>")
+            f"{flags}, {rank}, {box}, {'true' if walk_boxes else 'false'}>")
 
 
 def instantiations():
     out = []
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
-            out += [(SOURCE, _name(dtype, dp, DEFAULT[dp], rank)) for rank in (1, 2, 3)]
+            out.append((SOURCE, _name(dtype, dp, DEFAULT[dp])))
+            out += [(SOURCE, _name(dtype, dp, DEFAULT_ND, rank, walk))
+                    for rank in (2, 3) for walk in (False, True)]
             if dtype == FLOAT16:
                 out += [(SOURCE, _name(dtype, dp, t)) for t in ALTERNATIVES[dp]]
     return sorted(set(out))
+
+
+def _walk_boxes(problem, box):
+    """Rank 2, 3: walk the key region in boxes of the query box's shape (no per-key index
+    math, boxes inside every window unmasked) when padding the region to whole boxes costs no
+    more key tiles than the flat walk (estimated on an interior query box). Measured on the
+    H200 (NOTES-hopper-fwd.md, v4): boxes faster at equal tile counts in 3-D (5x9x9 window:
+    3.00 vs 3.25 ms), equal in 2-D (33x33: 4.34 ms both), slower with more tiles (13x13: 6 vs 5
+    tiles, 0.52 vs 0.49 ms; 21x21: 12 vs 8 tiles, 0.81 vs 0.67 ms)."""
+    rk = [min(-(-L // d), t + k - 1) for L, d, t, k in
+          zip(problem.spatial, problem.dilation, box, problem.kernel_size)]
+    flat = -(-math.prod(rk) // 128)
+    boxes = math.prod(-(-r // t) for r, t in zip(rk, box))
+    return boxes <= flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,23 +142,25 @@ class Plan:
     grid: tuple
     block: tuple
     smem: int       # dynamic shared memory, bytes (+1 KiB to align the tiles to 1024, and
-                    # the mbarriers of a loader warpgroup)
+                    # the stages' mbarriers)
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(problem, tile=None):
+def _plan(problem, tile=None, walk_boxes=None):
     dp = _bucket(problem.head_dim)
-    tile = tile or DEFAULT[dp]
-    if problem.rank > 1 and tile.wg != 2:
-        raise ValueError(f"rank {problem.rank} runs query boxes of 128 (wg 2), not wg {tile.wg}")
+    tile = tile or (DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND)
+    if problem.rank > 1 and tile != DEFAULT_ND:
+        raise ValueError(f"rank {problem.rank} runs {DEFAULT_ND} only, not {tile}")
     box = _box(problem.rank, tile)
+    if walk_boxes is None:
+        walk_boxes = problem.rank > 1 and _walk_boxes(problem, box)
     ctas = 1
     for a in range(problem.rank):
         L, d = problem.spatial[a], problem.dilation[a]
         ctas *= d * -(-(-(-L // d)) // box[a])  # groups x tiles of the longest group
-    smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages * tile.ws
-    return Plan(_name(problem.dtype, dp, tile, problem.rank), tile, (ctas, problem.heads,
-                problem.batch), (tile.threads, 1, 1), smem)
+    smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages
+    return Plan(_name(problem.dtype, dp, tile, problem.rank, walk_boxes), tile,
+                (ctas, problem.heads, problem.batch), (tile.threads, 1, 1), smem)
 
 
 def _readable(x):
@@ -154,13 +174,14 @@ def _readable(x):
     return all(s % per16 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
 
 
-def forward(problem, q, k, v, out, lse, tile=None):
+def forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
     """out, lse = NA forward of q, k, v (CuPy arrays; outputs preallocated, all written).
 
-    ``tile`` (a HopperTile among the instantiations, 1-D) overrides the default, for probing.
+    ``tile`` (a HopperTile among the instantiations, 1-D) and ``walk_boxes`` (rank 2, 3: key
+    boxes or the flat walk) override the defaults, for probing and tests.
     """
     import cupy
-    plan = _plan(problem, tile)
+    plan = _plan(problem, tile, walk_boxes)
     if plan.grid[0] >= 2 ** 31:
         raise ValueError(f"problem too large for one Hopper fused-forward launch "
                          f"({plan.grid[0]} query tiles)")
