@@ -356,8 +356,8 @@ struct RowBlock {
 template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
           int T1, int T2, bool BOX>
 __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k,
-                                       const T* __restrict__ v, T* __restrict__ o,
-                                       float* __restrict__ lse, const NAParams& p) {
+                                    const T* __restrict__ v, T* __restrict__ o,
+                                    float* __restrict__ lse, const NAParams& p) {
   constexpr int BM = 64 * WG, NT = 128;  // NT: threads that load (warpgroup 0)
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!PP || (PIPE && WG >= 2), "PP needs PIPE and two compute warpgroups");
