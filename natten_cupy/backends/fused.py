@@ -5,7 +5,9 @@ This module only dispatches; the kernels' launchers live in three parts:
 * ``_fused_fwd``: forward on tensor cores (float16, bfloat16; float32 as TF32 when the
   caller allows it);
 * ``_fused_bwd``: backward on tensor cores (same dtypes);
-* ``_fused_fp32``: exact-float32 forward and backward (tiled FMA, no TF32).
+* ``_fused_fp32``: exact-float32 forward and backward (tiled FMA, no TF32);
+* ``_fused_hopper``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
+  above 32), taken over ``_fused_fwd`` where it accepts the problem.
 
 Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (whichever it
 implements) and ``instantiations()``; a part with several tile configurations lists them in
@@ -41,11 +43,23 @@ def _part(name):
         return None
 
 
+def _hopper_serves(problem):
+    """Whether the forward goes to the Hopper part (wgmma, sm_90): float16/bfloat16 with a
+    head dim above 32 (at 32 the mma.sync kernel, tuned for it, stays), no tile override,
+    and the part accepts the problem on this device."""
+    if problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32:
+        return False
+    part = _part("_fused_hopper")
+    return part is not None and part.refuse(problem) is None
+
+
 def _parts_for(op, problem):
     exact_fp32 = problem.dtype == FLOAT32 and not problem.allow_tf32
     if exact_fp32:
         return "_fused_fp32"
-    return "_fused_fwd" if op == "fused_forward" else "_fused_bwd"
+    if op == "fused_forward":
+        return "_fused_hopper" if _hopper_serves(problem) else "_fused_fwd"
+    return "_fused_bwd"
 
 
 def refuse(op, problem):
