@@ -290,6 +290,8 @@ def test_tile_choices_for_the_workloads():
     assert peers.flat_tile((100, 100)) is None
     assert peers.TokenOrder((1024, 1024), (1, 128)).is_identity
     for w in workloads.WORKLOADS.values():
+        if w.id.startswith("M"):  # the model-shaped set runs Flex in row-major order only
+            continue
         t = peers.compact_tile(w.spatial, w.kernel)
         assert t is not None and math.prod(t) == 128
     assert peers.compact_tile((1024, 1024), (9, 9)) in ((8, 16), (16, 8))

@@ -193,3 +193,23 @@ def forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
            backend="fused", tile=_box(problem.rank, plan.tile)[:problem.rank])
     if dst is not out:
         out[...] = dst
+
+
+def plan_forward(problem, q, k, v, out, lse):
+    """The launch Plan of one forward on the current device for operand layouts (q, k, v,
+    out, lse), or None if one of q, k, v, out cannot be read as it is (the plan contract of
+    ``natten_cupy._launch``; ``forward`` above takes arrays)."""
+    from .._launch import KernelCall, Operand, Plan
+    from .._operands import rows_ready
+    if not all(rows_ready(x) for x in (q, k, v, out)):
+        return None
+    plan = _plan(problem, None, None)
+    if plan.grid[0] >= 2 ** 31:
+        raise ValueError(f"problem too large for one Hopper fused-forward launch "
+                         f"({plan.grid[0]} query tiles)")
+    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
+    call = KernelCall(get_kernel(SOURCE, plan.name, extra_options=OPTIONS), plan.grid,
+                      plan.block, (*map(Operand, range(5)), params), shared_mem=plan.smem,
+                      name="na_fwd_hopper", backend="fused",
+                      tile=_box(problem.rank, plan.tile)[:problem.rank])
+    return Plan((call,))
