@@ -8,6 +8,16 @@
 namespace natten {
 namespace hopper {
 
+// Register budgets of the 1-D loader and compute warpgroups (two compute warpgroups). NVRTC
+// before 13.1 spills the D128 loader at 24 registers (8 bytes, in the tests' compile check):
+// there it gets 32 and the compute warpgroups 232 (the 2-D kernels' split), which 13.1 and
+// later do not need.
+#if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1301
+constexpr int kLoaderRegs1D = 32, kComputeRegs1D = 232;
+#else
+constexpr int kLoaderRegs1D = 24, kComputeRegs1D = 240;
+#endif
+
 // Copies rows [row0, row0 + ROWS) of a row-major [*, head_dim] matrix (row stride `stride`
 // elements) into a swizzled tile of ROWS x D (layout in wgmma.cuh); rows at or past `rows`
 // and columns at or past head_dim are zero-filled, so padded keys and dims add nothing.
@@ -563,7 +573,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   }
   __syncthreads();
   if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
-    regs_dec<WG == 2 ? (RANK == 1 ? 24 : RANK == 2 ? 40 : 56) : 32>();  // rank 2, 3: index math
+    regs_dec<WG == 2 ? (RANK == 1 ? kLoaderRegs1D : RANK == 2 ? 40 : 56) : 32>();  // 2, 3: index math
     load_q();
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -572,7 +582,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     }
     cp_async_wait_all();
   } else {
-    regs_inc<WG == 2 ? (RANK == 1 ? 240 : RANK == 2 ? 232 : 224) : 160>();
+    regs_inc<WG == 2 ? (RANK == 1 ? kComputeRegs1D : RANK == 2 ? 232 : 224) : 160>();
     consume();
   }
 }

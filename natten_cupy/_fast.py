@@ -24,7 +24,7 @@ import sys
 
 from . import _args
 from ._dtypes import accumulator_dtype, canonical_dtype
-from ._launch import profiling, run_plan
+from ._launch import Plan, profiling, run_plan
 from ._operands import Layout, rows_ready
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
@@ -175,6 +175,8 @@ def _build(op, problem, backend, fam, inputs, outputs):
     layouts = [Layout.contiguous(lay.shape, lay.dtype) if i in copies else lay
                for i, lay in enumerate(layouts)]
     layouts += [Layout.contiguous(s, d) for s, d in outputs]
+    if problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
+        return Entry(problem, Plan(()), device, (), tuple(outputs), ())
     with cupy.cuda.Device(device):
         plan = planner(op, problem, layouts)
         if plan is None:

@@ -345,13 +345,18 @@ def test_torch_unfused_eager_equals_compiled(rng, dtype, with_rpb):
     _fast.clear()
     eager = [grads(chain) for _ in range(2)]
     assert _fast.entries() >= 2
-    want = grads(torch.compile(chain, fullgraph=True))
+    # aot_eager: the graph's torch ops (the softmax between qk and av) run as in eager, so
+    # every natten_cupy output must match bit for bit; inductor fuses the softmax its own way.
+    want = grads(torch.compile(chain, fullgraph=True, backend="aot_eager"))
     for run in eager:
         for i, (g, w) in enumerate(zip(run, want)):
             if i == 4:   # d_rpb: float32 atomics in any order
                 torch.testing.assert_close(g, w)
             else:
                 assert torch.equal(g, w)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else {}
+    for g, w in zip(eager[0], grads(torch.compile(chain, fullgraph=True))):
+        torch.testing.assert_close(g, w, **tol)
 
 
 # ---- lse gradients and extra tokens on the GPU --------------------------------------------
