@@ -125,9 +125,10 @@ def markdown_table(data):
         f"Measured on {env.get('device', 'unknown GPU')} (torch {env.get('torch', '?')}, "
         f"cupy {env.get('cupy', '?')}, commit {env.get('commit', '?')}, "
         f"{meta.get('started', '?')}), B = 1, medians of CUDA-event timings. "
-        "Peers ran in the same process; * marks BENCH.md's published figure for a peer that "
-        "did not run here (when it is the best). "
-        "Floor: the larger of bytes/bandwidth and FLOPs/matmul ceiling (BENCH.md).",
+        "Peers ran in the same process; * marks an earlier measurement on the same GPU "
+        "(`bench/workloads.py`) for a peer that did not run here (when it is the best). "
+        "Floor: the larger of bytes/bandwidth and FLOPs/matmul ceiling (measured ceilings, "
+        "`bench/workloads.py`).",
         "",
         "| workload | dtype | natten_cupy fwd / fwd+bwd ms | TFLOP/s fwd / fwd+bwd "
         "| of floor fwd / bwd | best peer fwd / fwd+bwd ms | speedup fwd / fwd+bwd / bwd |",
