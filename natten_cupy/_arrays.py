@@ -96,6 +96,8 @@ def _place(named):
     on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
     if not on_gpu:
         return numpy, family, present, None
+    from ._env import require_gpu
+    require_gpu("CUDA arrays")   # one clear sentence instead of CuPy's driver-version error
     cupy = _cupy()
     if cupy is None:
         raise TypeError("GPU arrays were given but CuPy is not installed "

@@ -226,3 +226,20 @@ def test_torch_cuda_reference_gives_cuda_tensors():
         assert isinstance(r, torch.Tensor) and r.is_cuda, name
         numpy.testing.assert_allclose(r.cpu().numpy(), want[name], rtol=1e-5, atol=1e-5,
                                       err_msg=name)
+
+
+def test_cuda_arrays_without_a_usable_gpu_get_one_clear_sentence(monkeypatch):
+    """A CUDA array on a machine where CuPy cannot use a GPU: NoGPUError naming the reason,
+    before any CuPy call (CuPy would say 'CUDA driver version is insufficient')."""
+    from natten_cupy import _device, _env
+
+    class FakeCuda:
+        shape, dtype, ndim = (1, 8, 1, 4), numpy.dtype(numpy.float32), 4
+
+        def __dlpack_device__(self):
+            return (2, 0)   # kDLCUDA
+
+    monkeypatch.setattr(_env, "gpu_unavailable_reason", lambda: "no GPU in this test")
+    x = FakeCuda()
+    with pytest.raises(_env.NoGPUError, match="no GPU in this test"):
+        natten_cupy.na1d(x, x, x, 3)
