@@ -8,9 +8,6 @@ adds autograd.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 from . import ops as _ops
 
 __version__ = "0.1.0"
@@ -62,32 +59,142 @@ _AVB_DOC = """Backward of na{n}d_av: (d_attn, dv).
 _AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
 
 
-def _for_rank(fn, rank, name, doc):
-    """``fn`` with its leading ``rank`` argument fixed, named and documented for that rank
-    (its signature is ``fn``'s without ``rank``). Also used by ``natten_cupy.torch``."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return fn(rank, *args, **kwargs)
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = doc.format(n=rank, axes=_AXES[rank])
-    sig = inspect.signature(fn)
-    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
-    del call.__wrapped__
-    return call
+# ---- the public calls, one per rank (their docstrings are the templates above) ----------
+
+def na1d(q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
+         backend="auto", return_lse=False, allow_tf32=False, deterministic=False, tile=None):
+    return _ops.fused_forward(1, q, k, v, kernel_size, stride=stride, dilation=dilation,
+                              is_causal=is_causal, scale=scale, backend=backend,
+                              return_lse=return_lse, allow_tf32=allow_tf32,
+                              deterministic=deterministic, tile=tile)
 
 
-__all__ = []
+def na1d_backward(d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
+                  is_causal=False, scale=None, backend="auto", allow_tf32=False,
+                  deterministic=False, tile=None):
+    return _ops.fused_backward(1, d_out, q, k, v, out, lse, kernel_size, stride=stride,
+                               dilation=dilation, is_causal=is_causal, scale=scale,
+                               backend=backend, allow_tf32=allow_tf32,
+                               deterministic=deterministic, tile=tile)
+
+
+def na1d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+            allow_tf32=False):
+    return _ops.qk(1, q, k, kernel_size, dilation=dilation, is_causal=is_causal, rpb=rpb,
+                   backend=backend, allow_tf32=allow_tf32)
+
+
+def na1d_av(attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+            allow_tf32=False):
+    return _ops.av(1, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
+                   backend=backend, allow_tf32=allow_tf32)
+
+
+def na1d_qk_backward(d_attn, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None,
+                     backend="auto", allow_tf32=False):
+    return _ops.qk_backward(1, d_attn, q, k, kernel_size, dilation=dilation,
+                            is_causal=is_causal, rpb=rpb, backend=backend,
+                            allow_tf32=allow_tf32)
+
+
+def na1d_av_backward(d_out, attn, v, kernel_size, *, dilation=1, is_causal=False,
+                     backend="auto", allow_tf32=False):
+    return _ops.av_backward(1, d_out, attn, v, kernel_size, dilation=dilation,
+                            is_causal=is_causal, backend=backend, allow_tf32=allow_tf32)
+
+
+def na2d(q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
+         backend="auto", return_lse=False, allow_tf32=False, deterministic=False, tile=None):
+    return _ops.fused_forward(2, q, k, v, kernel_size, stride=stride, dilation=dilation,
+                              is_causal=is_causal, scale=scale, backend=backend,
+                              return_lse=return_lse, allow_tf32=allow_tf32,
+                              deterministic=deterministic, tile=tile)
+
+
+def na2d_backward(d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
+                  is_causal=False, scale=None, backend="auto", allow_tf32=False,
+                  deterministic=False, tile=None):
+    return _ops.fused_backward(2, d_out, q, k, v, out, lse, kernel_size, stride=stride,
+                               dilation=dilation, is_causal=is_causal, scale=scale,
+                               backend=backend, allow_tf32=allow_tf32,
+                               deterministic=deterministic, tile=tile)
+
+
+def na2d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+            allow_tf32=False):
+    return _ops.qk(2, q, k, kernel_size, dilation=dilation, is_causal=is_causal, rpb=rpb,
+                   backend=backend, allow_tf32=allow_tf32)
+
+
+def na2d_av(attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+            allow_tf32=False):
+    return _ops.av(2, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
+                   backend=backend, allow_tf32=allow_tf32)
+
+
+def na2d_qk_backward(d_attn, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None,
+                     backend="auto", allow_tf32=False):
+    return _ops.qk_backward(2, d_attn, q, k, kernel_size, dilation=dilation,
+                            is_causal=is_causal, rpb=rpb, backend=backend,
+                            allow_tf32=allow_tf32)
+
+
+def na2d_av_backward(d_out, attn, v, kernel_size, *, dilation=1, is_causal=False,
+                     backend="auto", allow_tf32=False):
+    return _ops.av_backward(2, d_out, attn, v, kernel_size, dilation=dilation,
+                            is_causal=is_causal, backend=backend, allow_tf32=allow_tf32)
+
+
+def na3d(q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
+         backend="auto", return_lse=False, allow_tf32=False, deterministic=False, tile=None):
+    return _ops.fused_forward(3, q, k, v, kernel_size, stride=stride, dilation=dilation,
+                              is_causal=is_causal, scale=scale, backend=backend,
+                              return_lse=return_lse, allow_tf32=allow_tf32,
+                              deterministic=deterministic, tile=tile)
+
+
+def na3d_backward(d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
+                  is_causal=False, scale=None, backend="auto", allow_tf32=False,
+                  deterministic=False, tile=None):
+    return _ops.fused_backward(3, d_out, q, k, v, out, lse, kernel_size, stride=stride,
+                               dilation=dilation, is_causal=is_causal, scale=scale,
+                               backend=backend, allow_tf32=allow_tf32,
+                               deterministic=deterministic, tile=tile)
+
+
+def na3d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
+            allow_tf32=False):
+    return _ops.qk(3, q, k, kernel_size, dilation=dilation, is_causal=is_causal, rpb=rpb,
+                   backend=backend, allow_tf32=allow_tf32)
+
+
+def na3d_av(attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto",
+            allow_tf32=False):
+    return _ops.av(3, attn, v, kernel_size, dilation=dilation, is_causal=is_causal,
+                   backend=backend, allow_tf32=allow_tf32)
+
+
+def na3d_qk_backward(d_attn, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None,
+                     backend="auto", allow_tf32=False):
+    return _ops.qk_backward(3, d_attn, q, k, kernel_size, dilation=dilation,
+                            is_causal=is_causal, rpb=rpb, backend=backend,
+                            allow_tf32=allow_tf32)
+
+
+def na3d_av_backward(d_out, attn, v, kernel_size, *, dilation=1, is_causal=False,
+                     backend="auto", allow_tf32=False):
+    return _ops.av_backward(3, d_out, attn, v, kernel_size, dilation=dilation,
+                            is_causal=is_causal, backend=backend, allow_tf32=allow_tf32)
+
+
+_DOCS = {"": _FUSED_DOC, "_backward": _FUSED_BWD_DOC, "_qk": _QK_DOC, "_av": _AV_DOC,
+         "_qk_backward": _QKB_DOC, "_av_backward": _AVB_DOC}
 for _n in (1, 2, 3):
-    for _suffix, _fn, _doc in (("", _ops.fused_forward, _FUSED_DOC),
-                               ("_backward", _ops.fused_backward, _FUSED_BWD_DOC),
-                               ("_qk", _ops.qk, _QK_DOC),
-                               ("_av", _ops.av, _AV_DOC),
-                               ("_qk_backward", _ops.qk_backward, _QKB_DOC),
-                               ("_av_backward", _ops.av_backward, _AVB_DOC)):
-        _name = f"na{_n}d{_suffix}"
-        globals()[_name] = _for_rank(_fn, _n, _name, _doc)
-        __all__.append(_name)
-del _n, _suffix, _fn, _doc, _name
+    for _suffix, _doc in _DOCS.items():
+        globals()[f"na{_n}d{_suffix}"].__doc__ = _doc.format(n=_n, axes=_AXES[_n])
+del _n, _suffix, _doc
+
+__all__ = [f"na{n}d{suffix}" for n in (1, 2, 3) for suffix in _DOCS]
 
 
 from ._softmax import softmax, softmax_backward  # noqa: E402

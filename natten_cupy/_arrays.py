@@ -96,8 +96,6 @@ def _place(named):
     on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
     if not on_gpu:
         return numpy, family, present, None
-    from ._env import require_gpu
-    require_gpu("CUDA arrays")   # one clear sentence instead of CuPy's driver-version error
     cupy = _cupy()
     if cupy is None:
         raise TypeError("GPU arrays were given but CuPy is not installed "
@@ -130,6 +128,8 @@ class Inputs:
         if xp is numpy:
             arrays = [None if x is None else _as_numpy(x) for _, x in named]
             return cls(numpy, family, None, arrays, None)
+        from ._env import require_gpu
+        require_gpu("CUDA arrays")   # one clear sentence instead of CuPy's driver-version error
         stream = _caller_stream(xp, family, present, device_id)
         with stream:
             arrays = [None if x is None else _as_cupy(xp, x) for _, x in named]
