@@ -1,0 +1,369 @@
+// Fused neighborhood-attention backward for Hopper (sm_90a), 1-D, 2-D and 3-D, on wgmma: delta = rowsum(dO * O), then dK, dV (key-parallel) and dQ (query-parallel), deterministic (no atomics).
+// delta: one group of D / 8 threads per query row. dK/dV: a CTA owns 128 in-group keys (1-D consecutive, 2-D 8x16, 3-D 2x8x8) of one dilation group, compute warpgroup w owns keys 64w..64w+63 and walks the queries of the keys' inverse windows in 64-query tiles; dQ: a CTA owns 128 queries (the forward's boxes) and walks their windows' keys in BN-key tiles. Warpgroup 0 of both loads (cp.async, mbarriers).
+// Reads q, k, v, dO, out (last dim contiguous, rows 16-byte aligned), lse (natural log) and delta (float32); writes delta, dq, dk, dv (every element of the valid rows, padded head-dim columns never).
+#include "natten/common.cuh"
+#include "natten/mma.cuh"
+#include "natten/hopper/wgmma.cuh"
+#include "natten/hopper/bwd_geom.cuh"
+
+namespace natten {
+namespace hopper {
+
+// Register budgets (loader, each of two compute warpgroups; 128 * (loader + 2 compute) <=
+// 65536): the loaders' row-index math needs 40 registers (rank 1: two strided pointers and the
+// lse/delta rows; 24 and 32 spilled), 56 at rank 3. The geometry sits in shared memory, so
+// the compute warpgroups hold only accumulators (D128 dK/dV: 128), S and dP (BQ each) and
+// their packed halves.
+template <int RANK> struct BwdRegs {
+  static constexpr int loader = RANK == 3 ? 56 : 40;
+  static constexpr int compute = RANK == 3 ? 224 : 232;
+};
+
+// delta[row] = sum over the head dim of dO * O in float32; D / 8 consecutive threads per row
+// (16 bytes each), rows flat over (batch, axis 0, 1, 2, head).
+template <typename T, int D>
+__device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* __restrict__ o,
+                                           float* __restrict__ delta, const NAParams& p) {
+  constexpr int LANES = D / 8;
+  const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  i64 row = t / LANES;
+  const int ch = (int)(t % LANES);
+  const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
+  const bool live = row < rows;
+  if (!live) row = 0;
+  i64 c[5];
+  i64 x = row;
+  c[4] = x % p.heads;
+  x /= p.heads;
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    c[1 + a] = x % p.extent[a];
+    x /= p.extent[a];
+  }
+  c[0] = x;
+  float sum = 0.f;
+  if (live && ch * 8 < p.head_dim) {
+    const i64 off_do = offset6(p.d_o, c[0], c[1], c[2], c[3], c[4], 0) + ch * 8;
+    const i64 off_o = offset6(p.o, c[0], c[1], c[2], c[3], c[4], 0) + ch * 8;
+    const uint4 a = *reinterpret_cast<const uint4*>(d_o + off_do);
+    const uint4 b = *reinterpret_cast<const uint4*>(o + off_o);
+    const T* ea = reinterpret_cast<const T*>(&a);
+    const T* eb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum = fmaf(to_float(ea[e]), to_float(eb[e]), sum);
+  }
+#pragma unroll
+  for (int w = 1; w < LANES; w *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+  if (live && ch == 0) delta[offset6(p.delta, c[0], c[1], c[2], c[3], c[4], 0)] = sum;
+}
+
+// Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of 128 rows),
+// then STAGES slots of two region tiles of ROWS rows each (+ two float vectors of ROWS for the
+// dK/dV pass), then the mbarriers (full, empty per stage).
+template <int D, int ROWS, int STAGES, bool VALUES>
+struct BwdSmem {
+  static constexpr unsigned OWNER = 128 * D * 2, TILE = ROWS * D * 2;
+  static constexpr unsigned VEC = VALUES ? ROWS * 4 : 0;
+  static constexpr unsigned SLOT = 2 * TILE + 2 * VEC;
+  static constexpr unsigned BYTES = 2 * OWNER + STAGES * SLOT + 16 * STAGES + 1024;
+  unsigned own0, own1, reg0, full, empty;
+  __device__ __forceinline__ void init(unsigned char* raw) {
+    own0 = (smem_u32(raw) + 1023u) & ~1023u;
+    own1 = own0 + OWNER;
+    reg0 = own1 + OWNER;
+    full = reg0 + STAGES * SLOT;
+    empty = full + 8 * STAGES;
+  }
+  __device__ __forceinline__ unsigned tile0(int j) const { return reg0 + (j % STAGES) * SLOT; }
+  __device__ __forceinline__ unsigned tile1(int j) const { return tile0(j) + TILE; }
+  __device__ __forceinline__ unsigned vec0(int j) const { return tile0(j) + 2 * TILE; }
+  __device__ __forceinline__ unsigned vec1(int j) const { return vec0(j) + VEC; }
+};
+
+// dK, dV: keys own the CTA (128 keys, two compute warpgroups of 64), the region is the
+// queries of their inverse windows, walked in BQ-query tiles: per tile S^T = K Q^T and dP^T =
+// V dO^T (wgmma from shared memory), P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T
+// (dP^T - delta), dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q N-major).
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2>
+__device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
+                                       const T* __restrict__ v, const T* __restrict__ d_o,
+                                       const float* __restrict__ lse,
+                                       const float* __restrict__ delta, T* __restrict__ dk,
+                                       T* __restrict__ dv, const NAParams& p) {
+  constexpr int NT = 128, WG = 2;
+  static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
+                "the key tile is 128 keys over the rank's axes");
+  static_assert(STAGES >= 2, "two stages at least");
+  typedef BwdSmem<D, BQ, STAGES, true> Smem;
+  extern __shared__ unsigned char smem_raw[];
+  Smem sm;
+  sm.init(smem_raw);
+
+  // The geometry lives in shared memory: its fields are read where used (the tile loop
+  // needs a few, the epilogue the rest), not held in registers over the whole walk.
+  __shared__ BwdGeom<RANK, T0, T1, T2, true> G;
+  __shared__ int live;
+  const int h = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
+  const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
+
+  const T* qb = q + b * p.q[0] + h * p.q[4];
+  const T* kb = k + b * p.k[0] + h * p.k[4];
+  const T* vb = v + b * p.v[0] + h * p.v[4];
+  const T* dob = d_o + b * p.d_o[0] + h * p.d_o[4];
+  const float* lseb = lse + b * p.lse[0] + h * p.lse[4];
+  const float* deltab = delta + b * p.delta[0] + h * p.delta[4];
+
+  if (tid == 0) {
+    live = G.init(p);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(sm.full + 8 * s, NT);
+      mbar_init(sm.empty + 8 * s, 128 * WG);
+    }
+  }
+  __syncthreads();
+  if (!live) return;
+  const int num_tiles = (G.total + BQ - 1) / BQ;
+
+  if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
+    regs_dec<BwdRegs<RANK>::loader>();
+    load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
+    for (int j = 0; j < num_tiles; ++j) {
+      if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
+      load_rows<T, D, BQ, NT>(sm.tile0(j), qb, p.q, sm.tile1(j), dob, p.d_o, G, p, j * BQ, hd,
+                              tid);
+      load_row_values<BQ>(sm.vec0(j), lseb, sm.vec1(j), deltab, G, p, j * BQ, tid);
+      cp_async_arrive(sm.full + 8 * (j % STAGES));
+    }
+    cp_async_wait_all();
+    return;
+  }
+
+  regs_inc<BwdRegs<RANK>::compute>();
+  // This thread's two key rows and the queries that reach them (region coordinates).
+  const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
+  int wl[2][3], wn[2][3];
+  G.row_reach(p, row0, wl[0], wn[0]);
+  G.row_reach(p, row0 + 8, wl[1], wn[1]);
+  const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e)
+  const unsigned k_wg = sm.own0 + wg * 64 * 128, v_wg = sm.own1 + wg * 64 * 128;
+
+  float acc_dk[D / 2], acc_dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  for (int j = 0; j < num_tiles; ++j) {
+    mbar_wait(sm.full + 8 * (j % STAGES), (j / STAGES) & 1);
+    fence_proxy_async();
+    const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
+    float acc_s[BQ / 2], acc_dp[BQ / 2];
+    wgmma_fence();
+    gemm_ss<T, D, BQ, 128>(acc_s, k_wg, sq);
+    gemm_ss<T, D, BQ, 128>(acc_dp, v_wg, sdo);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    fence_regs(acc_dp);
+    if (G.needs_mask(j * BQ, BQ))
+      mask_scores<BQ, RANK>(acc_s, j * BQ, quad, G.rk, G.inner, wl, wn);
+    // Column 8 i + 2 quad + e is query j * BQ + that: its lse and delta from the slot.
+    const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
+    const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
+#pragma unroll
+    for (int i = 0; i < BQ / 8; ++i) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * quad);
+      const float2 d2 = *reinterpret_cast<const float2*>(dl_s + 8 * i + 2 * quad);
+      const float ll[2] = {l2.x * 1.4426950408889634f, l2.y * 1.4426950408889634f};
+      const float dd[2] = {d2.x, d2.y};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float pe = fast_exp2(fmaf(acc_s[4 * i + x], sl, -ll[x % 2]));
+        acc_s[4 * i + x] = pe;
+        acc_dp[4 * i + x] = pe * (acc_dp[4 * i + x] - dd[x % 2]);
+      }
+    }
+    unsigned pa[BQ / 16][4], da[BQ / 16][4];
+    pack_a<T, BQ>(acc_s, pa);
+    pack_a<T, BQ>(acc_dp, da);
+    wgmma_fence();
+    gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
+    gemm_rs<T, D, BQ>(acc_dk, da, sq);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_dv);
+    fence_regs(acc_dk);
+    mbar_arrive(sm.empty + 8 * (j % STAGES));
+  }
+
+  // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int c[3];
+    bool valid;
+    G.owner(row0 + 8 * r, c, valid);
+    if (!valid) continue;
+    T* at_k = dk + b * p.dk[0] + h * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
+    T* at_v = dv + b * p.dv[0] + h * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int col = 8 * i + 2 * quad;
+      if (col < hd) {
+        pack_store(at_k + col, acc_dk[4 * i + 2 * r] * p.scale, acc_dk[4 * i + 2 * r + 1] * p.scale);
+        pack_store(at_v + col, acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
+      }
+    }
+  }
+}
+
+// dQ: queries own the CTA (the forward's query boxes of 128, two compute warpgroups of 64),
+// the region is their windows' keys, walked in BN-key tiles: per tile S = Q K^T and dP = dO
+// V^T, P = exp2(S scale log2 e - lse log2 e), dS = P (dP - delta), dQ += dS K (K N-major).
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2>
+__device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restrict__ k,
+                                      const T* __restrict__ v, const T* __restrict__ d_o,
+                                      const float* __restrict__ lse,
+                                      const float* __restrict__ delta, T* __restrict__ dq,
+                                      const NAParams& p) {
+  constexpr int NT = 128, WG = 2;
+  static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
+                "the query tile is 128 queries over the rank's axes");
+  static_assert(STAGES >= 2, "two stages at least");
+  typedef BwdSmem<D, BN, STAGES, false> Smem;
+  extern __shared__ unsigned char smem_raw[];
+  Smem sm;
+  sm.init(smem_raw);
+
+  // The geometry lives in shared memory: its fields are read where used (the tile loop
+  // needs a few, the epilogue the rest), not held in registers over the whole walk.
+  __shared__ BwdGeom<RANK, T0, T1, T2, false> G;
+  __shared__ int live;
+  const int h = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
+  const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
+
+  const T* qb = q + b * p.q[0] + h * p.q[4];
+  const T* kb = k + b * p.k[0] + h * p.k[4];
+  const T* vb = v + b * p.v[0] + h * p.v[4];
+  const T* dob = d_o + b * p.d_o[0] + h * p.d_o[4];
+
+  if (tid == 0) {
+    live = G.init(p);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(sm.full + 8 * s, NT);
+      mbar_init(sm.empty + 8 * s, 128 * WG);
+    }
+  }
+  __syncthreads();
+  if (!live) return;
+  const int num_tiles = (G.total + BN - 1) / BN;
+
+  if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
+    regs_dec<BwdRegs<RANK>::loader>();
+    load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
+    for (int j = 0; j < num_tiles; ++j) {
+      if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
+      load_rows<T, D, BN, NT>(sm.tile0(j), kb, p.k, sm.tile1(j), vb, p.v, G, p, j * BN, hd,
+                              tid);
+      cp_async_arrive(sm.full + 8 * (j % STAGES));
+    }
+    cp_async_wait_all();
+    return;
+  }
+
+  regs_inc<BwdRegs<RANK>::compute>();
+  const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
+  int wl[2][3], wn[2][3];
+  G.row_reach(p, row0, wl[0], wn[0]);
+  G.row_reach(p, row0 + 8, wl[1], wn[1]);
+  float ll[2], dd[2];  // the rows' lse (log2 units) and delta; rows past the group: 0
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int c[3];
+    bool valid;
+    G.owner(row0 + 8 * r, c, valid);
+    ll[r] = valid ? lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] *
+                        1.4426950408889634f
+                  : 0.f;
+    dd[r] = valid ? delta[b * p.delta[0] + h * p.delta[4] + G.offset(p, p.delta, c[0], c[1], c[2])]
+                  : 0.f;
+  }
+  const float sl = p.scale * 1.4426950408889634f;
+  const unsigned q_wg = sm.own0 + wg * 64 * 128, do_wg = sm.own1 + wg * 64 * 128;
+
+  float acc_dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_dq[i] = 0.f;
+
+  for (int j = 0; j < num_tiles; ++j) {
+    mbar_wait(sm.full + 8 * (j % STAGES), (j / STAGES) & 1);
+    fence_proxy_async();
+    const unsigned sk = sm.tile0(j), sv = sm.tile1(j);
+    float acc_s[BN / 2], acc_dp[BN / 2];
+    wgmma_fence();
+    gemm_ss<T, D, BN, 128>(acc_s, q_wg, sk);
+    gemm_ss<T, D, BN, 128>(acc_dp, do_wg, sv);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    fence_regs(acc_dp);
+    if (G.needs_mask(j * BN, BN))
+      mask_scores<BN, RANK>(acc_s, j * BN, quad, G.rk, G.inner, wl, wn);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const int r = (i / 2) % 2;
+      const float pe = fast_exp2(fmaf(acc_s[i], sl, -ll[r]));
+      acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+    }
+    unsigned da[BN / 16][4];
+    pack_a<T, BN>(acc_dp, da);
+    wgmma_fence();
+    gemm_rs<T, D, BN>(acc_dq, da, sk);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_dq);
+    mbar_arrive(sm.empty + 8 * (j % STAGES));
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int c[3];
+    bool valid;
+    G.owner(row0 + 8 * r, c, valid);
+    if (!valid) continue;
+    T* at = dq + b * p.dq[0] + h * p.dq[4] + G.offset(p, p.dq, c[0], c[1], c[2]);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int col = 8 * i + 2 * quad;
+      if (col < hd)
+        pack_store(at + col, acc_dq[4 * i + 2 * r] * p.scale, acc_dq[4 * i + 2 * r + 1] * p.scale);
+    }
+  }
+}
+
+}  // namespace hopper
+
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+na_bwd_hopper_delta(const T* __restrict__ d_o, const T* __restrict__ o,
+                    float* __restrict__ delta, const NAParams p) {
+  hopper::delta_rows<T, D>(d_o, o, delta, p);
+}
+
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2>
+__global__ void __launch_bounds__(384, 1)
+na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 const T* __restrict__ d_o, const float* __restrict__ lse,
+                 const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                 const NAParams p) {
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2>(q, k, v, d_o, lse, delta, dk, dv, p);
+}
+
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2>
+__global__ void __launch_bounds__(384, 1)
+na_bwd_hopper_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ d_o, const float* __restrict__ lse,
+                const float* __restrict__ delta, T* __restrict__ dq, const NAParams p) {
+  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2>(q, k, v, d_o, lse, delta, dq, p);
+}
+
+}  // namespace natten

@@ -1,0 +1,174 @@
+"""Fused backward for Hopper (compute capability 9.0, ``cuda_src/na_fused_hopper_bwd.cu``):
+float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D, deterministic (no atomics).
+
+Three launches:
+
+1. ``na_bwd_hopper_delta``: delta = rowsum(dO * O), float32 [B, *spatial, H] (a workspace);
+2. ``na_bwd_hopper_kv``: dK, dV. A CTA owns 128 in-group keys of one dilation group (1-D
+   consecutive, 2-D 8 x 16, 3-D 2 x 8 x 8), its two compute warpgroups 64 keys each; it walks
+   the queries whose windows hold its keys (the box of per-axis inverse ranges) in 64-query
+   tiles, recomputing P^T from q, k and the saved lse, dP^T from v and dO, and accumulates
+   dV += P^T dO, dK += dS^T Q in registers;
+3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys.
+
+A loader warpgroup stages the tiles (cp.async into 128-byte-swizzled shared memory,
+mbarriers, STAGES deep) in both passes. Not yet dispatched by ``fused.py``: design, floors and
+what to check first on a GPU are in ``bench/results/NOTES-hopper-bwd.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy
+
+from .._compile import get_kernel
+from .._dtypes import HALF_TYPES, c_type
+from .._launch import KernelCall, Operand, Plan, run_plan_on
+from .._operands import Layout, copy_back, layout_of, ready_inputs, rows_ready, writable_outputs
+from .._params import make_params
+
+SOURCE = "na_fused_hopper_bwd.cu"
+OPTIONS = ("-arch=sm_90a",)
+BUCKETS = (64, 128)
+THREADS = 384          # the loader warpgroup and two compute warpgroups
+OWNER_ROWS = 128       # keys (dK/dV pass) or queries (dQ pass) per CTA
+DELTA_THREADS = 256
+MAX_GRID_YZ = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTile:
+    bq: int        # queries per tile of the dK/dV pass
+    kv_stages: int
+    bn: int        # keys per tile of the dQ pass
+    q_stages: int
+
+
+# Register budget per compute thread: dK, dV (D each) + S^T, dP^T (bq / 2 each); dQ (D / 2)
+# + S, dP (bn / 2 each). Shared memory: owners 2 x 128 x D, STAGES x 2 tiles.
+DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
+# The owner box per rank (128 rows), the forward's query boxes.
+OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
+
+
+def _bucket(head_dim):
+    for b in BUCKETS:
+        if head_dim <= b:
+            return b
+    return None
+
+
+def _compute_capability():
+    from . import _fused_hopper
+    return _fused_hopper._compute_capability()
+
+
+def refuse(problem):
+    """None if this part runs ``problem`` on the current device, else the reason."""
+    if problem.dtype not in HALF_TYPES:
+        return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
+    if problem.head_dim % 8 or problem.head_dim > BUCKETS[-1]:
+        return f"head dim {problem.head_dim} is not a multiple of 8 up to {BUCKETS[-1]}"
+    if not problem.scale > 0:
+        return f"the Hopper fused backward needs a positive scale, got {problem.scale}"
+    if problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
+        return f"heads {problem.heads} or batch {problem.batch} over {MAX_GRID_YZ}"
+    cc = _compute_capability()
+    if cc != (9, 0):
+        return ("the Hopper fused backward needs compute capability 9.0, "
+                + ("no GPU here" if cc is None else f"this device has {cc[0]}.{cc[1]}"))
+    return None
+
+
+def _names(dtype, dp, rank, tile=None):
+    tile = tile or DEFAULT[dp]
+    ct = c_type(dtype)
+    box = ", ".join(str(t) for t in OWNER_BOX[rank])
+    return (f"natten::na_bwd_hopper_delta<{ct}, {dp}>",
+            f"natten::na_bwd_hopper_kv<{ct}, {dp}, {tile.bq}, {tile.kv_stages}, {rank}, {box}>",
+            f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}>")
+
+
+def instantiations():
+    out = []
+    for dtype in HALF_TYPES:
+        for dp in BUCKETS:
+            for rank in (1, 2, 3):
+                out += [(SOURCE, n) for n in _names(dtype, dp, rank)]
+    return sorted(set(out))
+
+
+def smem_bytes(dp, rows, stages, values):
+    """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, mbarriers,
+    1 KiB to align the tiles."""
+    vec = rows * 4 if values else 0
+    return 2 * OWNER_ROWS * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + 16 * stages + 1024
+
+
+def owner_ctas(problem):
+    """CTAs per (batch, head) of both passes: dilation groups x owner boxes of the longest."""
+    box = OWNER_BOX[problem.rank]
+    n = 1
+    for a in range(problem.rank):
+        L, d = problem.spatial[a], problem.dilation[a]
+        n *= d * -(-(-(-L // d)) // box[a])
+    return n
+
+
+@functools.lru_cache(maxsize=512)
+def _geometry(problem, tile):
+    dp = _bucket(problem.head_dim)
+    tile = tile or DEFAULT[dp]
+    ctas = owner_ctas(problem)
+    if ctas >= 2 ** 31:
+        raise ValueError(f"problem too large for one Hopper fused-backward launch ({ctas} tiles)")
+    rows = problem.batch * problem.heads * int(numpy.prod(problem.spatial))
+    delta_blocks = -(-rows * (dp // 8) // DELTA_THREADS)
+    return dp, tile, ctas, delta_blocks
+
+
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None):
+    """The Plan of one backward on the current device for operand layouts (in this order;
+    then one workspace, delta), or None if an operand other than lse is not ``rows_ready``
+    (the plan contract of ``natten_cupy._launch``)."""
+    if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
+        return None
+    dp, tile, ctas, delta_blocks = _geometry(problem, tile)
+    delta = Layout.contiguous(lse.shape, numpy.float32)
+    p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
+                    delta=delta)
+    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
+    name_delta, name_kv, name_q = _names(problem.dtype, dp, problem.rank, tile)
+    box = OWNER_BOX[problem.rank][:problem.rank]
+    grid = (ctas, problem.heads, problem.batch)
+    calls = (
+        KernelCall(get_kernel(SOURCE, name_delta, extra_options=OPTIONS),
+                   (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (D_OUT, OUT, DELTA, p),
+                   name="na_bwd_hopper_delta", backend="fused"),
+        KernelCall(get_kernel(SOURCE, name_kv, extra_options=OPTIONS), grid, (THREADS, 1, 1),
+                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, p),
+                   shared_mem=smem_bytes(dp, tile.bq, tile.kv_stages, True),
+                   name="na_bwd_hopper_kv", backend="fused", tile=box),
+        KernelCall(get_kernel(SOURCE, name_q, extra_options=OPTIONS), grid, (THREADS, 1, 1),
+                   (Q, K, V, D_OUT, LSE, DELTA, DQ, p),
+                   shared_mem=smem_bytes(dp, tile.bn, tile.q_stages, False),
+                   name="na_bwd_hopper_q", backend="fused", tile=box),
+    )
+    return Plan(calls, workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+
+
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None):
+    """dq, dk, dv (CuPy arrays, preallocated, every element written) of the NA forward that
+    gave out and lse (natural log), for the upstream gradient d_out."""
+    import cupy
+    if problem.is_empty:
+        return
+    q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
+    grads = (dq, dk, dv)
+    written = writable_outputs(grads)
+    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    arrays = (d_out, q, k, v, out, lse, *written, delta)
+    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9]), tile=tile), arrays)
+    copy_back(grads, written)

@@ -1,0 +1,123 @@
+"""Every Hopper fused-backward instantiation (backends/_fused_hopper_bwd.py) compiles for
+sm_90a without a GPU, with no spills, no stack and no wgmma serialization; its plan builds
+on operand layouts alone (kernel handles faked), with the grids, shared memory and argument
+order the kernels expect. Registers per kernel go to the log (the compute warpgroups' budget
+is set in the .cu with setmaxnreg; ptxas reports the entry cap). Not yet run on a GPU.
+"""
+
+import numpy
+import pytest
+
+from natten_cupy import _args, _compile
+from natten_cupy._operands import Layout
+from natten_cupy._params import PARAMS_DTYPE
+from natten_cupy.backends import _fused_hopper_bwd as H
+
+NAMES = [expr for _, expr in H.instantiations()]
+
+
+@pytest.mark.skipif(not _compile.cuda_include_dirs(), reason="no CUDA headers (pip install "
+                    "nvidia-cuda-runtime, or a CUDA toolkit)")
+def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
+    reports = _compile.nvrtc_check_many(H.SOURCE, NAMES, "sm_90a")
+    with capsys.disabled():
+        print(f"\n{H.SOURCE} [sm_90a]: {len(reports)} kernels")
+        for r in reports:
+            print(f"  {r.name:<70} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
+                  f"spill {r.spill_bytes}")
+    assert len(reports) == 2 * 2 * (1 + 3 * 2)  # dtypes x head dims x (delta, ranks x passes)
+    assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
+    assert not [r.name for r in reports if "serialized" in r.log]
+    assert not [r.name for r in reports if "C7508" in r.log or "setmaxnreg" in r.log.lower()]
+    assert not [r.name for r in reports if "warning" in r.log.lower()]
+
+
+def _problem(shape, rank, kernel, stride=1, dilation=1, causal=False, scale=None,
+             dtype=numpy.float16):
+    x = numpy.zeros(shape, dtype)
+    return _args.check_fused(rank, x, x, x, kernel, stride, dilation, causal, scale, "fused")
+
+
+def test_hopper_bwd_refusals():
+    """Reasons that do not depend on the device (CI has none: the last reason is the GPU)."""
+    assert "float16" in H.refuse(_problem((1, 16, 1, 32), 1, 3, dtype=numpy.float32))
+    assert "multiple of 8" in H.refuse(_problem((1, 16, 1, 20), 1, 3))
+    assert "up to 128" in H.refuse(_problem((1, 16, 1, 256), 1, 3))
+    assert "positive scale" in H.refuse(_problem((1, 16, 1, 64), 1, 3, scale=-1.0))
+    assert "compute capability" in H.refuse(_problem((1, 4, 4, 1, 64), 2, 3))
+
+
+def test_hopper_bwd_instantiations_cover_every_plan():
+    from natten_cupy._dtypes import HALF_TYPES
+    names = set(NAMES)
+    for dtype in HALF_TYPES:
+        for dp in H.BUCKETS:
+            for rank in (1, 2, 3):
+                assert set(H._names(dtype, dp, rank)) <= names
+
+
+class _FakeKernel:
+    name = "fake"
+
+    class kernel:  # noqa: N801 - mimics RawKernel.kernel.ptr
+        ptr = 0xDEAD
+
+    max_dynamic_shared_size_bytes = 0
+
+
+PLAN_CASES = [
+    # (shape [B, *spatial, H, D], kernel, stride, dilation, causal)
+    ((2, 1000, 3, 64), 64, 1, 3, False),
+    ((1, 16384, 16, 128), 16384, 1, 1, False),
+    ((1, 97, 2, 40), 7, 2, 2, True),
+    ((2, 33, 41, 2, 64), (7, 5), (2, 1), (2, 3), (True, False)),
+    ((1, 10, 20, 21, 1, 72), (5, 9, 9), (2, 1, 3), (1, 2, 2), False),
+]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
+def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
+    """plan_backward on Layouts: three calls (delta, dK/dV, dQ), the delta workspace, owner
+    grids of 128-row boxes per dilation group, shared memory within sm_90's 227 KB, and the
+    operand order of each kernel's signature."""
+    from natten_cupy._launch import Operand
+    shape, ks, st, dl, ca = case
+    rank = len(shape) - 3
+    prob = _problem(shape, rank, ks, st, dl, ca)
+    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    H._geometry.cache_clear()
+    lay = Layout.contiguous(shape, numpy.float16)
+    lse = Layout.contiguous(shape[:-1], numpy.float32)
+    plan = H.plan_backward(prob, lay, lay, lay, lay, lay, lse, lay, lay, lay)
+    assert plan.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),)
+    delta, kv, q = plan.calls
+    ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
+    assert ops(delta) == (0, 4, 9)              # d_out, out -> delta
+    assert ops(kv) == (1, 2, 3, 0, 5, 9, 7, 8)  # q, k, v, d_out, lse, delta -> dk, dv
+    assert ops(q) == (1, 2, 3, 0, 5, 9, 6)      # q, k, v, d_out, lse, delta -> dq
+    for c in plan.calls:
+        p = c.args[-1]
+        assert p.dtype == PARAMS_DTYPE
+    spatial, B, heads, D = shape[1:-2], shape[0], shape[-2], shape[-1]
+    box = H.OWNER_BOX[rank]
+    ctas = 1
+    for a in range(rank):
+        group = -(-spatial[a] // prob.dilation[a])
+        ctas *= prob.dilation[a] * -(-group // box[a])
+    assert kv.grid == q.grid == (ctas, heads, B)
+    assert kv.block == q.block == (H.THREADS, 1, 1)
+    assert max(kv.shared_mem, q.shared_mem) <= 227 * 1024
+    dp = H._bucket(D)
+    rows = B * heads * int(numpy.prod(spatial))
+    assert delta.grid[0] * H.DELTA_THREADS >= rows * dp // 8
+    assert delta.block == (H.DELTA_THREADS, 1, 1)
+
+
+def test_hopper_bwd_plan_refuses_unreadable_rows(monkeypatch):
+    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    shape = (1, 64, 2, 64)
+    prob = _problem(shape, 1, 7)
+    lay = Layout.contiguous(shape, numpy.float16)
+    strided = Layout(shape, lay.strides[:-1] + (4,), lay.dtype, True)
+    lse = Layout.contiguous(shape[:-1], numpy.float32)
+    assert H.plan_backward(prob, lay, strided, lay, lay, lay, lse, lay, lay, lay) is None
