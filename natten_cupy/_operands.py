@@ -15,7 +15,7 @@ import math
 import numpy
 
 __all__ = ["Layout", "layout_of", "rows_ready", "ready_inputs", "writable_outputs",
-           "copy_back", "contiguous_strides"]
+           "copy_back", "contiguous_strides", "run_forward", "run_backward"]
 
 
 def contiguous_strides(shape, itemsize):
@@ -94,3 +94,28 @@ def copy_back(outputs, written):
         if src is not dst:
             unsigned = f"u{dst.dtype.itemsize}"
             dst.view(unsigned)[...] = src.view(unsigned)
+
+
+def run_forward(plan_forward, problem, q, k, v, out, lse):
+    """A fused forward on CuPy arrays through a part's ``plan_forward``: stand-ins for q, k, v,
+    out where they are not ``rows_ready``, the plan, then the copy back."""
+    from ._launch import run_plan_on
+    q, k, v = ready_inputs((q, k, v))
+    (dst,) = writable_outputs((out,))
+    arrays = (q, k, v, dst, lse)
+    run_plan_on(plan_forward(problem, *map(layout_of, arrays)), arrays)
+    copy_back((out,), (dst,))
+
+
+def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv):
+    """A fused backward on CuPy arrays through a part's ``plan_backward`` (operands d_out, q,
+    k, v, out, lse, dq, dk, dv, then the float32 delta workspace)."""
+    import cupy
+    from ._launch import run_plan_on
+    q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
+    grads = (dq, dk, dv)
+    written = writable_outputs(grads)
+    delta = cupy.empty(lse.shape, dtype=numpy.float32)
+    arrays = (d_out, q, k, v, out, lse, *written, delta)
+    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9])), arrays)
+    copy_back(grads, written)

@@ -17,7 +17,6 @@ the custom ops ``torch.ops.natten_cupy.*`` run (``natten_cupy._torch_ops``). Ten
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn

@@ -29,9 +29,8 @@ import numpy
 from .. import _window
 from .._compile import get_kernel
 from .._dtypes import FLOAT32
-from .._launch import KernelCall, Operand, Plan, run_plan_on
-from .._operands import (Layout, copy_back, layout_of, ready_inputs, rows_ready,
-                         writable_outputs)
+from .._launch import KernelCall, Operand, Plan
+from .._operands import Layout, rows_ready, run_backward, run_forward
 from .._params import make_params
 
 SOURCE = "na_fused_fp32.cu"
@@ -317,19 +316,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
 
 
 def forward(problem, q, k, v, out, lse):
-    q, k, v = ready_inputs((q, k, v))
-    (dst,) = writable_outputs((out,))
-    arrays = (q, k, v, dst, lse)
-    run_plan_on(plan_forward(problem, *map(layout_of, arrays)), arrays)
-    copy_back((out,), (dst,))
+    run_forward(plan_forward, problem, q, k, v, out, lse)
 
 
 def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
-    import cupy
-    q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
-    grads = (dq, dk, dv)
-    written = writable_outputs(grads)
-    delta = cupy.empty(lse.shape, dtype=numpy.float32)
-    arrays = (d_out, q, k, v, out, lse, *written, delta)
-    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9])), arrays)
-    copy_back(grads, written)
+    run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv)

@@ -25,10 +25,9 @@ import numpy
 
 from .. import _window
 from .._compile import get_kernel
-from .._dtypes import FLOAT16, FLOAT32, HALF_TYPES, c_type
+from .._dtypes import FLOAT32, HALF_TYPES, c_type
 from .._launch import KernelCall, Operand, Plan
-from .._launch import run_plan_on
-from .._operands import copy_back, layout_of, ready_inputs, rows_ready, writable_outputs
+from .._operands import rows_ready, run_forward
 from .._params import make_params
 
 SOURCE = "na_fused_fwd.cu"
@@ -223,8 +222,4 @@ def plan_forward(problem, q, k, v, out, lse):
 
 
 def forward(problem, q, k, v, out, lse):
-    q, k, v = ready_inputs((q, k, v))
-    (dst,) = writable_outputs((out,))
-    arrays = (q, k, v, dst, lse)
-    run_plan_on(plan_forward(problem, *map(layout_of, arrays)), arrays)
-    copy_back((out,), (dst,))
+    run_forward(plan_forward, problem, q, k, v, out, lse)

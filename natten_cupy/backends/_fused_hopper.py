@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import math
 
-import numpy
 
 from .._compile import get_kernel
 from .._dtypes import FLOAT16, HALF_TYPES, c_type
