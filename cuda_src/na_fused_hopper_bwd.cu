@@ -4,7 +4,7 @@
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
-#include "natten/hopper/bwd_geom.cuh"
+#include "natten/hopper/bwd_tiles.cuh"
 
 namespace natten {
 namespace hopper {

@@ -1,0 +1,79 @@
+// CPU harness of cuda_src/natten/hopper/bwd_geom.cuh (tests/test_hopper_bwd_geometry.py):
+// runs the geometry and score masks of the Hopper fused backward for every CTA, thread and
+// tile of a problem exactly as the kernels do (grid decode, owner rows of the accumulator
+// layout, region walk in N-row tiles, needs_mask, mask_scores), and counts every (owner,
+// other) pair a score lets through, by full-grid flat index. Built with the emulator's CUDA
+// stand-ins (tests/emulator/include).
+#include "cuda_shim.h"
+#include "natten/hopper/bwd_geom.cuh"
+
+using natten::NAParams;
+using natten::hopper::BwdGeom;
+
+namespace {
+
+template <int RANK, int T0, int T1, int T2, bool INV, int N>
+long long run(const NAParams& p, int ctas, int* pairs, long long points, long long* stats) {
+  const int L[3] = {(int)p.extent[0], (int)p.extent[1], (int)p.extent[2]};
+  auto flat = [&](const BwdGeom<RANK, T0, T1, T2, INV>& G, const int (&c)[3]) {
+    long long f = 0;
+    for (int a = 0; a < 3; ++a) f = f * L[a] + (G.g[a] + p.dilation[a] * c[a]);
+    return f;
+  };
+  long long errors = 0;
+  for (int cta = 0; cta < ctas; ++cta) {
+    blockIdx.x = cta;
+    BwdGeom<RANK, T0, T1, T2, INV> G;
+    if (!G.init(p)) continue;
+    ++stats[0];
+    const int tiles = (G.total + N - 1) / N;
+    stats[1] += tiles;
+    for (int tid = 0; tid < 256; ++tid) {  // the two compute warpgroups
+      const int wg = tid / 128, lane = tid % 32, quad = lane % 4;
+      const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
+      int wl[2][3], wn[2][3];
+      G.row_reach(p, row0, wl[0], wn[0]);
+      G.row_reach(p, row0 + 8, wl[1], wn[1]);
+      for (int j = 0; j < tiles; ++j) {
+        float acc[N / 2];
+        for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+        const bool masked = G.needs_mask(j * N, N);
+        stats[2] += masked;
+        if (masked) natten::hopper::mask_scores<N, RANK>(acc, j * N, quad, G.rk, G.inner, wl, wn);
+        for (int i = 0; i < N / 2; ++i) {
+          if (acc[i] != 0.f) continue;  // -inf: masked
+          const int col = j * N + (i / 4) * 8 + 2 * quad + (i % 2), r = (i / 2) % 2;
+          int co[3], cr[3];
+          bool valid;
+          G.owner(row0 + 8 * r, co, valid);
+          if (!valid) continue;  // rows past the group are never stored
+          if (col >= G.total) {  // an unmasked score past the region
+            ++errors;
+            continue;
+          }
+          G.other(col, cr);
+          for (int a = 0; a < 3; ++a)
+            if (cr[a] < 0 || cr[a] >= G.glen[a]) ++errors;
+          pairs[flat(G, co) * points + flat(G, cr)] += 1;
+        }
+      }
+    }
+  }
+  return errors;
+}
+
+}  // namespace
+
+extern "C" int emu_params_size() { return (int)sizeof(NAParams); }
+
+// pairs: [points, points] int32, zeroed by the caller; stats: CTAs live, tiles, masked tiles.
+extern "C" long long emu_bwd_pairs(int rank, int inv, int n, const NAParams* p, int ctas,
+                                   int* pairs, long long points, long long* stats) {
+#define NA_CASE(R, T0, T1, T2, I, NN) \
+  if (rank == R && inv == I && n == NN) return run<R, T0, T1, T2, I, NN>(*p, ctas, pairs, points, stats);
+  NA_CASE(1, 128, 1, 1, 1, 64) NA_CASE(1, 128, 1, 1, 0, 64) NA_CASE(1, 128, 1, 1, 0, 128)
+  NA_CASE(2, 8, 16, 1, 1, 64) NA_CASE(2, 8, 16, 1, 0, 64) NA_CASE(2, 8, 16, 1, 0, 128)
+  NA_CASE(3, 2, 8, 8, 1, 64) NA_CASE(3, 2, 8, 8, 0, 64) NA_CASE(3, 2, 8, 8, 0, 128)
+#undef NA_CASE
+  return -1;
+}
