@@ -9,14 +9,13 @@
 namespace natten {
 namespace hopper {
 
-// Register budgets (loader, each of two compute warpgroups; 128 * (loader + 2 compute) <=
-// 65536): the loaders' row-index math needs 40 registers (rank 1: two strided pointers and the
-// lse/delta rows; 24 and 32 spilled), 56 at rank 3. The geometry sits in shared memory, so
-// the compute warpgroups hold only accumulators (D128 dK/dV: 128), S and dP (BQ each) and
-// their packed halves.
-template <int RANK> struct BwdRegs {
-  static constexpr int loader = RANK == 3 ? 56 : 40;
-  static constexpr int compute = RANK == 3 ? 224 : 232;
+// Register budgets (loader, each of two compute warpgroups; 128 * (48 + 2 * 232) = 65536):
+// the loaders' row-index math (rank 1: two strided pointers and the lse/delta rows; ranks 2,
+// 3: coordinates per row) spilled at 24-40 and, at rank 3, the D128 dK/dV compute warpgroups at
+// 224 under NVRTC 13.0. The geometry sits in shared memory, so the compute warpgroups hold
+// only accumulators (D128 dK/dV: 128), S and dP (BQ / 2 each) and their packed halves.
+struct BwdRegs {
+  static constexpr int loader = 48, compute = 232;
 };
 
 // delta[row] = sum over the head dim of dO * O in float32; D / 8 consecutive threads per row
@@ -58,25 +57,28 @@ __device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* _
 }
 
 // Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of 128 rows),
-// then STAGES slots of two region tiles of ROWS rows each (+ two float vectors of ROWS for the
-// dK/dV pass), then the mbarriers (full, empty per stage).
+// STAGES slots of two region tiles of ROWS rows each, then (dK/dV pass) STAGES pairs of float
+// vectors of ROWS (lse, delta), then the mbarriers (full, empty per stage). Every tile starts
+// on a 1024-byte boundary (the 128-byte swizzle's period).
 template <int D, int ROWS, int STAGES, bool VALUES>
 struct BwdSmem {
   static constexpr unsigned OWNER = 128 * D * 2, TILE = ROWS * D * 2;
   static constexpr unsigned VEC = VALUES ? ROWS * 4 : 0;
-  static constexpr unsigned SLOT = 2 * TILE + 2 * VEC;
-  static constexpr unsigned BYTES = 2 * OWNER + STAGES * SLOT + 16 * STAGES + 1024;
-  unsigned own0, own1, reg0, full, empty;
+  static constexpr unsigned BYTES = 2 * OWNER + STAGES * (2 * TILE + 2 * VEC) + 16 * STAGES + 1024;
+  static_assert(OWNER % 1024 == 0 && TILE % 1024 == 0, "tiles on 1024-byte boundaries");
+  static_assert(BYTES <= 227 * 1024, "sm_90 gives a CTA at most 227 KB of shared memory");
+  unsigned own0, own1, reg0, vecs, full, empty;
   __device__ __forceinline__ void init(unsigned char* raw) {
     own0 = (smem_u32(raw) + 1023u) & ~1023u;
     own1 = own0 + OWNER;
     reg0 = own1 + OWNER;
-    full = reg0 + STAGES * SLOT;
+    vecs = reg0 + STAGES * 2 * TILE;
+    full = vecs + STAGES * 2 * VEC;
     empty = full + 8 * STAGES;
   }
-  __device__ __forceinline__ unsigned tile0(int j) const { return reg0 + (j % STAGES) * SLOT; }
+  __device__ __forceinline__ unsigned tile0(int j) const { return reg0 + (j % STAGES) * 2 * TILE; }
   __device__ __forceinline__ unsigned tile1(int j) const { return tile0(j) + TILE; }
-  __device__ __forceinline__ unsigned vec0(int j) const { return tile0(j) + 2 * TILE; }
+  __device__ __forceinline__ unsigned vec0(int j) const { return vecs + (j % STAGES) * 2 * VEC; }
   __device__ __forceinline__ unsigned vec1(int j) const { return vec0(j) + VEC; }
 };
 
@@ -126,7 +128,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
-    regs_dec<BwdRegs<RANK>::loader>();
+    regs_dec<BwdRegs::loader>();
     load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -139,7 +141,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     return;
   }
 
-  regs_inc<BwdRegs<RANK>::compute>();
+  regs_inc<BwdRegs::compute>();
   // This thread's two key rows and the queries that reach them (region coordinates).
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
@@ -258,7 +260,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const int num_tiles = (G.total + BN - 1) / BN;
 
   if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
-    regs_dec<BwdRegs<RANK>::loader>();
+    regs_dec<BwdRegs::loader>();
     load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -270,7 +272,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     return;
   }
 
-  regs_inc<BwdRegs<RANK>::compute>();
+  regs_inc<BwdRegs::compute>();
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
   G.row_reach(p, row0, wl[0], wn[0]);
