@@ -1,0 +1,203 @@
+"""Hopper fused backward (backends/_fused_hopper_bwd.py, sm_90a) against the float64 reference.
+
+Each case computes out and lse with the reference forward in float64 (rounded to the case's
+dtype, as a real forward stores them), runs the wgmma backward on NaN-poisoned gradients and
+checks dq, dk, dv against the reference backward in float64: the error must be at most 3x the
+error of the reference backward run in the same precision plus a floor (FlashAttention's rule
+for gradients, tests/gpu_cases.py); every element must be written. The part is deterministic
+(no atomics): three runs must agree bitwise. Skipped on GPUs other than compute capability
+9.0. Called directly: fused.py does not dispatch to this part yet.
+"""
+
+import numpy
+import pytest
+
+from natten_cupy import _args
+from natten_cupy._dtypes import BFLOAT16
+from natten_cupy.backends import _fused_hopper_bwd as H
+from natten_cupy.backends import get_backend
+from natten_cupy.ops import run_fused_backward, run_fused_forward
+from gpu_cases import to_host, upload
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F32, F64 = (numpy.dtype(numpy.float16), BFLOAT16, numpy.dtype(numpy.float32),
+                       numpy.dtype(numpy.float64))
+FLOOR = {F16: 2e-3, BF16: 1.6e-2}  # relative to max(1, max |true gradient|)
+
+# (spatial, kernel, stride, dilation, causal, heads, head_dim, dtype, scale)
+CASES = [
+    ((97,), 7, 1, 2, True, 2, 64, F16, None),
+    ((200,), 33, 4, 1, False, 3, 40, BF16, None),       # head dim padded to 64
+    ((300,), 300, 1, 1, False, 2, 128, F16, None),      # self-attention, partial last tiles
+    ((700,), 127, 1, 1, False, 1, 64, F16, None),       # tiles ending one past the full rows
+    ((1500,), 511, 1, 1, False, 1, 64, BF16, None),
+    ((1500,), 512, 3, 1, True, 1, 128, F16, None),      # even kernel, stride, causal
+    ((1000,), 64, 1, 3, False, 2, 128, BF16, None),     # dilation groups of 334 / 333
+    ((777,), 777, 1, 1, True, 1, 64, F16, None),        # causal self-attention
+    ((129,), 2, 2, 1, False, 2, 128, F16, None),        # smallest kernel
+    ((2053,), 1023, 5, 2, True, 1, 96, F16, None),      # head dim padded to 128
+    ((513,), 100, 1, 1, False, 1, 64, F16, 0.3),        # explicit scale
+    ((64,), 64, 64, 1, False, 2, 64, BF16, None),       # stride == kernel: blocked attention
+    ((260,), 10, 10, 1, False, 1, 128, F16, 1.5),       # blocked, scale > 1
+    # 2-D (8 x 16 owner boxes) and 3-D (2 x 8 x 8)
+    ((33, 41), (7, 5), (2, 1), (2, 3), (True, False), 2, 64, F16, None),
+    ((24, 37), (4, 6), 1, 1, False, 1, 128, BF16, None),
+    ((30, 29), 13, 1, 1, False, 1, 128, F16, None),
+    ((19, 23), (5, 4), (5, 2), (1, 2), (False, True), 1, 64, BF16, None),
+    ((45, 50), (45, 50), 1, 1, False, 1, 64, F16, None),   # 2-D self-attention
+    ((7, 70), (3, 33), 1, 1, (True, True), 2, 128, F16, 0.2),
+    ((9, 17, 13), (3, 5, 4), 1, (1, 2, 1), (False, False, True), 2, 64, F16, None),
+    ((8, 12, 12), 3, (1, 3, 2), 1, False, 1, 128, BF16, None),
+    ((6, 10, 11), (3, 5, 5), 1, 1, (True, False, False), 1, 64, F16, None),
+    ((5, 6, 7), (5, 6, 7), 1, 1, False, 1, 128, F16, None),  # 3-D self-attention
+    ((10, 20, 21), (5, 9, 9), (2, 1, 3), (1, 2, 2), False, 1, 72, BF16, None),
+]
+
+
+def _skip_unless_hopper():
+    from natten_cupy.backends import _fused_hopper
+    if _fused_hopper._compute_capability() != (9, 0):
+        pytest.skip("needs a compute capability 9.0 GPU")
+
+
+def _problem(x, case):
+    spatial, ks, st, dl, ca = case[:5]
+    return _args.check_fused(len(spatial), x, x, x, ks, st, dl, ca, case[8], "fused",
+                             deterministic=True)
+
+
+def _reference_backward(problem, q, k, v, out, lse, d_out):
+    grads = [numpy.empty(q.shape, q.dtype) for _ in range(3)]
+    run_fused_backward(problem, get_backend("reference"), d_out, q, k, v, out, lse, *grads)
+    return [g.astype(F64) for g in grads]
+
+
+def _inputs(case, rng, batch=2):
+    """Host q, k, v, d_out, out (case dtype; out from the float64 forward), lse (float32),
+    and the float64 truth of dq, dk, dv."""
+    spatial, heads, dim, dtype = case[0], case[5], case[6], case[7]
+    shape = (batch,) + tuple(spatial) + (heads, dim)
+    q, k, v, d_out = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    h64 = [x.astype(F64) for x in (q, k, v, d_out)]
+    p64 = _problem(h64[0], case)
+    out64 = numpy.empty(shape, F64)
+    lse64 = numpy.empty(shape[:-1], F64)
+    run_fused_forward(p64, get_backend("reference"), *h64[:3], out64, lse64)
+    truth = _reference_backward(p64, h64[0], h64[1], h64[2], out64, lse64, h64[3])
+    return q, k, v, d_out, out64.astype(dtype), lse64.astype(F32), truth
+
+
+def _device(cp, host, layout="canonical"):
+    if layout == "heads_first":  # [B, H, *spatial, D] buffers seen as canonical (no copy)
+        rank = host.ndim - 3
+        to_hf = (0, rank + 1) + tuple(range(1, rank + 1)) + (rank + 2,)
+        return upload(cp, host.transpose(to_hf)).transpose(tuple(numpy.argsort(to_hf)))
+    return upload(cp, host)
+
+
+def _run(cp, problem, dev, shape, dtype, layout="canonical"):
+    grads = [_device(cp, numpy.full(shape, numpy.nan, dtype), layout) for _ in range(3)]
+    q, k, v, d_out, out, lse = dev
+    H.backward(problem, q, k, v, out, lse, d_out, *grads)
+    cp.cuda.get_current_stream().synchronize()
+    return [to_host(g) for g in grads]
+
+
+def check_case(case, rng, layout="canonical"):
+    """Run one case; returns [(error, yardstick error)] for dq, dk, dv."""
+    import cupy as cp
+    q, k, v, d_out, out, lse, truth = _inputs(case, rng)
+    problem = _problem(q, case)
+    assert H.refuse(problem) is None, H.refuse(problem)
+    dev = [_device(cp, x, layout) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
+    got = _run(cp, problem, dev, q.shape, q.dtype, layout)
+    low = _reference_backward(problem, q, k, v, out, lse, d_out)
+    result = []
+    for name, g, t, y in zip(("dq", "dk", "dv"), got, truth, low):
+        assert not numpy.isnan(g).any(), f"unwritten (NaN) elements in {name}"
+        err = float(numpy.abs(g - t).max())
+        ref_err = float(numpy.abs(y - t).max())
+        floor = FLOOR[q.dtype] * max(1.0, float(numpy.abs(t).max()))
+        assert err <= 3 * ref_err + floor, (name, err, ref_err, floor)
+        result.append((err, ref_err))
+    return result
+
+
+def _case_id(c):
+    return (f"{len(c[0])}d-{c[0]}-k{c[1]}-s{c[2]}-d{c[3]}-c{c[4]}-D{c[6]}-"
+            f"{numpy.dtype(c[7]).name}" + (f"-scale{c[8]}" if c[8] else ""))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_hopper_backward_matches_reference(case, rng):
+    _skip_unless_hopper()
+    check_case(case, rng)
+
+
+@pytest.mark.parametrize("case", [((333,), 65, 1, 2, False, 3, 64, F16, None),
+                                  ((21, 18), (5, 7), 1, (2, 1), False, 3, 128, BF16, None)],
+                         ids=("1d", "2d"))
+def test_hopper_backward_heads_first_layout(case, rng):
+    """[B, H, *spatial, D] inputs and gradients read and written in place through strides."""
+    _skip_unless_hopper()
+    check_case(case, rng, layout="heads_first")
+
+
+def test_hopper_backward_is_bitwise_reproducible(rng):
+    import cupy as cp
+    _skip_unless_hopper()
+    for case in (((1100,), 300, 2, 1, True, 2, 128, F16, None),
+                 ((30, 29), (7, 5), 1, (1, 2), (False, True), 2, 64, BF16, None)):
+        q, k, v, d_out, out, lse, _ = _inputs(case, rng)
+        problem = _problem(q, case)
+        dev = [upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
+        runs = [_run(cp, problem, dev, q.shape, q.dtype) for _ in range(3)]
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                assert numpy.array_equal(a, b)
+
+
+def test_hopper_backward_self_attention_equals_dense(rng):
+    """kernel == extent, no stride/dilation/causality: plain softmax attention gradients."""
+    import cupy as cp
+    _skip_unless_hopper()
+    L, Hh, D = 650, 2, 128
+    case = ((L,), L, 1, 1, False, Hh, D, F16, None)
+    q, k, v, d_out, out, lse, _ = _inputs(case, rng, batch=1)
+    dev = [upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
+    dq, dk, dv = _run(cp, _problem(q, case), dev, q.shape, F16)
+    qf, kf, vf, df = (x.astype(F64)[0].transpose(1, 0, 2) for x in (q, k, v, d_out))
+    s = qf @ kf.transpose(0, 2, 1) * D ** -0.5
+    p = numpy.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = p @ vf
+    dp = df @ vf.transpose(0, 2, 1)
+    ds = p * (dp - (df * o).sum(-1, keepdims=True))
+    dense = (ds @ kf * D ** -0.5, ds.transpose(0, 2, 1) @ qf * D ** -0.5,
+             p.transpose(0, 2, 1) @ df)
+    for got, want in zip((dq, dk, dv), dense):
+        assert float(numpy.abs(got[0].transpose(1, 0, 2) - want).max()) < 5e-3
+
+
+def test_hopper_backward_plan_replays(rng):
+    """The plan of plan_backward, run twice through run_plan_on with its delta workspace,
+    gives the same gradients as backward (the fast path's way in)."""
+    import cupy as cp
+    from natten_cupy._launch import run_plan_on
+    from natten_cupy._operands import layout_of
+    _skip_unless_hopper()
+    case = ((19, 23), (5, 4), (5, 2), (1, 2), (False, True), 2, 64, F16, None)
+    q, k, v, d_out, out, lse, _ = _inputs(case, rng)
+    problem = _problem(q, case)
+    dev = [upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
+    want = _run(cp, problem, dev, q.shape, q.dtype)
+    qd, kd, vd, dod, od, lsed = dev
+    grads = [cp.full(q.shape, cp.nan, dtype=qd.dtype) for _ in range(3)]
+    arrays = (dod, qd, kd, vd, od, lsed, *grads)
+    plan = H.plan_backward(problem, *map(layout_of, arrays))
+    ws = [cp.empty(s, d) for s, d in plan.workspaces]
+    for _ in range(2):
+        run_plan_on(plan, arrays + tuple(ws))
+    for g, w in zip(grads, want):
+        assert numpy.array_equal(to_host(g), w)
