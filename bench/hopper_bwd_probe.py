@@ -58,8 +58,10 @@ def _dump():
 def _signature(name):
     t = name[name.index("<") + 1:name.index(",")]
     if "_delta<" in name:
-        return f"const {t}*, const {t}*, float*, const natten::NAParams"
-    grads = f"{t}*, {t}*" if "_kv<" in name else f"{t}*"
+        return f"const {t}*, const {t}*, float*, float*, const natten::NAParams"
+    if "_dq<" in name:
+        return f"const float*, {t}*, const natten::NAParams"
+    grads = f"{t}*, {t}*, float*" if "_kv<" in name else f"{t}*"
     return (f"const {t}*, const {t}*, const {t}*, const {t}*, const float*, const float*, "
             f"{grads}, const natten::NAParams")
 
@@ -114,7 +116,8 @@ def sass_all():
         kernel = n.split("::")[1].split("<")[0]
         args = [x.strip() for x in n[n.index("<") + 1:-1].split(",")[1:]]
         tname = "6__half" if "__half" in n else "13__nv_bfloat16"
-        mangled = f"{len(kernel)}{kernel}I{tname}" + "".join(f"Li{a}E" for a in args) + "EEv"
+        mangled = f"{len(kernel)}{kernel}I{tname}" + "".join(
+            f"Li{a}E" if a.isdigit() else f"Lb{int(a == 'true')}E" for a in args) + "EEv"
         body = next((f for f in funcs if mangled in f[:400]), "")
         row = {"name": n, "found": bool(body)}
         for ins in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "MUFU.EX2", "SYNCS", "USETMAXREG"):
@@ -229,7 +232,21 @@ def _workload(wid, B, spatial, Hh, D, ks, ca, tname):
     _dump()
     log("check", rec)
     ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *grads))
-    _rec(wid, tname, "hopper bwd (new)", ms, flops)
+    _rec(wid, tname, "hopper bwd (new, deterministic)", ms, flops)
+    if H.atomic_supported(rank, H._bucket(D)):
+        agrads = [cupy.full(cq.shape, cupy.nan, cq.dtype) for _ in range(3)]
+        H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads, dq_atomic=True)
+        arec = {"id": wid, "dtype": tname, "variant": "atomic dQ",
+                "nan": [int(cupy.isnan(x).sum()) for x in agrads],
+                "rel_vs_fused": [_rel(to(a), b) for a, b in zip(agrads, old)],
+                "rel_vs_deterministic": [_rel(to(a), b) for a, b in zip(agrads, new)],
+                "workspace_bytes": rec["workspace_bytes"] + int(math.prod(cq.shape)) * 4}
+        RESULTS["check"].append(arec)
+        log("check", arec)
+        ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads,
+                                      dq_atomic=True))
+        _rec(wid, tname, "hopper bwd (new, atomic dQ)", ms, flops)
+        del agrads
     ms = _time(lambda: fn(to(cdo), q, k, v, to(out), to(lse), ksz, **kw), reps=5, warm=1)
     _rec(wid, tname, "fused bwd (current)", ms, flops)
     if dense:

@@ -11,18 +11,30 @@ namespace hopper {
 
 // Register budgets (loader, each of two compute warpgroups; 128 * (48 + 2 * 232) = 65536):
 // the loaders' row-index math (rank 1: two strided pointers and the lse/delta rows; ranks 2,
-// 3: coordinates per row) spilled at 24-40 and, at rank 3, the D128 dK/dV compute warpgroups at
-// 224 under NVRTC 13.0. The geometry sits in shared memory, so the compute warpgroups hold
+// 3: coordinates per row) spilled at 24-40 (the 1-D D128 loader of the atomic variant at 56
+// under NVRTC 13.0) and, at rank 3, the D128 dK/dV compute warpgroups at 224 under NVRTC 13.0
+// (the atomic variant's at 232 too: it is not instantiated for rank 3 at D128). The geometry sits in shared memory, so the compute warpgroups hold
 // only accumulators (D128 dK/dV: 128), S and dP (BQ / 2 each) and their packed halves.
+template <int RANK, bool ATOMIC>
 struct BwdRegs {
-  static constexpr int loader = 48, compute = 232;
+  static constexpr int loader = ATOMIC && RANK == 1 ? 64 : 48;
+  static constexpr int compute = ATOMIC && RANK == 1 ? 224 : 232;
 };
 
+// The float32 dQ workspace of the atomic variant: contiguous [B, *spatial, H, head_dim].
+__device__ __forceinline__ i64 dq_ws_offset(const NAParams& p, i64 b, i64 x0, i64 x1, i64 x2,
+                                            i64 h) {
+  return ((((b * p.extent[0] + x0) * p.extent[1] + x1) * p.extent[2] + x2) * p.heads + h) *
+         p.head_dim;
+}
+
 // delta[row] = sum over the head dim of dO * O in float32; D / 8 consecutive threads per row
-// (16 bytes each), rows flat over (batch, axis 0, 1, 2, head).
+// (16 bytes each), rows flat over (batch, axis 0, 1, 2, head). With dq_ws (the atomic dQ
+// variant) the same threads zero the row's workspace.
 template <typename T, int D>
 __device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* __restrict__ o,
-                                           float* __restrict__ delta, const NAParams& p) {
+                                           float* __restrict__ delta, float* __restrict__ dq_ws,
+                                           const NAParams& p) {
   constexpr int LANES = D / 8;
   const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   i64 row = t / LANES;
@@ -50,29 +62,68 @@ __device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* _
     const T* eb = reinterpret_cast<const T*>(&b);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum = fmaf(to_float(ea[e]), to_float(eb[e]), sum);
+    if (dq_ws) {
+      float4* at = reinterpret_cast<float4*>(dq_ws + dq_ws_offset(p, c[0], c[1], c[2], c[3],
+                                                                  c[4]) + ch * 8);
+      at[0] = at[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
   for (int w = 1; w < LANES; w *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, w);
   if (live && ch == 0) delta[offset6(p.delta, c[0], c[1], c[2], c[3], c[4], 0)] = sum;
 }
 
+// dq = scale * dq_ws (the atomic variant's last launch), threads as in delta_rows.
+template <typename T, int D>
+__device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __restrict__ dq,
+                                        const NAParams& p) {
+  constexpr int LANES = D / 8;
+  const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  i64 x = t / LANES;
+  const int ch = (int)(t % LANES);
+  if (x >= p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads || ch * 8 >= p.head_dim)
+    return;
+  i64 c[5];
+  c[4] = x % p.heads;
+  x /= p.heads;
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    c[1 + a] = x % p.extent[a];
+    x /= p.extent[a];
+  }
+  c[0] = x;
+  const float4* from =
+      reinterpret_cast<const float4*>(dq_ws + dq_ws_offset(p, c[0], c[1], c[2], c[3], c[4]) + ch * 8);
+  const float4 a = from[0], b = from[1];
+  T* at = dq + offset6(p.dq, c[0], c[1], c[2], c[3], c[4], 0) + ch * 8;
+  const float sc = p.scale;
+  pack_store(at, a.x * sc, a.y * sc);
+  pack_store(at + 2, a.z * sc, a.w * sc);
+  pack_store(at + 4, b.x * sc, b.y * sc);
+  pack_store(at + 6, b.z * sc, b.w * sc);
+}
+
 // Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of 128 rows),
-// STAGES slots of two region tiles of ROWS rows each, then (dK/dV pass) STAGES pairs of float
-// vectors of ROWS (lse, delta), then the mbarriers (full, empty per stage). Every tile starts
-// on a 1024-byte boundary (the 128-byte swizzle's period).
-template <int D, int ROWS, int STAGES, bool VALUES>
+// STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) a dS^T
+// tile of 64 x ROWS per compute warpgroup, then (dK/dV pass) STAGES pairs of float vectors of
+// ROWS (lse, delta), then the mbarriers (full, empty per stage). Every tile starts on a
+// 1024-byte boundary (the 128-byte swizzle's period).
+template <int D, int ROWS, int STAGES, bool VALUES, bool DS = false>
 struct BwdSmem {
   static constexpr unsigned OWNER = 128 * D * 2, TILE = ROWS * D * 2;
   static constexpr unsigned VEC = VALUES ? ROWS * 4 : 0;
-  static constexpr unsigned BYTES = 2 * OWNER + STAGES * (2 * TILE + 2 * VEC) + 16 * STAGES + 1024;
+  static constexpr unsigned DS_TILE = DS ? 64 * ROWS * 2 : 0;  // per compute warpgroup
+  static constexpr unsigned BYTES =
+      2 * OWNER + STAGES * (2 * TILE + 2 * VEC) + 2 * DS_TILE + 16 * STAGES + 1024;
   static_assert(OWNER % 1024 == 0 && TILE % 1024 == 0, "tiles on 1024-byte boundaries");
   static_assert(BYTES <= 227 * 1024, "sm_90 gives a CTA at most 227 KB of shared memory");
-  unsigned own0, own1, reg0, vecs, full, empty;
+  unsigned own0, own1, reg0, ds, vecs, full, empty;
   __device__ __forceinline__ void init(unsigned char* raw) {
     own0 = (smem_u32(raw) + 1023u) & ~1023u;
     own1 = own0 + OWNER;
     reg0 = own1 + OWNER;
-    vecs = reg0 + STAGES * 2 * TILE;
+    ds = reg0 + STAGES * 2 * TILE;
+    vecs = ds + 2 * DS_TILE;
     full = vecs + STAGES * 2 * VEC;
     empty = full + 8 * STAGES;
   }
@@ -86,17 +137,22 @@ struct BwdSmem {
 // queries of their inverse windows, walked in BQ-query tiles: per tile S^T = K Q^T and dP^T =
 // V dO^T (wgmma from shared memory), P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T
 // (dP^T - delta), dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q N-major).
-template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2>
+// ATOMIC: also dQ += dS K for the tile's queries (dS^T through shared memory, both operands
+// MN-major, in 64-column rounds), added to the float32 workspace dq_ws with float2 atomics:
+// no dQ pass, but the sums' order varies from run to run.
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
                                        const float* __restrict__ lse,
                                        const float* __restrict__ delta, T* __restrict__ dk,
-                                       T* __restrict__ dv, const NAParams& p) {
+                                       T* __restrict__ dv, float* __restrict__ dq_ws,
+                                       const NAParams& p) {
   constexpr int NT = 128, WG = 2;
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
                 "the key tile is 128 keys over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
-  typedef BwdSmem<D, BQ, STAGES, true> Smem;
+  static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
+  typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
   sm.init(smem_raw);
@@ -128,7 +184,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
-    regs_dec<BwdRegs::loader>();
+    regs_dec<BwdRegs<RANK, ATOMIC>::loader>();
     load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -141,7 +197,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     return;
   }
 
-  regs_inc<BwdRegs::compute>();
+  regs_inc<BwdRegs<RANK, ATOMIC>::compute>();
   // This thread's two key rows and the queries that reach them (region coordinates).
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
@@ -187,10 +243,62 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     unsigned pa[BQ / 16][4], da[BQ / 16][4];
     pack_a<T, BQ>(acc_s, pa);
     pack_a<T, BQ>(acc_dp, da);
+    const unsigned ds_wg = sm.ds + wg * Smem::DS_TILE;
+    if constexpr (ATOMIC) {  // dS^T as stored: key rows of this warpgroup, query columns
+      const int wrow = ((tid / 32) % 4) * 16 + lane / 4;
+#pragma unroll
+      for (int s = 0; s < BQ / 16; ++s)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          asm volatile("st.shared.b32 [%0], %1;\n"
+                       :: "r"(ds_wg + swz128(wrow + 8 * (x % 2), 2 * s + x / 2) + 4 * quad),
+                          "r"(da[s][x]) : "memory");
+      fence_proxy_async();
+      named_sync(1 + wg, 128);
+    }
     wgmma_fence();
     gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
     gemm_rs<T, D, BQ>(acc_dk, da, sq);
     wgmma_commit();
+    if constexpr (ATOMIC) {
+      // dQ rows of the tile's queries, 64 columns at a time: rows 16 w + group + 8 h of
+      // accumulator d[4 i + 2 h + e], columns 64 half + 8 i + 2 quad + e. P^T and dS^T
+      // leave the registers first (the D128 accumulators need them).
+      typedef typename Kind<T>::type kind;
+      wgmma_wait<0>();
+      fence_regs(acc_dv);
+      fence_regs(acc_dk);
+      const int qrow = ((tid / 32) % 4) * 16 + lane / 4;
+#pragma unroll
+      for (int half = 0; half < D / 64; ++half) {
+        float acc_q[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc_q[i] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 4; ++s)  // 64 keys of this warpgroup, 16 per step
+          SSTT64::run(acc_q, desc128(ds_wg + s * 2048, 64 * 128, 1024),
+                      desc128(k_wg + half * (128 * 128) + s * 2048, 128 * 128, 1024), s > 0,
+                      kind());
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_q);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int f = j * BQ + qrow + 8 * r;
+          if (f >= G.total) continue;  // past the region: nothing to add
+          int c[3], x[3] = {0, 0, 0};
+          G.other(f, c);
+#pragma unroll
+          for (int a = 0; a < RANK; ++a) x[a] = G.g[a] + (int)p.dilation[a] * c[a];
+          float* at = dq_ws + dq_ws_offset(p, b, x[0], x[1], x[2], h) + 64 * half + 2 * quad;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (64 * half + 8 * i + 2 * quad < hd)
+              atomicAdd(reinterpret_cast<float2*>(at + 8 * i),
+                        make_float2(acc_q[4 * i + 2 * r], acc_q[4 * i + 2 * r + 1]));
+        }
+      }
+    }
     wgmma_wait<0>();
     fence_regs(acc_dv);
     fence_regs(acc_dk);
@@ -260,7 +368,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const int num_tiles = (G.total + BN - 1) / BN;
 
   if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
-    regs_dec<BwdRegs::loader>();
+    regs_dec<BwdRegs<RANK, false>::loader>();
     load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -272,7 +380,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     return;
   }
 
-  regs_inc<BwdRegs::compute>();
+  regs_inc<BwdRegs<RANK, false>::compute>();
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
   G.row_reach(p, row0, wl[0], wn[0]);
@@ -347,17 +455,24 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
 na_bwd_hopper_delta(const T* __restrict__ d_o, const T* __restrict__ o,
-                    float* __restrict__ delta, const NAParams p) {
-  hopper::delta_rows<T, D>(d_o, o, delta, p);
+                    float* __restrict__ delta, float* __restrict__ dq_ws, const NAParams p) {
+  hopper::delta_rows<T, D>(d_o, o, delta, dq_ws, p);
 }
 
-template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2>
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, const NAParams p) {
+  hopper::dq_rows<T, D>(dq_ws, dq, p);
+}
+
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC>
 __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ d_o, const float* __restrict__ lse,
                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                 const NAParams p) {
-  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2>(q, k, v, d_o, lse, delta, dk, dv, p);
+                 float* __restrict__ dq_ws, const NAParams p) {
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC>(q, k, v, d_o, lse, delta, dk, dv,
+                                                             dq_ws, p);
 }
 
 template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2>

@@ -25,7 +25,10 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
         for r in reports:
             print(f"  {r.name:<70} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
                   f"spill {r.spill_bytes}")
-    assert len(reports) == 2 * 2 * (1 + 3 * 2)  # dtypes x head dims x (delta, ranks x passes)
+    atomic = sum(H.atomic_supported(r, dp) for r in (1, 2, 3) for dp in H.BUCKETS)
+    # per dtype: delta and the dq store per head dim, two passes per rank and head dim, and
+    # the atomic dK/dV kernels
+    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + atomic)
     assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in reports if "serialized" in r.log]
     assert not [r.name for r in reports if "C7508" in r.log or "setmaxnreg" in r.log.lower()]
@@ -54,6 +57,8 @@ def test_hopper_bwd_instantiations_cover_every_plan():
         for dp in H.BUCKETS:
             for rank in (1, 2, 3):
                 assert set(H._names(dtype, dp, rank)) <= names
+                if H.atomic_supported(rank, dp):
+                    assert set(H._names(dtype, dp, rank, dq_atomic=True)) <= names
 
 
 class _FakeKernel:
@@ -111,6 +116,38 @@ def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
     rows = B * heads * int(numpy.prod(spatial))
     assert delta.grid[0] * H.DELTA_THREADS >= rows * dp // 8
     assert delta.block == (H.DELTA_THREADS, 1, 1)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
+def test_hopper_bwd_atomic_plan_on_layouts(case, monkeypatch):
+    """The atomic dQ variant: delta (zeroing the float32 dQ workspace), dK/dV adding dQ, the
+    workspace stored as dq; two workspaces; none at rank 3 with head dim 128."""
+    from natten_cupy._launch import Operand
+    shape, ks, st, dl, ca = case
+    rank = len(shape) - 3
+    prob = _problem(shape, rank, ks, st, dl, ca)
+    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    H._geometry.cache_clear()
+    lay = Layout.contiguous(shape, numpy.float16)
+    lse = Layout.contiguous(shape[:-1], numpy.float32)
+    args = (prob, lay, lay, lay, lay, lay, lse, lay, lay, lay)
+    if not H.atomic_supported(rank, H._bucket(shape[-1])):
+        with pytest.raises(ValueError, match="no atomic dQ variant"):
+            H.plan_backward(*args, dq_atomic=True)
+        return
+    plan = H.plan_backward(*args, dq_atomic=True)
+    assert plan.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),
+                               (tuple(shape), numpy.dtype(numpy.float32)))
+    delta, kv, dq = plan.calls
+    ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
+    assert ops(delta) == (0, 4, 9, 10)
+    assert ops(kv) == (1, 2, 3, 0, 5, 9, 7, 8, 10)
+    assert ops(dq) == (10, 6)
+    assert dq.grid == delta.grid and kv.shared_mem <= 227 * 1024
+    plain = H.plan_backward(*args)
+    assert kv.grid == plain.calls[1].grid
+    assert kv.shared_mem == plain.calls[1].shared_mem + 2 * 64 * 64 * 2
+    assert plain.calls[0].args[3] == numpy.uint64(0)  # no workspace to zero: a null pointer
 
 
 def test_hopper_bwd_plan_refuses_unreadable_rows(monkeypatch):

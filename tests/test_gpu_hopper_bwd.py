@@ -96,22 +96,22 @@ def _device(cp, host, layout="canonical"):
     return upload(cp, host)
 
 
-def _run(cp, problem, dev, shape, dtype, layout="canonical"):
+def _run(cp, problem, dev, shape, dtype, layout="canonical", dq_atomic=False):
     grads = [_device(cp, numpy.full(shape, numpy.nan, dtype), layout) for _ in range(3)]
     q, k, v, d_out, out, lse = dev
-    H.backward(problem, q, k, v, out, lse, d_out, *grads)
+    H.backward(problem, q, k, v, out, lse, d_out, *grads, dq_atomic=dq_atomic)
     cp.cuda.get_current_stream().synchronize()
     return [to_host(g) for g in grads]
 
 
-def check_case(case, rng, layout="canonical"):
+def check_case(case, rng, layout="canonical", dq_atomic=False):
     """Run one case; returns [(error, yardstick error)] for dq, dk, dv."""
     import cupy as cp
     q, k, v, d_out, out, lse, truth = _inputs(case, rng)
     problem = _problem(q, case)
     assert H.refuse(problem) is None, H.refuse(problem)
     dev = [_device(cp, x, layout) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
-    got = _run(cp, problem, dev, q.shape, q.dtype, layout)
+    got = _run(cp, problem, dev, q.shape, q.dtype, layout, dq_atomic)
     low = _reference_backward(problem, q, k, v, out, lse, d_out)
     result = []
     for name, g, t, y in zip(("dq", "dk", "dv"), got, truth, low):
@@ -133,6 +133,15 @@ def _case_id(c):
 def test_hopper_backward_matches_reference(case, rng):
     _skip_unless_hopper()
     check_case(case, rng)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES
+                                  if H.atomic_supported(len(c[0]), H._bucket(c[6]))],
+                         ids=_case_id)
+def test_hopper_backward_atomic_dq_matches_reference(case, rng):
+    """The atomic dQ variant (dQ added in the dK/dV pass, float32 atomics)."""
+    _skip_unless_hopper()
+    check_case(case, rng, dq_atomic=True)
 
 
 @pytest.mark.parametrize("case", [((333,), 65, 1, 2, False, 3, 64, F16, None),

@@ -82,13 +82,23 @@ def refuse(problem):
     return None
 
 
-def _names(dtype, dp, rank, tile=None):
+def _names(dtype, dp, rank, tile=None, dq_atomic=False):
+    """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store."""
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
-    return (f"natten::na_bwd_hopper_delta<{ct}, {dp}>",
-            f"natten::na_bwd_hopper_kv<{ct}, {dp}, {tile.bq}, {tile.kv_stages}, {rank}, {box}>",
-            f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}>")
+    flag = "true" if dq_atomic else "false"
+    kv = (f"natten::na_bwd_hopper_kv<{ct}, {dp}, {tile.bq}, {tile.kv_stages}, {rank}, {box}, "
+          f"{flag}>")
+    dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
+          f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}>")
+    return f"natten::na_bwd_hopper_delta<{ct}, {dp}>", kv, dq
+
+
+def atomic_supported(rank, dp):
+    """Where the atomic dQ variant is built: everywhere but rank 3 at head dim 128, whose
+    compute warpgroups spill under NVRTC 13.0 (232 registers)."""
+    return not (rank == 3 and dp == 128)
 
 
 def instantiations():
@@ -96,15 +106,18 @@ def instantiations():
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
             for rank in (1, 2, 3):
-                out += [(SOURCE, n) for n in _names(dtype, dp, rank)]
+                for atomic in (False, True) if atomic_supported(rank, dp) else (False,):
+                    out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic)]
     return sorted(set(out))
 
 
-def smem_bytes(dp, rows, stages, values):
-    """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, mbarriers,
-    1 KiB to align the tiles."""
+def smem_bytes(dp, rows, stages, values, ds=False):
+    """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, the atomic
+    variant's dS^T tiles, lse/delta vectors, mbarriers, 1 KiB to align the tiles."""
     vec = rows * 4 if values else 0
-    return 2 * OWNER_ROWS * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + 16 * stages + 1024
+    ds_tile = 64 * rows * 2 if ds else 0
+    return (2 * OWNER_ROWS * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + 2 * ds_tile
+            + 16 * stages + 1024)
 
 
 def owner_ctas(problem):
@@ -129,46 +142,64 @@ def _geometry(problem, tile):
     return dp, tile, ctas, delta_blocks
 
 
-def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None):
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_atomic=False):
     """The Plan of one backward on the current device for operand layouts (in this order;
-    then one workspace, delta), or None if an operand other than lse is not ``rows_ready``
-    (the plan contract of ``natten_cupy._launch``)."""
+    then the workspaces: delta, and with ``dq_atomic`` the float32 dQ), or None if an operand
+    other than lse is not ``rows_ready`` (the plan contract of ``natten_cupy._launch``).
+
+    Deterministic (the default): delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the
+    dQ workspace), dK/dV with dQ added by float32 atomics, dq = scale * workspace; not
+    bitwise reproducible."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
+    if dq_atomic and not atomic_supported(problem.rank, dp):
+        raise ValueError(f"no atomic dQ variant for rank {problem.rank} at head dim {dp}")
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta)
-    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
-    name_delta, name_kv, name_q = _names(problem.dtype, dp, problem.rank, tile)
+    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA, DQ_WS = map(Operand, range(11))
+    no_ws = numpy.uint64(0)  # a null pointer
+    name_delta, name_kv, name_dq = _names(problem.dtype, dp, problem.rank, tile, dq_atomic)
     box = OWNER_BOX[problem.rank][:problem.rank]
     grid = (ctas, problem.heads, problem.batch)
-    calls = (
+    ws = DQ_WS if dq_atomic else no_ws
+    calls = [
         KernelCall(get_kernel(SOURCE, name_delta, extra_options=OPTIONS),
-                   (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (D_OUT, OUT, DELTA, p),
+                   (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (D_OUT, OUT, DELTA, ws, p),
                    name="na_bwd_hopper_delta", backend="fused"),
         KernelCall(get_kernel(SOURCE, name_kv, extra_options=OPTIONS), grid, (THREADS, 1, 1),
-                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, p),
-                   shared_mem=smem_bytes(dp, tile.bq, tile.kv_stages, True),
+                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, p),
+                   shared_mem=smem_bytes(dp, tile.bq, tile.kv_stages, True, dq_atomic),
                    name="na_bwd_hopper_kv", backend="fused", tile=box),
-        KernelCall(get_kernel(SOURCE, name_q, extra_options=OPTIONS), grid, (THREADS, 1, 1),
-                   (Q, K, V, D_OUT, LSE, DELTA, DQ, p),
-                   shared_mem=smem_bytes(dp, tile.bn, tile.q_stages, False),
-                   name="na_bwd_hopper_q", backend="fused", tile=box),
-    )
-    return Plan(calls, workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+    ]
+    if dq_atomic:
+        calls.append(KernelCall(get_kernel(SOURCE, name_dq, extra_options=OPTIONS),
+                                (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (DQ_WS, DQ, p),
+                                name="na_bwd_hopper_dq", backend="fused"))
+    else:
+        calls.append(KernelCall(get_kernel(SOURCE, name_dq, extra_options=OPTIONS), grid,
+                                (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, p),
+                                shared_mem=smem_bytes(dp, tile.bn, tile.q_stages, False),
+                                name="na_bwd_hopper_q", backend="fused", tile=box))
+    workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
+    if dq_atomic:
+        workspaces.append((tuple(dq.shape), numpy.dtype(numpy.float32)))
+    return Plan(tuple(calls), workspaces=tuple(workspaces))
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None):
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None, dq_atomic=False):
     """dq, dk, dv (CuPy arrays, preallocated, every element written) of the NA forward that
-    gave out and lse (natural log), for the upstream gradient d_out."""
+    gave out and lse (natural log), for the upstream gradient d_out. ``dq_atomic``: dQ by
+    float32 atomics in the dK/dV pass (not bitwise reproducible; see plan_backward)."""
     import cupy
     if problem.is_empty:
         return
     q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
     grads = (dq, dk, dv)
     written = writable_outputs(grads)
-    delta = cupy.empty(lse.shape, dtype=numpy.float32)
-    arrays = (d_out, q, k, v, out, lse, *written, delta)
-    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9]), tile=tile), arrays)
+    arrays = (d_out, q, k, v, out, lse, *written)
+    plan = plan_backward(problem, *map(layout_of, arrays), tile=tile, dq_atomic=dq_atomic)
+    ws = tuple(cupy.empty(shape, dtype) for shape, dtype in plan.workspaces)
+    run_plan_on(plan, arrays + ws)
     copy_back(grads, written)
