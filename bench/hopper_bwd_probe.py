@@ -15,7 +15,8 @@ One script for one GPU call (H200), in this order, each step logged as it ends:
 Backward FLOPs = 2.5 x the forward's 4 B N H K D (K = prod(kernel_size), nominal for causal
 windows). JSON in $OUT/hopper_bwd_probe.json (rewritten after every record); the last lines
 are a short table. Run: ``PYTHONPATH=$PWD python bench/hopper_bwd_probe.py [--quick]
-[--no-sass] [--only ID,...]``; ``--quick`` keeps one dtype per workload.
+[--no-sass] [--only ID,...]``; ``--quick`` keeps one dtype per workload and compiles
+kernels on first use only.
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ def main():
     only = set()
     if "--only" in sys.argv:
         only = set(sys.argv[sys.argv.index("--only") + 1].split(","))
-    compile_all()
+    if "--quick" not in sys.argv:  # --quick: kernels compile on first use
+        compile_all()
     if "--no-sass" not in sys.argv:
         try:
             sass_all()

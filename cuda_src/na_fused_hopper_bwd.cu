@@ -9,16 +9,16 @@
 namespace natten {
 namespace hopper {
 
-// Register budgets (loader, each of two compute warpgroups; 128 * (48 + 2 * 232) = 65536):
-// the loaders' row-index math (rank 1: two strided pointers and the lse/delta rows; ranks 2,
-// 3: coordinates per row) spilled at 24-40 (the 1-D D128 loader of the atomic variant at 56
-// under NVRTC 13.0) and, at rank 3, the D128 dK/dV compute warpgroups at 224 under NVRTC 13.0
-// (the atomic variant's at 232 too: it is not instantiated for rank 3 at D128). The geometry sits in shared memory, so the compute warpgroups hold
-// only accumulators (D128 dK/dV: 128), S and dP (BQ / 2 each) and their packed halves.
-template <int RANK, bool ATOMIC>
+// Register budgets (loader, each of two compute warpgroups). The entry cap of 384 threads is
+// 168, and setmaxnreg.inc only hands out what the CTA's warpgroups gave back, so loader + 2 x
+// compute must stay within 3 x 168 = 504 (more and the compute warpgroups would wait forever).
+// 40 / 232: the geometry sits in shared memory, the 1-D loader steps one pointer at a time;
+// 48 / 232 would not fit, and the loaders spilled at 24-32, the D128 dK/dV compute warpgroups at
+// 224 (NVRTC 13.0). The atomic dQ variant is built where this split has no spill (head dim 64,
+// and rank 2 at 128: _fused_hopper_bwd.atomic_supported).
 struct BwdRegs {
-  static constexpr int loader = ATOMIC && RANK == 1 ? 64 : 48;
-  static constexpr int compute = ATOMIC && RANK == 1 ? 224 : 232;
+  static constexpr int loader = 40, compute = 232;
+  static_assert(loader + 2 * compute <= 3 * 168, "more registers than the CTA holds");
 };
 
 // The float32 dQ workspace of the atomic variant: contiguous [B, *spatial, H, head_dim].
@@ -184,7 +184,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
-    regs_dec<BwdRegs<RANK, ATOMIC>::loader>();
+    regs_dec<BwdRegs::loader>();
     load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -197,7 +197,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     return;
   }
 
-  regs_inc<BwdRegs<RANK, ATOMIC>::compute>();
+  regs_inc<BwdRegs::compute>();
   // This thread's two key rows and the queries that reach them (region coordinates).
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
@@ -368,7 +368,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const int num_tiles = (G.total + BN - 1) / BN;
 
   if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
-    regs_dec<BwdRegs<RANK, false>::loader>();
+    regs_dec<BwdRegs::loader>();
     load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -380,7 +380,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     return;
   }
 
-  regs_inc<BwdRegs<RANK, false>::compute>();
+  regs_inc<BwdRegs::compute>();
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
   G.row_reach(p, row0, wl[0], wn[0]);

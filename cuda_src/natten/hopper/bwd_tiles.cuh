@@ -11,6 +11,24 @@
 namespace natten {
 namespace hopper {
 
+// Rank 1: rows first + r, first + r + STEP, ... (below ROWS) of one tensor whose in-group rows
+// are `step` elements apart, to dst (this thread's first chunk), one pointer stepping; rows at
+// or past `end` and columns past the head dim are zero-filled. One tensor at a time keeps the
+// loader within its 40 registers.
+template <typename T, int ROWS, int NT, int CPR>
+__device__ __forceinline__ void load_strided(unsigned dst, const T* base, i64 step, int first,
+                                             int end, bool col_ok, int ch, int r) {
+  constexpr int STEP = NT / CPR;
+  const T* from = base + (i64)(first + r) * step + ch * 8;
+#pragma unroll 2
+  for (; r < ROWS; r += STEP) {
+    const bool ok = col_ok && first + r < end;
+    cp_async16(dst, ok ? from : base, ok);
+    dst += STEP * 128;
+    from += STEP * step;
+  }
+}
+
 // Copies ROWS rows of two tensors at the same coordinates into two swizzled ROWS x D tiles
 // (layout in wgmma.cuh): owner rows (flat < 0) or region rows [flat, flat + ROWS). Rows past
 // the group or the region and columns at or past head_dim are zero-filled, so padded rows and
@@ -31,18 +49,10 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
   if constexpr (RANK == 1) {
     const int first = flat < 0 ? G.o0[0] : G.rs[0] + flat;
     const int end = flat < 0 ? G.glen[0] : G.rs[0] + G.rk[0];
-    const i64 step0 = p.dilation[0] * st0[1], step1 = p.dilation[0] * st1[1];
-    const T* from0 = base0 + G.g[0] * st0[1] + (i64)(first + r) * step0 + ch * 8;
-    const T* from1 = base1 + G.g[0] * st1[1] + (i64)(first + r) * step1 + ch * 8;
-#pragma unroll 2
-    for (; r < ROWS; r += STEP) {
-      const bool ok = col_ok && first + r < end;
-      cp_async16(dst0 + at, ok ? from0 : base0, ok);
-      cp_async16(dst1 + at, ok ? from1 : base1, ok);
-      at += STEP * 128;
-      from0 += STEP * step0;
-      from1 += STEP * step1;
-    }
+    load_strided<T, ROWS, NT, D / 8>(dst0 + at, base0 + G.g[0] * st0[1], p.dilation[0] * st0[1],
+                                     first, end, col_ok, ch, r);
+    load_strided<T, ROWS, NT, D / 8>(dst1 + at, base1 + G.g[0] * st1[1], p.dilation[0] * st1[1],
+                                     first, end, col_ok, ch, r);
   } else {
 #pragma unroll 1
     for (; r < ROWS; r += STEP) {
