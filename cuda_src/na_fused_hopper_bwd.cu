@@ -14,8 +14,8 @@ namespace hopper {
 // compute must stay within 3 x 168 = 504 (more and the compute warpgroups would wait forever).
 // 40 / 232: the geometry sits in shared memory, the 1-D loader steps one pointer at a time;
 // 48 / 232 would not fit, and the loaders spilled at 24-32, the D128 dK/dV compute warpgroups at
-// 224 (NVRTC 13.0). The atomic dQ variant is built where this split has no spill (head dim 64,
-// and rank 2 at 128: _fused_hopper_bwd.atomic_supported).
+// 224 (NVRTC 13.0). The atomic dQ variant is built where this split has no spill (all but rank
+// 3 at head dim 128: _fused_hopper_bwd.atomic_supported).
 struct BwdRegs {
   static constexpr int loader = 40, compute = 232;
   static_assert(loader + 2 * compute <= 3 * 168, "more registers than the CTA holds");
@@ -244,6 +244,10 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     pack_a<T, BQ>(acc_s, pa);
     pack_a<T, BQ>(acc_dp, da);
     const unsigned ds_wg = sm.ds + wg * Smem::DS_TILE;
+    wgmma_fence();
+    gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
+    gemm_rs<T, D, BQ>(acc_dk, da, sq);
+    wgmma_commit();
     if constexpr (ATOMIC) {  // dS^T as stored: key rows of this warpgroup, query columns
       const int wrow = ((tid / 32) % 4) * 16 + lane / 4;
 #pragma unroll
@@ -255,15 +259,10 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
                           "r"(da[s][x]) : "memory");
       fence_proxy_async();
       named_sync(1 + wg, 128);
-    }
-    wgmma_fence();
-    gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
-    gemm_rs<T, D, BQ>(acc_dk, da, sq);
-    wgmma_commit();
-    if constexpr (ATOMIC) {
       // dQ rows of the tile's queries, 64 columns at a time: rows 16 w + group + 8 h of
       // accumulator d[4 i + 2 h + e], columns 64 half + 8 i + 2 quad + e. P^T and dS^T
-      // leave the registers first (the D128 accumulators need them).
+      // leave the registers first (the D128 accumulators need them); storing dS^T while the
+      // RS GEMMs read the same registers kept NVRTC 13.0's 1-D D128 kernel within 232.
       typedef typename Kind<T>::type kind;
       wgmma_wait<0>();
       fence_regs(acc_dv);

@@ -96,10 +96,10 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False):
 
 
 def atomic_supported(rank, dp):
-    """Where the atomic dQ variant is built: head dim 64, and rank 2 at 128. At 128, ranks 1
-    and 3 spill under NVRTC 13.0 within the register split the CTA holds (loader 40, compute
-    232; see BwdRegs in the .cu)."""
-    return dp == 64 or rank == 2
+    """Where the atomic dQ variant is built: all but rank 3 at head dim 128, which spills
+    under NVRTC 13.0 within the register split the CTA holds (loader 40, compute 232; see
+    BwdRegs in the .cu)."""
+    return not (rank == 3 and dp == 128)
 
 
 def instantiations():
