@@ -96,26 +96,32 @@ def copy_back(outputs, written):
             dst.view(unsigned)[...] = src.view(unsigned)
 
 
+def _workspaces(plan):
+    """Fresh CuPy arrays for a plan's workspaces (any contents)."""
+    import cupy
+    return tuple(cupy.empty(shape, dtype) for shape, dtype in plan.workspaces)
+
+
 def run_forward(plan_forward, problem, q, k, v, out, lse):
     """A fused forward on CuPy arrays through a part's ``plan_forward``: stand-ins for q, k, v,
-    out where they are not ``rows_ready``, the plan, then the copy back."""
+    out where they are not ``rows_ready``, the plan with its workspaces, then the copy back."""
     from ._launch import run_plan_on
     q, k, v = ready_inputs((q, k, v))
     (dst,) = writable_outputs((out,))
     arrays = (q, k, v, dst, lse)
-    run_plan_on(plan_forward(problem, *map(layout_of, arrays)), arrays)
+    plan = plan_forward(problem, *map(layout_of, arrays))
+    run_plan_on(plan, arrays + _workspaces(plan))
     copy_back((out,), (dst,))
 
 
 def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv):
     """A fused backward on CuPy arrays through a part's ``plan_backward`` (operands d_out, q,
-    k, v, out, lse, dq, dk, dv, then the float32 delta workspace)."""
-    import cupy
+    k, v, out, lse, dq, dk, dv, then the plan's workspaces)."""
     from ._launch import run_plan_on
     q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
     grads = (dq, dk, dv)
     written = writable_outputs(grads)
-    delta = cupy.empty(lse.shape, dtype=numpy.float32)
-    arrays = (d_out, q, k, v, out, lse, *written, delta)
-    run_plan_on(plan_backward(problem, *map(layout_of, arrays[:9])), arrays)
+    arrays = (d_out, q, k, v, out, lse, *written)
+    plan = plan_backward(problem, *map(layout_of, arrays))
+    run_plan_on(plan, arrays + _workspaces(plan))
     copy_back(grads, written)

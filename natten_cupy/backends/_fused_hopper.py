@@ -22,7 +22,8 @@ import math
 
 from .._compile import get_kernel
 from .._dtypes import FLOAT16, HALF_TYPES, c_type
-from .._launch import launch
+from .._launch import KernelCall, Operand, Plan
+from .._operands import rows_ready, run_forward
 from .._params import make_params
 
 SOURCE = "na_fused_hopper.cu"
@@ -134,7 +135,7 @@ def _walk_boxes(problem, box):
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Tiling:
     """Everything a launch needs besides the arrays (computed once per problem)."""
     name: str       # kernel name expression
     tile: HopperTile
@@ -158,19 +159,8 @@ def _plan(problem, tile=None, walk_boxes=None):
         L, d = problem.spatial[a], problem.dilation[a]
         ctas *= d * -(-(-(-L // d)) // box[a])  # groups x tiles of the longest group
     smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages
-    return Plan(_name(problem.dtype, dp, tile, problem.rank, walk_boxes), tile,
-                (ctas, problem.heads, problem.batch), (tile.threads, 1, 1), smem)
-
-
-def _readable(x):
-    """Whether the kernel can read ``x`` as is: contiguous last dim, 16-byte aligned rows."""
-    per16 = 16 // x.dtype.itemsize
-    st = [s // x.dtype.itemsize for s in x.strides]
-    if x.shape[-1] > 1 and st[-1] != 1:
-        return False
-    if x.data.ptr % 16:
-        return False
-    return all(s % per16 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
+    return Tiling(_name(problem.dtype, dp, tile, problem.rank, walk_boxes), tile,
+                  (ctas, problem.heads, problem.batch), (tile.threads, 1, 1), smem)
 
 
 def forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
@@ -179,30 +169,18 @@ def forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
     ``tile`` (a HopperTile among the instantiations, 1-D) and ``walk_boxes`` (rank 2, 3: key
     boxes or the flat walk) override the defaults, for probing and tests.
     """
-    import cupy
-    plan = _plan(problem, tile, walk_boxes)
-    if plan.grid[0] >= 2 ** 31:
-        raise ValueError(f"problem too large for one Hopper fused-forward launch "
-                         f"({plan.grid[0]} query tiles)")
-    q, k, v = (x if _readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
-    dst = out if _readable(out) else cupy.empty(out.shape, out.dtype)
-    params = make_params(problem, q=q, k=k, v=v, o=dst, lse=lse)
-    launch(get_kernel(SOURCE, plan.name, extra_options=OPTIONS), plan.grid, plan.block,
-           (q, k, v, dst, lse, params), shared_mem=plan.smem, name="na_fwd_hopper",
-           backend="fused", tile=_box(problem.rank, plan.tile)[:problem.rank])
-    if dst is not out:
-        out[...] = dst
+    run_forward(functools.partial(plan_forward, tile=tile, walk_boxes=walk_boxes), problem,
+                q, k, v, out, lse)
 
 
-def plan_forward(problem, q, k, v, out, lse):
+def plan_forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
     """The launch Plan of one forward on the current device for operand layouts (q, k, v,
     out, lse), or None if one of q, k, v, out cannot be read as it is (the plan contract of
-    ``natten_cupy._launch``; ``forward`` above takes arrays)."""
-    from .._launch import KernelCall, Operand, Plan
-    from .._operands import rows_ready
+    ``natten_cupy._launch``; ``forward`` above takes arrays). ``tile`` / ``walk_boxes``: as
+    for ``forward``."""
     if not all(rows_ready(x) for x in (q, k, v, out)):
         return None
-    plan = _plan(problem, None, None)
+    plan = _plan(problem, tile, walk_boxes)
     if plan.grid[0] >= 2 ** 31:
         raise ValueError(f"problem too large for one Hopper fused-forward launch "
                          f"({plan.grid[0]} query tiles)")

@@ -25,8 +25,8 @@ import numpy
 
 from .._compile import get_kernel
 from .._dtypes import HALF_TYPES, c_type
-from .._launch import KernelCall, Operand, Plan, run_plan_on
-from .._operands import Layout, copy_back, layout_of, ready_inputs, rows_ready, writable_outputs
+from .._launch import KernelCall, Operand, Plan
+from .._operands import Layout, rows_ready, run_backward
 from .._params import make_params
 
 SOURCE = "na_fused_hopper_bwd.cu"
@@ -193,14 +193,7 @@ def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None, dq_atomic
     """dq, dk, dv (CuPy arrays, preallocated, every element written) of the NA forward that
     gave out and lse (natural log), for the upstream gradient d_out. ``dq_atomic``: dQ by
     float32 atomics in the dK/dV pass (not bitwise reproducible; see plan_backward)."""
-    import cupy
     if problem.is_empty:
         return
-    q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
-    grads = (dq, dk, dv)
-    written = writable_outputs(grads)
-    arrays = (d_out, q, k, v, out, lse, *written)
-    plan = plan_backward(problem, *map(layout_of, arrays), tile=tile, dq_atomic=dq_atomic)
-    ws = tuple(cupy.empty(shape, dtype) for shape, dtype in plan.workspaces)
-    run_plan_on(plan, arrays + ws)
-    copy_back(grads, written)
+    run_backward(functools.partial(plan_backward, tile=tile, dq_atomic=dq_atomic), problem,
+                 q, k, v, out, lse, d_out, dq, dk, dv)

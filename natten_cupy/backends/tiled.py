@@ -30,7 +30,7 @@ import numpy
 from .._compile import get_kernel
 from .._dtypes import FLOAT32, HALF_TYPES, c_type
 from .._launch import KernelCall, Operand, Plan, launch, run_plan_on
-from .._operands import layout_of, rows_ready
+from .._operands import copy_back, layout_of, ready_inputs, rows_ready, writable_outputs
 from .._params import make_params
 from . import OPS
 
@@ -276,20 +276,16 @@ def plan(op, problem, layouts):
 def _run(op, problem, arrays):
     """Run ``op`` on CuPy arrays (OPERANDS order): stand-ins for row operands that are not
     ready (contiguous copies in, temporaries out), then the plan."""
-    import cupy
     arrays = list(arrays)
-    outputs = {}
     for i in ROW_INPUTS[op]:
-        if not rows_ready(arrays[i]):
-            arrays[i] = arrays[i].copy(order="C")
-    for i in ROW_OUTPUTS[op]:
-        if not rows_ready(arrays[i]):
-            outputs[i] = arrays[i]
-            arrays[i] = cupy.empty(arrays[i].shape, dtype=arrays[i].dtype)
+        (arrays[i],) = ready_inputs((arrays[i],))
+    outputs = [arrays[i] for i in ROW_OUTPUTS[op]]
+    written = writable_outputs(outputs)
+    for i, w in zip(ROW_OUTPUTS[op], written):
+        arrays[i] = w
     layouts = [None if x is None else layout_of(x) for x in arrays]
     run_plan_on(plan(op, problem, layouts), arrays)
-    for i, target in outputs.items():
-        target[...] = arrays[i]
+    copy_back(outputs, written)
 
 
 def qk(problem, q, k, rpb, attn):
