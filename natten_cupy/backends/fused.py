@@ -7,7 +7,9 @@ This module only dispatches; the kernels' launchers live in three parts:
 * ``_fused_bwd``: backward on tensor cores (same dtypes);
 * ``_fused_fp32``: exact-float32 forward and backward (tiled FMA, no TF32);
 * ``_fused_hopper``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
-  above 32), taken over ``_fused_fwd`` where it accepts the problem.
+  above 32), taken over ``_fused_fwd`` where it accepts the problem;
+* ``_fused_hopper_bwd``: backward on Hopper's warpgroup MMA (same conditions), taken over
+  ``_fused_bwd`` where it accepts the problem.
 
 Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (whichever it
 implements) and ``instantiations()``; a part with several tile configurations lists them in
@@ -43,13 +45,13 @@ def _part(name):
         return None
 
 
-def _hopper_serves(problem):
-    """Whether the forward goes to the Hopper part (wgmma, sm_90): float16/bfloat16 with a
-    head dim above 32 (at 32 the mma.sync kernel, tuned for it, stays), no tile override,
+def _hopper_serves(problem, name="_fused_hopper"):
+    """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
+    a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
     and the part accepts the problem on this device."""
     if problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32:
         return False
-    part = _part("_fused_hopper")
+    part = _part(name)
     return part is not None and part.refuse(problem) is None
 
 
@@ -59,7 +61,7 @@ def _parts_for(op, problem):
         return "_fused_fp32"
     if op == "fused_forward":
         return "_fused_hopper" if _hopper_serves(problem) else "_fused_fwd"
-    return "_fused_bwd"
+    return "_fused_hopper_bwd" if _hopper_serves(problem, "_fused_hopper_bwd") else "_fused_bwd"
 
 
 def refuse(op, problem):
