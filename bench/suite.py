@@ -44,6 +44,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 
 import natten_cupy.profile as na_profile  # noqa: E402  (the submodule: unfused chain)
+import timing  # noqa: E402
 import workloads as wl  # noqa: E402
 from natten_cupy import ops as na_ops  # noqa: E402
 
@@ -212,8 +213,7 @@ class Ours:
 
 def _sync():
     if _on_gpu():
-        import torch
-        torch.cuda.synchronize()
+        timing.sync()
 
 
 def _wall(fn):
@@ -224,17 +224,10 @@ def _wall(fn):
 
 
 def _timed(fn, reps):
+    """ms of each of ``reps`` calls: CUDA events on the GPU, wall clock on the CPU."""
     if not _on_gpu():
         return [_wall(fn) for _ in range(reps)]
-    import torch
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for start, stop in pairs:
-        start.record()
-        fn()
-        stop.record()
-    _sync()
-    return [s.elapsed_time(e) for s, e in pairs]
+    return timing.event_times(fn, reps)
 
 
 class Memory:

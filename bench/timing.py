@@ -1,41 +1,96 @@
-"""One timer for every benchmark script: CUDA events around calls, medians.
+"""One timer for every benchmark script and probe: CUDA events around calls, medians.
 
 * ``event_ms(fn)``: median over ``reps`` of the time of ``inner`` back-to-back calls divided by
-  ``inner``, by CUDA events on torch's current stream. Host work between launches counts when
-  the GPU waits for it, so this is what a user sees of an eager call.
+  ``inner``, by CUDA events on the current stream. Host work between launches counts when the
+  GPU waits for it, so this is what a user sees of an eager call.
+* ``event_times(fn, reps)``: the ``reps`` single-call times themselves (no warm-up), their
+  events recorded back to back and read after one synchronize: for a caller that sizes its
+  repetitions and takes its own medians and spreads (``suite.py``).
 * ``graph_ms(fn)``: ``fn`` captured once in a torch CUDA graph, replays timed the same way:
   the kernels alone, without host overhead.
 * ``wall_us(fn)``: host wall time per call over ``calls`` calls and one final synchronize,
   median of ``reps``: the per-call overhead on problems whose kernels are tiny.
+
+The events go on the stream the caller's work runs on: torch's current stream when the caller
+has imported torch (the suite, the torch layer, the peers), else CuPy's current stream (the
+probes, which launch CuPy kernels and never import torch). Importing this module imports
+neither.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
-__all__ = ["event_ms", "graph_ms", "wall_us", "sync"]
+__all__ = ["event_ms", "event_times", "graph_ms", "wall_us", "sync"]
+
+
+class _TorchClock:
+    def __init__(self):
+        import torch
+        self.torch = torch
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    @staticmethod
+    def ms(start, stop):
+        return start.elapsed_time(stop)
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+
+class _CupyClock:
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+
+    def event(self):
+        return self.cupy.cuda.Event()
+
+    def ms(self, start, stop):
+        return self.cupy.cuda.get_elapsed_time(start, stop)
+
+    def sync(self):
+        self.cupy.cuda.Device().synchronize()
+
+
+def _clock():
+    return _TorchClock() if "torch" in sys.modules else _CupyClock()
 
 
 def sync():
-    import torch
-    torch.cuda.synchronize()
+    _clock().sync()
+
+
+def event_times(fn, reps=1):
+    """Milliseconds of each of ``reps`` calls of ``fn`` (no warm-up), one synchronize."""
+    clock = _clock()
+    pairs = [(clock.event(), clock.event()) for _ in range(reps)]
+    for start, stop in pairs:
+        start.record()
+        fn()
+        stop.record()
+    clock.sync()
+    return [clock.ms(start, stop) for start, stop in pairs]
 
 
 def event_ms(fn, *, warmup=3, reps=15, inner=1):
-    import torch
+    clock = _clock()
     for _ in range(warmup):
         fn()
-    sync()
+    clock.sync()
     times = []
     for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, stop = clock.event(), clock.event()
         start.record()
         for _ in range(inner):
             fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) / inner)
+        times.append(clock.ms(start, stop) / inner)
     return statistics.median(times)
 
 
