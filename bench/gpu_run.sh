@@ -3,8 +3,8 @@
 # the GPU test suite and then the benchmark suite in one go. Full logs and JSON go to $OUT;
 # a short summary table is printed last.
 #   bash bench/gpu_run.sh [--quick] [--tests-only|--bench-only] [--probe] [extra pytest args...]
-# --probe also runs bench/tiled_probe.py (per-kernel times and bandwidth of the unfused chain,
-# tiled next to naive) after the tests.
+# --probe also runs bench/probes/tiled_probe.py (per-kernel times and bandwidth of the unfused
+# chain, tiled next to naive) after the tests.
 # --sweep runs bench/sweep.py (seeded random configurations per CUDA backend and dtype against
 # the float64 reference; $SWEEP_CASES a stream, subset $SWEEP_SUBSET, $SWEEP_BUDGET_S) and
 # --sanitize bench/sanitize.py (compute-sanitizer memcheck, racecheck, initcheck over every
@@ -53,7 +53,7 @@ fi
 if [ -n "$probe" ]; then
   echo "== unfused-chain probe"
   t0=$(date +%s)
-  "$PY" bench/tiled_probe.py --out "$OUT/tiled_probe.json" --workloads ${PROBE_WORKLOADS:-W2,W3} \
+  "$PY" bench/probes/tiled_probe.py --out "$OUT/tiled_probe.json" --workloads ${PROBE_WORKLOADS:-W2,W3} \
       --dtypes ${PROBE_DTYPES:-fp16,bf16,fp32,tf32} --extra ${PROBE_EXTRA:-W2b:fp16,W2b:fp32,W1:fp16} \
       > "$OUT/tiled_probe.log" 2>&1 \
       || { echo "   probe failed:"; tail -n 25 "$OUT/tiled_probe.log"; status=1; }

@@ -16,7 +16,7 @@ GENERATED = [("<!-- perf-table:start -->", "<!-- perf-table:end -->"),
 
 
 def _prose():
-    """The README less the tables bench/report.py and bench/probe_report.py write."""
+    """The README less the tables bench/report.py and bench/probes/probe_report.py write."""
     text = README
     for start, end in GENERATED:
         text = text[:text.index(start)] + text[text.index(end) + len(end):]

@@ -1,5 +1,5 @@
-"""The README's tables are what bench/report.py and bench/probe_report.py make of the committed
-results."""
+"""The README's tables are what bench/report.py and bench/probes/probe_report.py make of the
+committed results."""
 
 import pathlib
 import subprocess
@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # (README block, the script that writes it, the committed results it is made of)
 TABLES = [("performance", "report.py", "suite.json"),
-          ("unfused chain", "probe_report.py", "tiled_probe.json")]
+          ("unfused chain", "probes/probe_report.py", "tiled_probe.json")]
 
 
 @pytest.mark.parametrize("what, script, results", TABLES, ids=[t[0] for t in TABLES])
@@ -26,7 +26,7 @@ def test_readme_table_matches_committed_results(what, script, results):
 
 def test_probe_report_renders_a_probe_file(tmp_path):
     """The README block of a small probe JSON: one row per tiled result, speedups, bandwidth."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "probes"))
     import probe_report
     k = {"step": "qk", "kernel": "natten::tiled::x", "backend": "tiled", "ms": 2.0,
          "bandwidth_fraction": 0.25}

@@ -1,6 +1,6 @@
 """Device probe of the fused backward: correctness on small configs, then W2/W3 timings.
 
-Run on the GPU machine: ``PYTHONPATH=$PWD python3 bench/fused_bwd_probe.py`` (or
+Run on the GPU machine: ``python3 bench/probes/fused_bwd_probe.py`` (or
 ``... --time LABEL [--no-fwd]`` for the W2/W3 fp16 timings alone, ``--no-fwd`` leaving the
 forward out, e.g. while the forward kernel is being edited in the tree). Correctness is
 checked against a dense float64 NumPy computation written straight from SPEC section 1 (mask
@@ -11,6 +11,7 @@ Timings are medians of CUDA-event timed runs after warm-up; the last lines are a
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -18,10 +19,13 @@ import numpy
 
 import cupy
 
-from natten_cupy import _args
-from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32
-from natten_cupy._launch import add_recorder, remove_recorder
-from natten_cupy.backends import _fused_bwd
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy), bench/
+
+from natten_cupy import _args  # noqa: E402
+from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32  # noqa: E402
+from natten_cupy._launch import add_recorder, remove_recorder  # noqa: E402
+from natten_cupy.backends import _fused_bwd  # noqa: E402
 
 
 def axis_mask(L, k, s, d, causal):

@@ -1,7 +1,7 @@
 """Drive Nsight Compute over the unfused chain's kernels (one call of each, after warm-up).
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section WarpStateStats --section SchedulerStats python bench/ncu_unfused.py [W2] [fp16]
+        --section WarpStateStats --section SchedulerStats python bench/probes/ncu_unfused.py [W2] [fp16]
 
 Only the calls between cudaProfilerStart/Stop are profiled: qk, softmax, av, av_backward,
 softmax_backward, qk_backward on the tiled backend.
@@ -10,8 +10,8 @@ softmax_backward, qk_backward on the tiled backend.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy), bench/
 
 import cupy  # noqa: E402
 

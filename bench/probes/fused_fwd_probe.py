@@ -1,10 +1,10 @@
 """Device probe of the fused tensor-core forward: compile, check, time, in one call.
 
-    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py warm     # compile every instantiation (parallel)
-    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py check [i n]  # tests' cases (i-th of n parts)
-    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py time     # BENCH.md workloads, ms and TFLOP/s
-    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py small    # one small case (for compute-sanitizer)
-    PYTHONPATH=$PWD python3 bench/fused_fwd_probe.py split    # W2 over window sizes: fixed vs per-iteration cost
+    python3 bench/probes/fused_fwd_probe.py warm     # compile every instantiation (parallel)
+    python3 bench/probes/fused_fwd_probe.py check [i n]  # tests' cases (i-th of n parts)
+    python3 bench/probes/fused_fwd_probe.py time     # BENCH.md workloads, ms and TFLOP/s
+    python3 bench/probes/fused_fwd_probe.py small    # one small case (for compute-sanitizer)
+    python3 bench/probes/fused_fwd_probe.py split    # W2 over window sizes: fixed vs per-iteration cost
 
 Timings: CUDA events around each launch after two warm-up runs, median of 15; inputs are
 fresh standard-normal arrays (never zeros). FLOPs are BENCH.md's useful FLOPs, 4 B N H K D.
@@ -18,7 +18,9 @@ import time
 
 import numpy
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT, BENCH]   # natten_cupy, bench/
 
 # FlexAttention forward ms on the H200 (BENCH.md, best token order).
 FLEX = {("W2", "float16"): 18.9, ("W2", "bfloat16"): 18.9, ("W2", "float32"): 71.6,
@@ -84,8 +86,7 @@ def warm():
 
 def check(part=0, parts=1):
     import cupy as cp
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_gpu_fused_fwd as t
     worst = {}
     cases = [(c, "canonical") for c in t.CASES]
@@ -254,8 +255,7 @@ def split():
 def small():
     import cupy as cp
     cp.cuda.set_allocator(None)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_gpu_fused_fwd as t
     rng = numpy.random.default_rng(7)
     print(t.check_case(((13, 11), (5, 4), (1, 2), (2, 1), (False, True), 1, 32, t.F16, None), rng))

@@ -13,18 +13,23 @@ machine nearly idle (load average about 1-2):
 (load average 5-10) the same run took 128 s / 513 s wall for 47 s / 207 s of CPU.
 
 Usage (from the repository root):
-    PYTHONPATH=. python bench/reference_w2.py [--extent 1024] [--kernel 9] [--heads 8] [--dim 32]
+    python bench/probes/reference_w2.py [--extent 1024] [--kernel 9] [--heads 8] [--dim 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
+import sys
 import time
 
 import numpy
 
-import natten_cupy
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy), bench/
+
+import natten_cupy  # noqa: E402
 
 
 def peak_rss_gib():

@@ -1,8 +1,8 @@
-"""README table of the unfused chain (tiled next to naive) from bench/tiled_probe.py's JSON.
+"""README table of the unfused chain (tiled next to naive) from bench/probes/tiled_probe.py's JSON.
 
 The block lies between ``<!-- unfused-table:start -->`` and ``<!-- unfused-table:end -->``.
 
-    python bench/probe_report.py [bench/results/tiled_probe.json] [--check] [--readme README.md]
+    python bench/probes/probe_report.py [bench/results/tiled_probe.json] [--check] [--readme README.md]
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_JSON = os.path.join(HERE, "results", "tiled_probe.json")
-DEFAULT_README = os.path.join(os.path.dirname(HERE), "README.md")
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(BENCH, "results", "tiled_probe.json")
+DEFAULT_README = os.path.join(os.path.dirname(BENCH), "README.md")
 START, END = "<!-- unfused-table:start -->", "<!-- unfused-table:end -->"
 DTYPE = {("float16", False): "fp16", ("bfloat16", False): "bf16", ("float32", False): "fp32",
          ("float32", True): "tf32"}
@@ -64,7 +64,7 @@ def kernel_table(data, workload="W2", dtype=("float16", False)):
 
 def block(data):
     head = (f"Measured on {data['device']} (commit {data.get('commit') or '?'}) by "
-            "`bench/tiled_probe.py`: the chain qk -> softmax -> av and its backward, medians "
+            "`bench/probes/tiled_probe.py`: the chain qk -> softmax -> av and its backward, medians "
             "of CUDA-event timings, tiled and naive side by side in one run.")
     parts = [head, "", chain_table(data)]
     kt = kernel_table(data)
@@ -97,7 +97,7 @@ def main(argv=None):
     ok = update_readme(data, args.readme, check=args.check)
     if args.check and not ok:
         print(f"{args.readme}: unfused table differs from {args.json}; run "
-              f"python bench/probe_report.py {args.json}", file=sys.stderr)
+              f"python bench/probes/probe_report.py {args.json}", file=sys.stderr)
         return 1
     print(block(data))
     return 0

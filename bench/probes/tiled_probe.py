@@ -6,7 +6,7 @@ the bytes it must move (its operands read once, its result written once) and the
 the copy bandwidth (BENCH.md: 4.28 TB/s) that is. Also the whole chain, forward and
 forward+backward, per backend side by side (CUDA events, medians), and its speedup over naive.
 
-    python bench/tiled_probe.py --out probe.json [--workloads W2,W3] [--dtypes fp16,fp32,tf32]
+    python bench/probes/tiled_probe.py --out probe.json [--workloads W2,W3] [--dtypes fp16,fp32,tf32]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy), bench/
 
 import cupy  # noqa: E402
 
