@@ -152,6 +152,9 @@ def test_torch_layer_eager_equals_custom_op(rng, case, dtype):
     _fast.clear()
     eager = [_layer_grads(lambda q, k, v: fn(q, k, v, kernel, **opts), q, k, v, d_out)
              for _ in range(2)]
+    # one lambda code object serves every parametrization: without a reset dynamo hits its
+    # recompile limit after 8 of them (fullgraph=True then fails instead of running eager)
+    torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: fn(q, k, v, kernel, **opts), fullgraph=True)
     want = _layer_grads(compiled, q, k, v, d_out)
     for run in eager:
@@ -347,6 +350,7 @@ def test_torch_unfused_eager_equals_compiled(rng, dtype, with_rpb):
     assert _fast.entries() >= 2
     # aot_eager: the graph's torch ops (the softmax between qk and av) run as in eager, so
     # every natten_cupy output must match bit for bit; inductor fuses the softmax its own way.
+    torch._dynamo.reset()   # chain's code object is shared by the parametrizations
     want = grads(torch.compile(chain, fullgraph=True, backend="aot_eager"))
     for run in eager:
         for i, (g, w) in enumerate(zip(run, want)):
