@@ -3,9 +3,9 @@
 * ``event_ms(fn)``: median over ``reps`` of the time of ``inner`` back-to-back calls divided by
   ``inner``, by CUDA events on the current stream. Host work between launches counts when the
   GPU waits for it, so this is what a user sees of an eager call.
-* ``event_times(fn, reps)``: the ``reps`` single-call times themselves (no warm-up), their
-  events recorded back to back and read after one synchronize: for a caller that sizes its
-  repetitions and takes its own medians and spreads (``suite.py``).
+* ``event_times(fn, reps)``: the ``reps`` single-call times themselves (no warm-up unless
+  asked), their events recorded back to back and read after one synchronize: for a caller
+  that takes its own medians and spreads (``suite.py`` sizes its repetitions from them).
 * ``graph_ms(fn)``: ``fn`` captured once in a torch CUDA graph, replays timed the same way:
   the kernels alone, without host overhead.
 * ``wall_us(fn)``: host wall time per call over ``calls`` calls and one final synchronize,
@@ -65,9 +65,12 @@ def sync():
     _clock().sync()
 
 
-def event_times(fn, reps=1):
-    """Milliseconds of each of ``reps`` calls of ``fn`` (no warm-up), one synchronize."""
+def event_times(fn, reps=1, *, warmup=0):
+    """Milliseconds of each of ``reps`` calls of ``fn`` after ``warmup`` calls, one
+    synchronize."""
     clock = _clock()
+    for _ in range(warmup):
+        fn()
     pairs = [(clock.event(), clock.event()) for _ in range(reps)]
     for start, stop in pairs:
         start.record()

@@ -18,7 +18,7 @@ from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
            "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "CEILINGS", "COPY_BANDWIDTH",
-           "BACKWARD_FLOP_FACTOR", "dtype_spec"]
+           "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,7 @@ WORKLOADS = {w.id: w for w in (
     # self-attention (SPEC section 1), so it sets our fused kernel against dense SDPA at the
     # shape of BENCH.md's "dense self-attention" line.
     Workload("SA", (16384,), (16384,), 16, 64, "window = whole sequence: dense self-attention"),
+    Workload("SA128", (16384,), (16384,), 16, 128, "dense self-attention at head dim 128"),
     # Tiny problems for smoke tests of the suite itself (``--device cpu``), never in defaults.
     Workload("T2", (16, 16), (5, 5), 2, 16, "smoke test", stride=(1, 2), dilation=(1, 2)),
     Workload("T3", (4, 8, 8), (3, 3, 3), 2, 16, "smoke test", causal=(True, False, False)),
@@ -131,6 +132,11 @@ def dtype_spec(dtype):
     return dict(spec, key=dtype)
 
 
+def dtype_key(name, tf32=False):
+    """The ``DTYPES`` key of a NumPy dtype name ("float32" with ``tf32`` is "tf32")."""
+    return next(k for k, s in DTYPES.items() if s["name"] == name and s["tf32"] == bool(tf32))
+
+
 # BENCH.md "Peer: PyTorch FlexAttention", ms as (forward, forward+backward); None where
 # BENCH.md gives no figure.
 PUBLISHED_PEERS = {
@@ -149,7 +155,7 @@ PUBLISHED_PEERS = {
                      "sdpa_masked": (9.76, 34.4)},
     ("W1", "fp32"): {"flex_tiled": (23.1, 203.6)},
     # BENCH.md dense self-attention, fp16, N = 16384, 16 heads, head dim 64.
-    ("SA", "fp16"): {"sdpa": (2.47, 8.73)},
+    ("SA", "fp16"): {"sdpa": (2.47, 8.73)}, ("SA128", "fp16"): {"sdpa": (3.63, 13.98)},
     # BENCH.md: FlexAttention on the M set (eager, row-major order, create_block_mask,
     # torch.compile'd flex_attention).
     ("M1", "fp16"): {"flex_eager": (1.28, 4.69)}, ("M2", "fp16"): {"flex_eager": (1.31, 3.67)},
@@ -158,6 +164,15 @@ PUBLISHED_PEERS = {
     ("M7", "bf16"): {"flex_eager": (1.50, 5.17)}, ("M1", "fp32"): {"flex_eager": (4.08, 45.7)},
     ("M4", "fp32"): {"flex_eager": (95.4, 760.0)},
 }
+
+def best_published(workload, dtype, backward=False):
+    """The fastest published peer's ms, forward (or forward+backward), and its name; (None,
+    None) where BENCH.md gives no figure."""
+    figures = [(ms[1 if backward else 0], name)
+               for name, ms in PUBLISHED_PEERS.get((workload, dtype), {}).items()
+               if ms[1 if backward else 0] is not None]
+    return min(figures) if figures else (None, None)
+
 
 # BENCH.md "Floors" for W2 and W3, ms as (forward, backward). Note: its exact-fp32 row matches
 # a 67 TFLOP/s ceiling (the H200 datasheet), not the 51 TFLOP/s matmul it measured; the

@@ -3,13 +3,15 @@
 Run on the GPU machine: ``python3 bench/probes/fused_bwd_probe.py`` (or
 ``... --time LABEL [--no-fwd]`` for the W2/W3 fp16 timings alone, ``--no-fwd`` leaving the
 forward out, e.g. while the forward kernel is being edited in the tree). Correctness is
-checked against a dense float64 NumPy computation written straight from SPEC section 1 (mask
-per axis, outer product over axes), on fresh random inputs with NaN-poisoned gradients.
-Timings are medians of CUDA-event timed runs after warm-up; the last lines are a short table.
+checked against the tests' dense float64 oracle (``tests/oracle.py``, written from the
+window rules with plain loops), on fresh random inputs with NaN-poisoned gradients.
+Workloads are ``bench/workloads.py``'s; timings are ``bench/timing.py``'s CUDA-event medians
+after warm-up; the last lines are a short table.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -20,53 +22,16 @@ import numpy
 import cupy
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy), bench/
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT, BENCH, os.path.join(ROOT, "tests")]   # natten_cupy, bench/, the oracle
 
+import oracle  # noqa: E402
+import workloads as wl  # noqa: E402
 from natten_cupy import _args  # noqa: E402
-from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32  # noqa: E402
+from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32, canonical_dtype  # noqa: E402
 from natten_cupy._launch import add_recorder, remove_recorder  # noqa: E402
 from natten_cupy.backends import _fused_bwd  # noqa: E402
-
-
-def axis_mask(L, k, s, d, causal):
-    """[L, L] bool: query i sees key j (SPEC section 1, full-axis coordinates)."""
-    m = numpy.zeros((L, L), bool)
-    for i in range(L):
-        g, ig = i % d, i // d
-        lg = -(-(L - g) // d)
-        if causal:
-            lead = min((ig // s) * s + s - 1, lg - 1)
-            a, e = max(lead - k + 1, 0), ig + 1
-        else:
-            lead = min((ig // s) * s + s // 2, lg - 1)
-            a = min(max(lead - k // 2, 0), lg - k)
-            e = a + k
-        for jg in range(a, e):
-            m[i, g + d * jg] = True
-    return m
-
-
-def dense_mask(spatial, ks, st, dl, ca):
-    m = numpy.ones((1, 1), bool)
-    for a in range(len(spatial)):
-        m = numpy.kron(m, axis_mask(spatial[a], ks[a], st[a], dl[a], ca[a]))
-    return m
-
-
-def reference(q, k, v, d_o, mask, scale):
-    """float64 forward (out, lse) and backward (dq, dk, dv); arrays [B, N, H, D]."""
-    s = numpy.einsum("bnhd,bmhd->bhnm", q, k) * scale
-    s = numpy.where(mask[None, None], s, -numpy.inf)
-    lse = numpy.log(numpy.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
-    p = numpy.exp(s - lse[..., None])
-    out = numpy.einsum("bhnm,bmhd->bnhd", p, v)
-    dp = numpy.einsum("bnhd,bmhd->bhnm", d_o, v)
-    delta = numpy.einsum("bnhd,bnhd->bhn", d_o, out)
-    ds = p * (dp - delta[..., None])
-    dq = numpy.einsum("bhnm,bmhd->bnhd", ds, k) * scale
-    dk = numpy.einsum("bhnm,bnhd->bmhd", ds, q) * scale
-    dv = numpy.einsum("bhnm,bnhd->bmhd", p, d_o)
-    return out, lse.transpose(0, 2, 1), dq, dk, dv
+from timing import event_ms, sync  # noqa: E402
 
 
 # (rank, spatial, kernel, stride, dilation, causal, heads, head_dim, dtype, permuted input)
@@ -148,14 +113,12 @@ def check(cfg, rng):
     shape = (B,) + sp + (H, D)
     q, k, v, d_o = (rng.standard_normal(shape).astype(dt).astype(numpy.float64)
                     for _ in range(4))
-    N = math.prod(sp)
-    flat = lambda x: x.reshape(B, N, H, D)
     scale = D ** -0.5
-    mask = dense_mask(sp, ks, st, dl, ca)
-    out, lse, dq, dk, dv = reference(flat(q), flat(k), flat(v), flat(d_o), mask, scale)
+    out, lse = oracle.fused_forward(q, k, v, ks, st, dl, ca, scale)
+    dq, dk, dv = oracle.fused_backward(d_o, q, k, v, ks, st, dl, ca, scale)
     qd, kd, vd, dod = (to_dev(x, dt, perm) for x in (q, k, v, d_o))
-    od = to_dev(out.reshape(shape), dt, perm)
-    lsed = cupy.asarray(lse.reshape(shape[:-1]).astype(numpy.float32))
+    od = to_dev(out, dt, perm)
+    lsed = cupy.asarray(lse.astype(numpy.float32))
     problem = make_problem(rank, shape, ks, st, dl, ca, dt)
     assert _fused_bwd.refuse(problem) is None, _fused_bwd.refuse(problem)
     got = run_backward(problem, qd, kd, vd, od, lsed, dod)
@@ -179,9 +142,12 @@ class Recorder:
         self.events.append((name, start, stop))
 
 
-def bench(name, spatial, ks, H, D, dt, reps=10, fwd=True):
-    rank = len(spatial)
-    shape = (1,) + spatial + (H, D)
+def bench(wid, dtype, reps=10, fwd=True):
+    """Time the backward (and the forward helper's kernel) on workload ``wid`` in ``dtype``
+    (a ``workloads.DTYPES`` key; "tf32" is float32 I/O)."""
+    w = wl.WORKLOADS[wid]
+    name, rank, shape, ks = f"{wid} {dtype}", w.rank, w.shape, w.kernel
+    dt = canonical_dtype(wl.dtype_spec(dtype)["name"])
     rs = cupy.random.default_rng(0)
 
     def rand16():
@@ -195,51 +161,37 @@ def bench(name, spatial, ks, H, D, dt, reps=10, fwd=True):
     q, k, v, o, d_o = (rand16() for _ in range(5))
     lse = (rs.standard_normal(shape[:-1], dtype=cupy.float32) * 0.1
            + math.log(math.prod(ks))).astype(cupy.float32)
-    problem = make_problem(rank, shape, ks, (1,) * rank, (1,) * rank, (False,) * rank, dt)
+    problem = make_problem(rank, shape, ks, w.stride, w.dilation, w.causal, dt)
     fwd_ms = float("nan")
     try:  # the forward helper's kernel, when present: real out/lse, and its time
         from natten_cupy.backends import _fused_fwd
         if fwd and _fused_fwd.refuse(problem) is None:
             view = (lambda x: x) if numpy.dtype(dt) == FLOAT32 else (lambda x: x.view(dt))
-            for i in range(4):
-                a, b = cupy.cuda.Event(), cupy.cuda.Event()
-                a.record()
-                _fused_fwd.forward(problem, view(q), view(k), view(v), view(o), lse)
-                b.record()
-                b.synchronize()
-                fwd_ms = cupy.cuda.get_elapsed_time(a, b)
+            qv, kv, vv, ov = (view(x) for x in (q, k, v, o))
+            fwd_ms = event_ms(lambda: _fused_fwd.forward(problem, qv, kv, vv, ov, lse),
+                              warmup=1, reps=3)
     except Exception as e:
         first = str(e).strip().splitlines()[:1] or [""]  # one line: tables stay readable
         print(f"  ({name}: forward not timed: {type(e).__name__}: {first[0][:200]})")
     grads = [cupy.empty_like(q) for _ in range(3)]
     t0 = time.perf_counter()
     _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
-    cupy.cuda.runtime.deviceSynchronize()
+    sync()
     first = time.perf_counter() - t0
-    for _ in range(2):
-        _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
-    times = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
-        b.record()
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b))
+    ms = event_ms(lambda: _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads),
+                  warmup=2, reps=reps)
     rec = Recorder()
     add_recorder(rec)
     _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
     remove_recorder(rec)
     cupy.cuda.runtime.deviceSynchronize()
     split = {n: cupy.cuda.get_elapsed_time(a, b) for n, a, b in rec.events}
-    ms = float(numpy.median(times))
     flops = 2.5 * problem.flops_forward()
     finite = all(all_finite(g, dt) for g in grads)
     return name, ms, flops / ms / 1e9, first, split, finite, fwd_ms
 
 
-TIMED = (("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
-         ("W3 fp16", (16, 256, 256), (3, 5, 5), 8, 32, FLOAT16))
+TIMED = (("W2", "fp16"), ("W3", "fp16"))
 
 
 def time_only(label, reps=20, fwd=True):
@@ -254,9 +206,14 @@ def time_only(label, reps=20, fwd=True):
     return 0
 
 
-def main():
-    if len(sys.argv) in (3, 4) and sys.argv[1] == "--time":
-        return time_only(sys.argv[2], fwd=sys.argv[3:] != ["--no-fwd"])
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--time", metavar="LABEL",
+                    help="only the W2/W3 fp16 timings, one table row each tagged LABEL")
+    ap.add_argument("--no-fwd", action="store_true", help="with --time: leave the forward out")
+    args = ap.parse_args(argv)
+    if args.time is not None:
+        return time_only(args.time, fwd=not args.no_fwd)
     rng = numpy.random.default_rng(int(time.time()))
     ok = True
     print("correctness (max |err| / max |ref|, float64 dense reference):", flush=True)
@@ -277,17 +234,12 @@ def main():
               f"c{cfg[5]} D{cfg[7]} {key}{' perm' if cfg[9] else ''}: dq {errs[0]:.2e} "
               f"dk {errs[1]:.2e} dv {errs[2]:.2e} bitwise-repeat {same}", flush=True)
     rows = []
-    for spec in (("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
-                 ("W2 bf16", (1024, 1024), (9, 9), 8, 32, BFLOAT16),
-                 ("W3 fp16", (16, 256, 256), (3, 5, 5), 8, 32, FLOAT16),
-                 ("W3b fp16", (8, 128, 128), (5, 7, 7), 8, 32, FLOAT16),
-                 ("W2b fp16", (256, 256), (13, 13), 4, 128, FLOAT16),
-                 ("W1 fp16", (32768,), (2047,), 16, 64, FLOAT16),
-                 ("W2 tf32", (1024, 1024), (9, 9), 8, 32, FLOAT32)):
+    for spec in (("W2", "fp16"), ("W2", "bf16"), ("W3", "fp16"), ("W3b", "fp16"),
+                 ("W2b", "fp16"), ("W1", "fp16"), ("W2", "tf32")):
         try:
             rows.append(bench(*spec))
         except Exception as e:
-            print(f"  {spec[0]}: FAILED {type(e).__name__}: {e}", flush=True)
+            print(f"  {' '.join(spec)}: FAILED {type(e).__name__}: {e}", flush=True)
     print("\n| workload | bwd ms | TFLOP/s | delta / kv / q ms | fwd ms (other helper) | finite |")
     print("|---|---|---|---|---|---|")
     for name, ms, tf, first, split, finite, fwd_ms in rows:
@@ -297,12 +249,12 @@ def main():
     print("max rel err per dtype:", {k: f"{v:.2e}" for k, v in worst.items()})
     print("\ntile variants (checked on one small config, then timed):")
     variants = (
-        (3, ((2, 4, 8), (1, 4, 4)), ("W3 fp16", (16, 256, 256), (3, 5, 5), 8, 32, FLOAT16),
+        (3, ((2, 4, 8), (1, 4, 4)), ("W3", "fp16"),
          (3, (6, 13, 12), (3, 5, 5), (1, 2, 1), (1, 1, 2), (True, False, False), 1, 32, FLOAT16,
           False)),
-        (2, ((16, 4, 1), (4, 4, 1)), ("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
+        (2, ((16, 4, 1), (4, 4, 1)), ("W2", "fp16"),
          (2, (37, 21), (9, 5), (1, 2), (1, 2), (False, True), 1, 32, FLOAT16, False)),
-        (2, ((4, 16, 1), (4, 4, 1)), ("W2 fp16", (1024, 1024), (9, 9), 8, 32, FLOAT16),
+        (2, ((4, 16, 1), (4, 4, 1)), ("W2", "fp16"),
          (2, (37, 21), (9, 5), (1, 2), (1, 2), (False, True), 1, 32, FLOAT16, False)))
     for rank, tiles, spec, cfg in variants:
         saved = _fused_bwd.TILES[rank]
@@ -314,7 +266,7 @@ def main():
                   f"{split.get('na_bwd_fused_kv', 0):.3f}/{split.get('na_bwd_fused_q', 0):.3f} "
                   f"check errs {max(errs):.2e} repeat {same}")
         except Exception as e:
-            print(f"  {spec[0]} tile {tiles}: FAILED {type(e).__name__}: {e}")
+            print(f"  {' '.join(spec)} tile {tiles}: FAILED {type(e).__name__}: {e}")
         finally:
             _fused_bwd.TILES[rank] = saved
     print("ALL CORRECT" if ok else "SOME CHECKS FAILED")

@@ -1,18 +1,22 @@
 """Device probe of the fused tensor-core forward: compile, check, time, in one call.
 
-    python3 bench/probes/fused_fwd_probe.py warm     # compile every instantiation (parallel)
+    python3 bench/probes/fused_fwd_probe.py warm         # compile every instantiation (parallel)
     python3 bench/probes/fused_fwd_probe.py check [i n]  # tests' cases (i-th of n parts)
-    python3 bench/probes/fused_fwd_probe.py time     # BENCH.md workloads, ms and TFLOP/s
-    python3 bench/probes/fused_fwd_probe.py small    # one small case (for compute-sanitizer)
-    python3 bench/probes/fused_fwd_probe.py split    # W2 over window sizes: fixed vs per-iteration cost
+    python3 bench/probes/fused_fwd_probe.py time         # the workloads, ms and TFLOP/s
+    python3 bench/probes/fused_fwd_probe.py small        # two small cases (for compute-sanitizer)
+    python3 bench/probes/fused_fwd_probe.py split        # W2 over window sizes: fixed vs per-iteration
 
-Timings: CUDA events around each launch after two warm-up runs, median of 15; inputs are
-fresh standard-normal arrays (never zeros). FLOPs are BENCH.md's useful FLOPs, 4 B N H K D.
+Timings: ``bench/timing.py``'s CUDA events around each launch after two warm-up runs, median
+of 15; inputs are fresh standard-normal arrays (never zeros). Workloads and the peers' figures
+are ``bench/workloads.py``'s; FLOPs are its useful FLOPs, 4 B N H K D.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
+import statistics
 import sys
 import time
 
@@ -22,22 +26,16 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [ROOT, BENCH]   # natten_cupy, bench/
 
-# FlexAttention forward ms on the H200 (BENCH.md, best token order).
-FLEX = {("W2", "float16"): 18.9, ("W2", "bfloat16"): 18.9, ("W2", "float32"): 71.6,
-        ("W3", "float16"): 65.7, ("W3b", "float16"): 8.87, ("W2b", "float16"): 0.774,
-        ("W1", "float16"): 1.20}
-SDPA = {64: 2.47, 128: 3.63}   # dense SDPA forward, N 16384, 16 heads (BENCH.md)
+import workloads as wl  # noqa: E402
+from timing import event_ms, event_times  # noqa: E402
 
-# (id, spatial, kernel, heads, dim)
-WORKLOADS = {
-    "W2": ((1024, 1024), (9, 9), 8, 32),
-    "W3": ((16, 256, 256), (3, 5, 5), 8, 32),
-    "W3b": ((8, 128, 128), (5, 7, 7), 8, 32),
-    "W2b": ((256, 256), (13, 13), 4, 128),
-    "W1": ((32768,), (2047,), 16, 64),
-    "SA64": ((16384,), (16384,), 16, 64),
-    "SA128": ((16384,), (16384,), 16, 128),
-}
+
+def _peer_ms(wid, dname):
+    """The fastest published forward of a peer (FlexAttention's best token order, or dense
+    SDPA for self-attention); float32 runs as TF32 here, set against the fp32 figure."""
+    return wl.best_published(wid, wl.dtype_key(dname))[0]
+
+
 # (workload, dtype, tile: None for the default, a query box, or a TileConfig to try). Configs
 # with lines=False time the flat walk (before the line walk) side by side.
 def _runs():
@@ -51,7 +49,7 @@ def _runs():
         ("W3b", "float16", flat3), ("W3b", "float16", None),
         ("W2b", "float16", None), ("W2b", "float16", C((4, 4, 1), (2, 2, 1), 2)),
         ("W1", "float16", None), ("W1", "float16", (128,)),
-        ("SA64", "float16", None), ("SA128", "float16", None),
+        ("SA", "float16", None), ("SA128", "float16", None),
     ]
 
 
@@ -72,8 +70,9 @@ def warm():
     exprs = [e for _, e in _fused_fwd.instantiations()]
     for wid, dname, tile in _runs():
         if isinstance(tile, _fused_fwd.TileConfig):
-            spatial, _, _, dim = WORKLOADS[wid]
-            exprs.append(_fused_fwd._name(canonical_dtype(dname), len(spatial), _fused_fwd._bucket(dim), tile))
+            w = wl.WORKLOADS[wid]
+            exprs.append(_fused_fwd._name(canonical_dtype(dname), w.rank, _fused_fwd._bucket(w.dim),
+                                          tile))
     t = time.perf_counter()
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 4)) as pool:
         res = pool.map(_warm_one, exprs)
@@ -147,17 +146,17 @@ def time_all():
     fused = get_backend("fused")
     rows = []
     for wid, dname, tile in _runs():
-        spatial, kernel, heads, dim = WORKLOADS[wid]
+        w = wl.WORKLOADS[wid]
         trial = tile if isinstance(tile, _fused_fwd.TileConfig) else None
         if trial is not None:  # an untabled config: time it as the default for this shape
             tile = None
-            key = (len(spatial), _fused_fwd._bucket(dim))
+            key = (w.rank, _fused_fwd._bucket(w.dim))
             saved, _fused_fwd.DEFAULT[key] = _fused_fwd.DEFAULT[key], trial
         _fused_fwd._tiling.cache_clear()  # plans are cached per problem, not per DEFAULT
         dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
-        q, k, v = _inputs(cp, (1,) + spatial + (heads, dim), dtype)
-        prob = _args.check_fused(len(spatial), q, k, v, kernel, 1, 1, False, None, "fused",
-                                 allow_tf32=dname == "float32", tile=tile)
+        q, k, v = _inputs(cp, w.shape, dtype)
+        prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal, None,
+                                 "fused", allow_tf32=dname == "float32", tile=tile)
         why = fused.refuse("fused_forward", prob)
         out = cp.empty_like(q)
         lse = cp.empty(q.shape[:-1], cp.float32)
@@ -165,17 +164,9 @@ def time_all():
             if why:
                 raise ValueError(why)
             kname = _fused_fwd._tiling(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
-            for _ in range(2):
-                fused.fused_forward(prob, q, k, v, out, lse)
-            times = []
-            for _ in range(15):
-                a, b = cp.cuda.Event(), cp.cuda.Event()
-                a.record()
-                fused.fused_forward(prob, q, k, v, out, lse)
-                b.record()
-                b.synchronize()
-                times.append(cp.cuda.get_elapsed_time(a, b))
-            ms = float(numpy.median(times))
+            run = functools.partial(fused.fused_forward, prob, q, k, v, out, lse)
+            times = event_times(run, 15, warmup=2)
+            ms = statistics.median(times)
             spread = (max(times) - min(times)) / ms
             ok = _finite(cp, out) and _finite(cp, lse)
             rows.append((wid, dname, tile, ms,
@@ -197,25 +188,10 @@ def time_all():
             print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<30}{'-':>8}  {note}")
             continue
         tflops = r[5] / ms / 1e9
-        peer = FLEX.get((wid, dname)) or SDPA.get(WORKLOADS[wid][3] if wid.startswith("SA") else 0)
+        peer = _peer_ms(wid, dname)
         ratio = f"{peer / ms:.2f}" if peer else "-"
         print(f"{wid:<6}{dname:<9}{str(tile or 'default'):<30}{ms:8.3f}{tflops:9.1f}"
               f"{peer or 0:9.2f}{ratio:>8}  {note}")
-
-
-def _time_ms(fn, reps=15):
-    import cupy as cp
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(numpy.median(times))
 
 
 def split():
@@ -227,7 +203,8 @@ def split():
     from natten_cupy.backends import _fused_fwd, get_backend
     fused = get_backend("fused")
     C = _fused_fwd.TileConfig
-    q, k, v = _inputs(cp, (1, 1024, 1024, 8, 32), numpy.dtype(numpy.float16))
+    w = wl.WORKLOADS["W2"]
+    q, k, v = _inputs(cp, w.shape, numpy.dtype(numpy.float16))
     out = cp.empty_like(q)
     lse = cp.empty(q.shape[:-1], cp.float32)
     key = (2, 32)
@@ -241,7 +218,7 @@ def split():
             wn = [p + ks - 1 for p in cfg.patch[:2]]
             keys = wn[0] * -(-wn[1] // 8) * 8 if cfg.lines else wn[0] * wn[1]
             it = -(-keys // (16 * cfg.kb))
-            ms = _time_ms(lambda: fused.fused_forward(prob, q, k, v, out, lse))
+            ms = event_ms(lambda: fused.fused_forward(prob, q, k, v, out, lse), warmup=2)
             its.append(it)
             mss.append(ms)
             print(f"{str(cfg.patch[:2]) + (' lines' if cfg.lines else ' flat'):<16} k {ks:>2}  "
@@ -262,6 +239,23 @@ def small():
     print(t.check_case(((700,), 257, 1, 1, False, 1, 64, t.F16, None), rng))
 
 
+STEPS = {"warm": warm, "check": check, "time": time_all, "small": small, "split": split}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("step", choices=STEPS)
+    ap.add_argument("part", type=int, nargs="?", default=0, help="check: this part (from 0) ...")
+    ap.add_argument("parts", type=int, nargs="?", default=1, help="... of this many")
+    args = ap.parse_args(argv)
+    if args.step == "check":
+        check(args.part, args.parts)
+    else:
+        STEPS[args.step]()
+    return 0
+
+
 if __name__ == "__main__":
-    {"warm": warm, "check": check, "time": time_all, "small": small, "split": split}[sys.argv[1]](
-        *(int(a) for a in sys.argv[2:]))
+    sys.exit(main())

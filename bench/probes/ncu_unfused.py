@@ -7,6 +7,7 @@ Only the calls between cudaProfilerStart/Stop are profiled: qk, softmax, av, av_
 softmax_backward, qk_backward on the tiled backend.
 """
 
+import argparse
 import os
 import sys
 
@@ -18,14 +19,17 @@ import cupy  # noqa: E402
 import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
 from natten_cupy.profile import random_array  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
-
-DTYPES = {"fp16": ("float16", False), "fp32": ("float32", False), "tf32": ("float32", True)}
+from workloads import WORKLOADS, dtype_spec  # noqa: E402
 
 
-def main(argv):
-    w = WORKLOADS[argv[0] if argv else "W2"]
-    dtype, tf32 = DTYPES[argv[1] if len(argv) > 1 else "fp16"]
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workload", nargs="?", default="W2", choices=sorted(WORKLOADS))
+    ap.add_argument("dtype", nargs="?", default="fp16", choices=("fp16", "bf16", "fp32", "tf32"))
+    args = ap.parse_args(argv)
+    w = WORKLOADS[args.workload]
+    spec = dtype_spec(args.dtype)
+    dtype, tf32 = spec["name"], spec["tf32"]
     q, k, v, do = (random_array(cupy, w.shape, dtype, i) for i in range(4))
     c = dict(dilation=w.dilation, is_causal=w.causal, allow_tf32=tf32, backend="tiled")
     scale = w.dim ** -0.5
@@ -48,4 +52,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

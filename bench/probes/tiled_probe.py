@@ -27,23 +27,8 @@ import cupy  # noqa: E402
 import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
 from natten_cupy.profile import random_array  # noqa: E402
-from natten_cupy.profiler import COPY_BANDWIDTH  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
-
-DTYPES = {"fp16": ("float16", False), "bf16": ("bfloat16", False), "fp32": ("float32", False),
-          "tf32": ("float32", True)}
-
-
-def _median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b))
-    return statistics.median(times)
+from timing import event_ms  # noqa: E402
+from workloads import COPY_BANDWIDTH, WORKLOADS, dtype_spec  # noqa: E402
 
 
 def _kernels(fn, reps):
@@ -162,7 +147,8 @@ def _probe_backend(w, be, q, k, v, do, kw, scale, need, r):
         unfused_backward(w.rank, do, q, k, v, state["attn"], w.kernel, **c)
 
     fwd_bwd()
-    chain = {"fwd_ms": _median_ms(fwd, r), "fwd_bwd_ms": _median_ms(fwd_bwd, r)}
+    chain = {"fwd_ms": event_ms(fwd, warmup=0, reps=r),
+             "fwd_bwd_ms": event_ms(fwd_bwd, warmup=0, reps=r)}
     return {"kernels": rows, "chain": chain}
 
 
@@ -185,7 +171,8 @@ def main(argv=None):
     pairs = [(wid, dt) for wid in args.workloads.split(",") for dt in args.dtypes.split(",")]
     pairs += [tuple(x.split(":")) for x in args.extra.split(",") if x]
     for wid, dt in pairs:
-        dtype, tf32 = DTYPES[dt]
+        spec = dtype_spec(dt)
+        dtype, tf32 = spec["name"], spec["tf32"]
         bes = [b for b in args.backends.split(",") if not (b == "naive" and tf32)]
         variants = [(a.split("=", 1)[0].strip(), ast.literal_eval(a.split("=", 1)[1]))
                     for a in args.variants.split(";") if a.strip()]
