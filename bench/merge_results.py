@@ -7,9 +7,12 @@ keeps the first measurement that succeeded. The summary is recomputed.
 """
 
 import json
+import os
 import sys
 
-import report
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report  # noqa: E402
 
 
 def merge(paths):
