@@ -9,7 +9,7 @@ One script for one GPU call (H200), in this order, each step logged as it ends:
    forward of the Hopper part for out and lse, then the new backward on NaN-poisoned gradients,
    checked against the current fused backward (mma.sync, tested) and, dense, against torch
    SDPA's gradients; then timings (CUDA events, medians) of the new backward, the current fused
-   backward (``natten_cupy.na{n}d_backward(..., backend="fused")``) and, dense, SDPA's backward
+   backward (the mma.sync part, ``_fused_bwd.backward``) and, dense, SDPA's backward
    (``torch.autograd.grad`` on a recorded forward).
 
 Backward FLOPs = 2.5 x the forward's 4 B N H K D (K = prod(kernel_size), nominal for causal
@@ -42,6 +42,10 @@ WORKLOADS = [
     ("M5", 1, (128, 128), 16, 128, (21, 21), (False, False), ("bfloat16",)),
     ("M4", 2, (16, 40, 64), 16, 64, (5, 9, 9), (False, False, False), ("bfloat16",)),
     ("M7", 4, (12, 32, 32), 8, 64, (6, 9, 9), (True, False, False), ("bfloat16",)),
+    ("2D-D64", 2, (96, 96), 8, 64, (15, 15), (False, False), ("bfloat16",)),
+    ("2D-D64-7", 8, (56, 56), 4, 64, (7, 7), (False, False), ("float16",)),
+    ("3D-D128", 1, (16, 32, 32), 8, 128, (5, 7, 7), (False, False, False), ("bfloat16",)),
+    ("1D-D64-small", 16, (4096,), 8, 64, (255,), (False,), ("float16",)),
 ]
 
 
@@ -189,7 +193,6 @@ def _workload(wid, B, spatial, Hh, D, ks, ca, tname):
     import cupy
     import torch
     import torch.nn.functional as F
-    import natten_cupy
     from natten_cupy import _args
     from natten_cupy.backends import _fused_hopper, _fused_hopper_bwd as H
     tdt = getattr(torch, tname)
@@ -215,11 +218,15 @@ def _workload(wid, B, spatial, Hh, D, ks, ca, tname):
     rec = {"id": wid, "dtype": tname, "first_call_s": time.perf_counter() - t,
            "nan": [int(cupy.isnan(x).sum()) for x in grads],
            "workspace_bytes": int(math.prod(lse.shape)) * 4}
-    fn = getattr(natten_cupy, f"na{rank}d_backward")
-    kw = dict(is_causal=ca if rank > 1 else ca[0], backend="fused")
-    ksz = ks if rank > 1 else ks[0]
+    # the mma.sync backward part, called directly: fused.py now dispatches to the Hopper one
+    from natten_cupy.backends import _fused_bwd
     to = torch.from_dlpack
-    old = fn(to(cdo), q, k, v, to(out), to(lse), ksz, **kw)
+    mma = [cupy.empty_like(cq) for _ in range(3)]
+
+    def fn():
+        _fused_bwd.backward(prob, cq, ck, cv, out, lse, cdo, *mma)
+        return mma
+    old = [to(x).clone() for x in fn()]
     new = [to(x) for x in grads]
     rec["rel_vs_fused"] = [_rel(a, b) for a, b in zip(new, old)]
     dense = rank == 1 and K == N and not ca[0]
@@ -248,8 +255,8 @@ def _workload(wid, B, spatial, Hh, D, ks, ca, tname):
                                       dq_atomic=True))
         _rec(wid, tname, "hopper bwd (new, atomic dQ)", ms, flops)
         del agrads
-    ms = _time(lambda: fn(to(cdo), q, k, v, to(out), to(lse), ksz, **kw), reps=5, warm=1)
-    _rec(wid, tname, "fused bwd (current)", ms, flops)
+    ms = _time(fn, reps=5, warm=1)
+    _rec(wid, tname, "fused bwd (mma.sync)", ms, flops)
     if dense:
         qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
         o = F.scaled_dot_product_attention(qt, kt, vt)
