@@ -16,6 +16,10 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from report import update_blocks  # noqa: E402
+
 RESULTS = os.path.join(HERE, "results")
 DEFAULT_README = os.path.join(os.path.dirname(HERE), "README.md")
 BLOCKS = {"overhead": ("<!-- overhead-table:start -->", "<!-- overhead-table:end -->"),
@@ -82,21 +86,8 @@ def models_table(data):
 
 def update_readme(blocks, readme, check=False):
     """Replace each block's text in ``readme``; with ``check``, True if already current."""
-    with open(readme) as f:
-        text = f.read()
-    new = text
-    for name, body in blocks.items():
-        start, end = BLOCKS[name]
-        if start not in new or end not in new:
-            raise SystemExit(f"{readme} has no {start} ... {end} block")
-        head, rest = new.split(start, 1)
-        _, tail = rest.split(end, 1)
-        new = f"{head}{start}\n{body}\n{end}{tail}"
-    if check:
-        return new == text
-    with open(readme, "w") as f:
-        f.write(new)
-    return True
+    return update_blocks(readme, [(*BLOCKS[name], body) for name, body in blocks.items()],
+                         check)
 
 
 def main(argv=None):

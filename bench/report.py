@@ -224,6 +224,26 @@ def _block(data):
     return f"{START}\n{markdown_table(data)}\n{END}"
 
 
+def update_blocks(readme, blocks, check=False):
+    """Replace what lies between each ``(start, end, body)``'s markers in file ``readme`` by
+    ``body`` on lines of its own; with ``check``, change nothing and say whether every block is
+    current (the README blocks of calls_report.py and probes/probe_report.py)."""
+    with open(readme) as f:
+        text = f.read()
+    new = text
+    for start, end, body in blocks:
+        if start not in new or end not in new:
+            raise SystemExit(f"{readme} has no {start} ... {end} block")
+        head, rest = new.split(start, 1)
+        _, tail = rest.split(end, 1)
+        new = f"{head}{start}\n{body}\n{end}{tail}"
+    if check:
+        return new == text
+    with open(readme, "w") as f:
+        f.write(new)
+    return True
+
+
 def update_readme(data, readme, check=False):
     """Rewrite the marked block (or, with ``check``, say whether it is current)."""
     text = open(readme).read() if os.path.exists(readme) else ""

@@ -13,11 +13,14 @@ import os
 import sys
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+
+from report import update_blocks  # noqa: E402
+from workloads import dtype_key  # noqa: E402
+
 DEFAULT_JSON = os.path.join(BENCH, "results", "tiled_probe.json")
 DEFAULT_README = os.path.join(os.path.dirname(BENCH), "README.md")
 START, END = "<!-- unfused-table:start -->", "<!-- unfused-table:end -->"
-DTYPE = {("float16", False): "fp16", ("bfloat16", False): "bf16", ("float32", False): "fp32",
-         ("float32", True): "tf32"}
 STEPS = ("qk", "softmax", "av", "av_backward.d_attn", "av_backward.dv", "softmax_backward",
          "qk_backward.dq", "qk_backward.dk")
 
@@ -41,7 +44,7 @@ def chain_table(data):
         naive = f"{_ms(n['fwd_ms'])} / {_ms(n['fwd_bwd_ms'])}" if n else "-"
         speed = (f"{t['speedup_fwd']:.2f}x / {t['speedup_fwd_bwd']:.2f}x"
                  if "speedup_fwd" in t else "-")
-        lines.append(f"| {r['workload']} | {DTYPE[(r['dtype'], r['tf32'])]} | "
+        lines.append(f"| {r['workload']} | {dtype_key(r['dtype'], r['tf32'])} | "
                      f"{_ms(t['fwd_ms'])} / {_ms(t['fwd_bwd_ms'])} | {naive} | {speed} | "
                      f"{100 * min(bw):.0f}-{100 * max(bw):.0f}% |")
     return "\n".join(lines)
@@ -52,7 +55,7 @@ def kernel_table(data, workload="W2", dtype=("float16", False)):
               and (r["dtype"], r["tf32"]) == dtype), None)
     if r is None or "tiled" not in r["backends"]:
         return ""
-    lines = [f"Per kernel, {workload} {DTYPE[dtype]} (bytes each must move at least / time):", "",
+    lines = [f"Per kernel, {workload} {dtype_key(*dtype)} (bytes each must move at least / time):", "",
              "| step | kernel | ms | % of copy bandwidth |", "|---|---|---|---|"]
     for k in r["backends"]["tiled"]["kernels"]:
         bw = k["bandwidth_fraction"]
@@ -74,15 +77,7 @@ def block(data):
 
 
 def update_readme(data, readme, check=False):
-    with open(readme) as f:
-        text = f.read()
-    i, j = text.index(START), text.index(END)
-    new = text[:i + len(START)] + "\n" + block(data) + "\n" + text[j:]
-    if check:
-        return new == text
-    with open(readme, "w") as f:
-        f.write(new)
-    return True
+    return update_blocks(readme, [(START, END, block(data))], check)
 
 
 def main(argv=None):
