@@ -9,7 +9,7 @@ This module only dispatches; the kernels' launchers live in three parts:
 * ``_fused_hopper``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
   above 32), taken over ``_fused_fwd`` where it accepts the problem;
 * ``_fused_hopper_bwd``: backward on Hopper's warpgroup MMA (same conditions), taken over
-  ``_fused_bwd`` where it accepts the problem.
+  ``_fused_bwd`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``).
 
 Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (whichever it
 implements) and ``instantiations()``; a part with several tile configurations lists them in
@@ -61,7 +61,19 @@ def _parts_for(op, problem):
         return "_fused_fp32"
     if op == "fused_forward":
         return "_fused_hopper" if _hopper_serves(problem) else "_fused_fwd"
-    return "_fused_hopper_bwd" if _hopper_serves(problem, "_fused_hopper_bwd") else "_fused_bwd"
+    return "_fused_hopper_bwd" if _hopper_bwd_pays(problem) else "_fused_bwd"
+
+
+def _hopper_bwd_pays(problem):
+    """Whether the backward goes to the Hopper part: where it accepts the problem and was
+    measured faster than the mma.sync backward (H200, bench/hopper_bwd_probe.py): head dims
+    above 64 at every rank (16K dense 14.1 vs 64.8 ms, 2-D 21x21 2.42 vs 2.61, 3-D 5x7x7
+    1.41 vs 1.52), and at head dim 64 1-D windows from 1024 (2047: 2.92 vs 5.89 ms). At 64
+    the 128-key owner boxes waste too much of each tile on smaller windows and on 2-D/3-D
+    boxes (1-D 255: 1.23 vs 1.15, 2-D 15x15: 0.65 vs 0.57, 3-D 5x9x9: 9.6 vs 6.3)."""
+    if not _hopper_serves(problem, "_fused_hopper_bwd"):
+        return False
+    return problem.head_dim > 64 or (problem.rank == 1 and problem.kernel_size[0] >= 1024)
 
 
 def refuse(op, problem):
