@@ -12,13 +12,14 @@ machine nearly idle (load average about 1-2):
 (peak RSS counts the inputs q, k, v, d_out; backward adds out, lse, dq, dk, dv.) Under load
 (load average 5-10) the same run took 128 s / 513 s wall for 47 s / 207 s of CPU.
 
-Usage (from the repository root):
+Shapes and FLOPs are bench/workloads.py's (W2, with the options below changing it):
     python bench/probes/reference_w2.py [--extent 1024] [--kernel 9] [--heads 8] [--dim 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -30,6 +31,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy), bench/
 
 import natten_cupy  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
 
 
 def peak_rss_gib():
@@ -37,33 +39,33 @@ def peak_rss_gib():
 
 
 def main():
+    w2 = WORKLOADS["W2"]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--extent", type=int, default=1024)
-    ap.add_argument("--kernel", type=int, default=9)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--extent", type=int, default=w2.spatial[0])
+    ap.add_argument("--kernel", type=int, default=w2.kernel[0])
+    ap.add_argument("--heads", type=int, default=w2.heads)
+    ap.add_argument("--dim", type=int, default=w2.dim)
     args = ap.parse_args()
 
     L, k, H, D = args.extent, args.kernel, args.heads, args.dim
+    w = dataclasses.replace(w2, spatial=(L, L), kernel=(k, k), heads=H, dim=D)
     rng = numpy.random.default_rng(0)
-    shape = (1, L, L, H, D)
-    q, kk, v, d_out = (rng.standard_normal(shape, dtype=numpy.float32) for _ in range(4))
+    q, kk, v, d_out = (rng.standard_normal(w.shape, dtype=numpy.float32) for _ in range(4))
     base = peak_rss_gib()
-    flops = 4 * L * L * H * k * k * D
 
     print(f"W2 reference float32 {L}x{L} kernel {k}x{k} H={H} D={D}", flush=True)
     t0, c0 = time.perf_counter(), time.process_time()
     out, lse = natten_cupy.na2d(q, kk, v, k, backend="reference", return_lse=True)
     t_fwd, c_fwd = time.perf_counter() - t0, time.process_time() - c0
     print(f"forward : {t_fwd:8.1f} s wall, {c_fwd:8.1f} s CPU  "
-          f"{flops / t_fwd / 1e9:6.2f} GFLOP/s  peak RSS {peak_rss_gib():.2f} GiB "
+          f"{w.flops() / t_fwd / 1e9:6.2f} GFLOP/s  peak RSS {peak_rss_gib():.2f} GiB "
           f"(inputs {base:.2f} GiB)", flush=True)
 
     t0, c0 = time.perf_counter(), time.process_time()
     dq, dk, dv = natten_cupy.na2d_backward(d_out, q, kk, v, out, lse, k, backend="reference")
     t_bwd, c_bwd = time.perf_counter() - t0, time.process_time() - c0
     print(f"backward: {t_bwd:8.1f} s wall, {c_bwd:8.1f} s CPU  "
-          f"{2.5 * flops / t_bwd / 1e9:6.2f} GFLOP/s  peak RSS {peak_rss_gib():.2f} GiB")
+          f"{w.flops(True) / t_bwd / 1e9:6.2f} GFLOP/s  peak RSS {peak_rss_gib():.2f} GiB")
     finite = all(bool(numpy.isfinite(x).all()) for x in (out, lse, dq, dk, dv))
     print(f"all outputs finite: {finite}")
 
