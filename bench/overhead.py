@@ -71,13 +71,13 @@ def main(argv=None):
     compiled = torch.compile(lambda q, k, v: nt.na2d(q, k, v, KERNEL), fullgraph=True)
 
     ks3 = [KERNEL, KERNEL]
-    # The same forward registered one level lower (torch.library.Library + impl on CUDA, no
-    # custom_op wrapper), to measure what the custom_op layer itself costs per call.
+    # The same forward's CUDA kernel registered alone (torch.library.Library + impl on CUDA,
+    # no Autograd kernel), to measure what the op's Autograd kernel costs per call.
     lib = torch.library.Library("natten_cupy_overhead", "DEF")
     lib.define("fwd(Tensor q, Tensor k, Tensor v, int[] kernel_size, int[] stride, "
                "int[] dilation, bool[] is_causal, float? scale, str backend, bool allow_tf32, "
                "bool deterministic) -> (Tensor, Tensor)")
-    lib.impl("fwd", _torch_ops._fused_forward._init_fn, "CUDA")
+    lib.impl("fwd", _torch_ops._fused_forward_impl, "CUDA")
     x_base = torch.randn(SHAPE, device=dev, requires_grad=True)
 
     def autograd_baseline():
@@ -94,6 +94,7 @@ def main(argv=None):
         ("torch layer: forward (requires grad)", lambda: nt.na2d(*tl, KERNEL)),
         ("torch layer: forward + backward", layer_fwd_bwd),
         ("torch.compile(fullgraph): forward", lambda: compiled(*tl)),
+        ("torch.compile(fullgraph): forward + backward", lambda: compiled(*tl).backward(tdo)),
         ("array API, CuPy: forward, tile=autotune",
          lambda: natten_cupy.na2d(cq, ck, cv, KERNEL, tile="autotune")),
         ("torch custom op called directly: forward",

@@ -1,13 +1,14 @@
 """The PyTorch layer's machinery: custom ops, eager autograd functions, lse gradients.
 
-* custom ops ``torch.ops.natten_cupy.*`` (``torch.library.custom_op``): validate, select a
-  backend, let torch allocate every output, and fill it through ``natten_cupy.ops.run_*`` on
-  zero-copy NumPy (CPU) or CuPy (CUDA) views, launched on torch's current stream (or through a
-  warm call's plan, ``natten_cupy._fast``). Each op has a fake (shape-only) implementation for
-  ``torch.compile`` and, for the forward ops, an autograd formula that saves its tensors
-  through ``ctx.save_for_backward`` (so saved-tensor hooks such as
-  ``torch.autograd.graph.save_on_cpu`` apply). ``natten_cupy.torch`` calls them under
-  ``torch.compile``;
+* custom ops ``torch.ops.natten_cupy.*`` (``torch.library.Library`` definitions with Python
+  kernels; cheaper per call than ``torch.library.custom_op``, see the section below):
+  validate, select a backend, let torch allocate every output, and fill it through
+  ``natten_cupy.ops.run_*`` on zero-copy NumPy (CPU) or CuPy (CUDA) views, launched on
+  torch's current stream (or through a warm call's plan, ``natten_cupy._fast``). Each op has
+  a fake (shape-only) kernel for ``torch.compile`` and an Autograd kernel: the forward ops'
+  saves its tensors through ``ctx.save_for_backward`` (so saved-tensor hooks such as
+  ``torch.autograd.graph.save_on_cpu`` apply), the backward ops' refuses double backward.
+  ``natten_cupy.torch`` calls them under ``torch.compile`` and on CPU tensors;
 * eager autograd functions (``FusedNA``, ``QK``, ``AV``) over warm-call entries: the same
   arithmetic without the custom-op dispatch, for eager calls on CUDA tensors;
 * the gradient that flows from lse (for ``return_lse`` and ``merge_attentions``):
@@ -301,13 +302,66 @@ class FusedNA(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-# ---- custom ops (per-axis options arrive as lists) --------------------------------------
+# ---- ops torch.ops.natten_cupy.* (per-axis options arrive as lists) ---------------------
+#
+# Registered one level below ``torch.library.custom_op`` (``bench/probes/torch_dispatch.py``
+# measures both): a schema, one Python kernel for CPU and CUDA, a fake kernel, and for every
+# op a hand-written Python kernel at the Autograd key. The forward ops' Autograd kernel
+# applies an ``autograd.Function`` (``_FusedOp``, ``_QKOp``, ``_AVOp``) whose forward runs the
+# device kernel directly below autograd; the backward ops' refuses double backward. This
+# skips what custom_op adds to every call (its generated autograd wrapper: a metadata object,
+# default filling and a keyset redispatch; the device kernel's dynamo-disable wrapper and
+# output-aliasing check), in eager calls and in the graphs torch.compile runs alike.
 
-@torch.library.custom_op("natten_cupy::na_fused_forward", mutates_args=())
-def _fused_forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
-                   stride: list[int], dilation: list[int], is_causal: list[bool],
-                   scale: Optional[float], backend: str, allow_tf32: bool,
-                   deterministic: bool, lse_grad: bool = False) -> tuple[Tensor, Tensor]:
+_LIB = torch.library.Library("natten_cupy", "FRAGMENT")
+_BELOW = torch._C._AutoDispatchBelowAutograd
+_grad_enabled = torch.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_OPTIONS3 = ("SymInt[] kernel_size, SymInt[] dilation, bool[] is_causal, str backend, "
+             "bool allow_tf32")
+_SCHEMAS = {
+    "na_fused_forward": "(Tensor q, Tensor k, Tensor v, SymInt[] kernel_size, SymInt[] stride, "
+                        "SymInt[] dilation, bool[] is_causal, float? scale, str backend, "
+                        "bool allow_tf32, bool deterministic, bool lse_grad=False) "
+                        "-> (Tensor, Tensor)",
+    "na_fused_backward": "(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+                         "Tensor lse, SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, "
+                         "bool[] is_causal, float? scale, str backend, bool allow_tf32, "
+                         "bool deterministic) -> (Tensor, Tensor, Tensor)",
+    "na_qk": f"(Tensor q, Tensor k, Tensor? rpb, {_OPTIONS3}) -> Tensor",
+    "na_qk_backward": f"(Tensor d_attn, Tensor q, Tensor k, bool with_rpb, {_OPTIONS3}) "
+                      "-> (Tensor, Tensor, Tensor)",
+    "na_av": f"(Tensor attn, Tensor v, {_OPTIONS3}) -> Tensor",
+    "na_av_backward": f"(Tensor d_out, Tensor attn, Tensor v, {_OPTIONS3}) -> (Tensor, Tensor)",
+}
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema, tags=(torch.Tag.pt2_compliant_tag,))
+del _name, _schema
+
+
+def _impl(name):
+    """Register the decorated function as op ``name``'s kernel on CPU and CUDA tensors."""
+    def register(fn):
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(name, fn, key)
+        return fn
+    return register
+
+
+def _fake(name):
+    """Register the decorated function as op ``name``'s fake (shape-only) kernel."""
+    return torch.library.register_fake(f"natten_cupy::{name}", lib=_LIB)
+
+
+def _op(name):
+    return getattr(torch.ops.natten_cupy, name).default
+
+
+@_impl("na_fused_forward")
+def _fused_forward_impl(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
+                        stride: list[int], dilation: list[int], is_causal: list[bool],
+                        scale: Optional[float], backend: str, allow_tf32: bool,
+                        deterministic: bool, lse_grad: bool = False) -> tuple[Tensor, Tensor]:
     """(out, lse); with ``lse_grad`` the autograd formula takes lse's gradient too (else lse
     is not differentiable, so compiled graphs carry no lse gradient they do not need)."""
     options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
@@ -324,17 +378,18 @@ def _fused_forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
     return out, lse
 
 
-@_fused_forward.register_fake
+@_fake("na_fused_forward")
 def _(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
       deterministic, lse_grad=False):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype))
 
 
-@torch.library.custom_op("natten_cupy::na_fused_backward", mutates_args=())
-def _fused_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    kernel_size: list[int], stride: list[int], dilation: list[int],
-                    is_causal: list[bool], scale: Optional[float], backend: str,
-                    allow_tf32: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+@_impl("na_fused_backward")
+def _fused_backward_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                         lse: Tensor, kernel_size: list[int], stride: list[int],
+                         dilation: list[int], is_causal: list[bool], scale: Optional[float],
+                         backend: str, allow_tf32: bool,
+                         deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
                allow_tf32, deterministic)
     tensors = (d_out, q, k, v, out, lse)
@@ -349,38 +404,96 @@ def _fused_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return tuple(grads)
 
 
-@_fused_backward.register_fake
+@_fake("na_fused_backward")
 def _(d_out, q, k, v, out, lse, *options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _fused_setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = options[:8]   # lse_grad aside
-    ctx.n_options = len(options)
-    if not (len(options) > 8 and options[8]):
-        ctx.mark_non_differentiable(lse)
-    ctx.set_materialize_grads(False)
+def _refuse_double_backward(name):
+    """The Autograd kernel of backward op ``name``: runs it, and where its inputs require
+    grad (a gradient taken with ``create_graph=True``) gives its outputs a grad_fn that
+    raises when differentiated."""
+    op = _op(name)
+
+    class Refused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            with _BELOW():
+                return op(*args)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(f"natten_cupy.{name} has no derivative: double backward (a "
+                               "gradient of a gradient) through neighborhood attention is not "
+                               "supported")
+
+    def autograd_kernel(*args):
+        if _grad_enabled() and _any_requires_grad(*args):
+            return Refused.apply(*args)
+        with _BELOW():
+            return op(*args)
+
+    _LIB.impl(name, autograd_kernel, "Autograd")
 
 
-def _fused_grad(ctx, d_out, d_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    opts = ctx.options
-    dq, dk, dv = fused_grads(q, k, v, out, lse, d_out, d_lse,
-                             lambda q, k, v: _fused_forward(q, k, v, *opts),
-                             lambda *t: _fused_backward(*t, *opts),
-                             _softmax_scale(q, opts[4]))
-    return (dq, dk, dv) + (None,) * ctx.n_options
+def _backward_ops_call(backward_fn, args):
+    """Call a backward op from an autograd formula: below autograd in a plain backward, through
+    its Autograd kernel (the double-backward refusal) when the graph of the gradient is kept."""
+    if _grad_enabled():
+        return backward_fn(*args)
+    with _BELOW():
+        return backward_fn(*args)
 
 
-_fused_forward.register_autograd(_fused_grad, setup_context=_fused_setup_context)
+class _FusedOp(torch.autograd.Function):
+    """Autograd of ``na_fused_forward`` (its Autograd kernel applies it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options, lse_grad):
+        with _BELOW():
+            out, lse = _fused_forward(q, k, v, *options, lse_grad)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        opts = ctx.options
+        if d_lse is None and d_out is not None:   # the common case: out's gradient alone
+            dq, dk, dv = _backward_ops_call(_fused_backward, (d_out, q, k, v, out, lse, *opts))
+        else:
+            dq, dk, dv = fused_grads(
+                q, k, v, out, lse, d_out, d_lse,
+                lambda q, k, v: _backward_ops_call(_fused_forward, (q, k, v, *opts)),
+                lambda *t: _backward_ops_call(_fused_backward, (*t, *opts)),
+                _softmax_scale(q, opts[4]))
+        return dq, dk, dv, None, None
 
 
-@torch.library.custom_op("natten_cupy::na_qk", mutates_args=())
-def _qk(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int],
-        dilation: list[int], is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
+def _fused_forward_autograd(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
+                            allow_tf32, deterministic, lse_grad=False):
+    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+               deterministic)
+    if _grad_enabled() and _any_requires_grad(q, k, v):
+        return _FusedOp.apply(q, k, v, options, lse_grad)
+    with _BELOW():
+        return _fused_forward(q, k, v, *options, lse_grad)
+
+
+_fused_forward = _op("na_fused_forward")
+_fused_backward = _op("na_fused_backward")
+_LIB.impl("na_fused_forward", _fused_forward_autograd, "Autograd")
+_refuse_double_backward("na_fused_backward")
+
+
+@_impl("na_qk")
+def _qk_impl(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int],
+             dilation: list[int], is_causal: list[bool], backend: str,
+             allow_tf32: bool) -> Tensor:
     problem = _args.check_qk(len(kernel_size), q, k, kernel_size, dilation, is_causal, rpb,
                              backend, allow_tf32)
     _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
@@ -391,15 +504,15 @@ def _qk(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int],
     return attn
 
 
-@_qk.register_fake
+@_fake("na_qk")
 def _(q, k, rpb, kernel_size, *options):
     return q.new_empty(q.shape[:-1] + (math.prod(kernel_size),))
 
 
-@torch.library.custom_op("natten_cupy::na_qk_backward", mutates_args=())
-def _qk_backward(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
-                 kernel_size: list[int], dilation: list[int], is_causal: list[bool],
-                 backend: str, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+@_impl("na_qk_backward")
+def _qk_backward_impl(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
+                      kernel_size: list[int], dilation: list[int], is_causal: list[bool],
+                      backend: str, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, d_rpb); d_rpb is an empty tensor of shape (0,) unless ``with_rpb``."""
     problem = _args.check_qk_backward(len(kernel_size), d_attn, q, k, kernel_size, dilation,
                                       is_causal, None, backend, allow_tf32)
@@ -418,32 +531,50 @@ def _qk_backward(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
     return dq, dk, d_rpb.to(q.dtype)
 
 
-@_qk_backward.register_fake
+@_fake("na_qk_backward")
 def _(d_attn, q, k, with_rpb, kernel_size, *options):
     heads = q.shape[-2]
     d_rpb_shape = _rpb_shape(heads, kernel_size) if with_rpb else (0,)
     return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(d_rpb_shape)
 
 
-def _qk_setup_context(ctx, inputs, output):
-    q, k, rpb, *options = inputs
-    ctx.save_for_backward(q, k)
-    ctx.with_rpb = rpb is not None
-    ctx.options = options
+class _QKOp(torch.autograd.Function):
+    """Autograd of ``na_qk`` (its Autograd kernel applies it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, rpb, options):
+        with _BELOW():
+            attn = _qk(q, k, rpb, *options)
+        ctx.save_for_backward(q, k)
+        ctx.with_rpb = rpb is not None
+        ctx.options = options
+        return attn
+
+    @staticmethod
+    def backward(ctx, d_attn):
+        q, k = ctx.saved_tensors
+        dq, dk, d_rpb = _backward_ops_call(_qk_backward,
+                                           (d_attn, q, k, ctx.with_rpb, *ctx.options))
+        return dq, dk, d_rpb if ctx.with_rpb else None, None
 
 
-def _qk_grad(ctx, d_attn):
-    q, k = ctx.saved_tensors
-    dq, dk, d_rpb = _qk_backward(d_attn, q, k, ctx.with_rpb, *ctx.options)
-    return (dq, dk, d_rpb if ctx.with_rpb else None) + (None,) * len(ctx.options)
+def _qk_autograd(q, k, rpb, kernel_size, dilation, is_causal, backend, allow_tf32):
+    options = (kernel_size, dilation, is_causal, backend, allow_tf32)
+    if _grad_enabled() and _any_requires_grad(q, k, rpb):
+        return _QKOp.apply(q, k, rpb, options)
+    with _BELOW():
+        return _qk(q, k, rpb, *options)
 
 
-_qk.register_autograd(_qk_grad, setup_context=_qk_setup_context)
+_qk = _op("na_qk")
+_qk_backward = _op("na_qk_backward")
+_LIB.impl("na_qk", _qk_autograd, "Autograd")
+_refuse_double_backward("na_qk_backward")
 
 
-@torch.library.custom_op("natten_cupy::na_av", mutates_args=())
-def _av(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int],
-        is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
+@_impl("na_av")
+def _av_impl(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int],
+             is_causal: list[bool], backend: str, allow_tf32: bool) -> Tensor:
     problem = _args.check_av(len(kernel_size), attn, v, kernel_size, dilation, is_causal,
                              backend, allow_tf32)
     _check_tensors([("attn", attn), ("v", v)])
@@ -454,15 +585,15 @@ def _av(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int],
     return out
 
 
-@_av.register_fake
+@_fake("na_av")
 def _(attn, v, *options):
     return v.new_empty(v.shape)
 
 
-@torch.library.custom_op("natten_cupy::na_av_backward", mutates_args=())
-def _av_backward(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[int],
-                 dilation: list[int], is_causal: list[bool], backend: str,
-                 allow_tf32: bool) -> tuple[Tensor, Tensor]:
+@_impl("na_av_backward")
+def _av_backward_impl(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[int],
+                      dilation: list[int], is_causal: list[bool], backend: str,
+                      allow_tf32: bool) -> tuple[Tensor, Tensor]:
     problem = _args.check_av_backward(len(kernel_size), d_out, attn, v, kernel_size, dilation,
                                       is_causal, backend, allow_tf32)
     _check_tensors([("d_out", d_out), ("attn", attn), ("v", v)])
@@ -474,23 +605,40 @@ def _av_backward(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[int],
     return d_attn, dv
 
 
-@_av_backward.register_fake
+@_fake("na_av_backward")
 def _(d_out, attn, v, *options):
     return attn.new_empty(attn.shape), v.new_empty(v.shape)
 
 
-def _av_setup_context(ctx, inputs, output):
-    attn, v, *options = inputs
-    ctx.save_for_backward(attn, v)
-    ctx.options = options
+class _AVOp(torch.autograd.Function):
+    """Autograd of ``na_av`` (its Autograd kernel applies it)."""
+
+    @staticmethod
+    def forward(ctx, attn, v, options):
+        with _BELOW():
+            out = _av(attn, v, *options)
+        ctx.save_for_backward(attn, v)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        attn, v = ctx.saved_tensors
+        d_attn, dv = _backward_ops_call(_av_backward, (d_out, attn, v, *ctx.options))
+        return d_attn, dv, None
 
 
-def _av_grad(ctx, d_out):
-    attn, v = ctx.saved_tensors
-    d_attn, dv = _av_backward(d_out, attn, v, *ctx.options)
-    return (d_attn, dv) + (None,) * len(ctx.options)
+def _av_autograd(attn, v, kernel_size, dilation, is_causal, backend, allow_tf32):
+    options = (kernel_size, dilation, is_causal, backend, allow_tf32)
+    if _grad_enabled() and _any_requires_grad(attn, v):
+        return _AVOp.apply(attn, v, options)
+    with _BELOW():
+        return _av(attn, v, *options)
 
 
-_av.register_autograd(_av_grad, setup_context=_av_setup_context)
+_av = _op("na_av")
+_av_backward = _op("na_av_backward")
+_LIB.impl("na_av", _av_autograd, "Autograd")
+_refuse_double_backward("na_av_backward")
 
 
