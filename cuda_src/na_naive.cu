@@ -42,6 +42,11 @@ __device__ __forceinline__ i64 num_rows(const NAParams& p) {
   return p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
 }
 
+// Rows of the key/value side (k, v, dk, dv): kv_heads per token (grouped-query attention).
+__device__ __forceinline__ i64 num_kv_rows(const NAParams& p) {
+  return p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.kv_heads;
+}
+
 // One row of a [B, *spatial, H, last] tensor: batch, token coordinates (inert axes 0), head.
 struct Row {
   i64 b;
@@ -49,12 +54,13 @@ struct Row {
   int h;
 };
 
-// Row of flattened index r over (batch, axis0, axis1, axis2, head), head fastest.
+// Row of flattened index r over (batch, axis0, axis1, axis2, head), head fastest, for a
+// tensor of `heads` heads (p.heads: the query side; p.kv_heads: k, v and their gradients).
 template <int RANK>
-__device__ __forceinline__ Row row_of(const NAParams& p, i64 r) {
+__device__ __forceinline__ Row row_of(const NAParams& p, i64 r, i64 heads) {
   Row row;
-  row.h = (int)(r % p.heads);
-  r /= p.heads;
+  row.h = (int)(r % heads);
+  r /= heads;
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
     if (a < RANK) {
@@ -68,9 +74,28 @@ __device__ __forceinline__ Row row_of(const NAParams& p, i64 r) {
   return row;
 }
 
+template <int RANK>
+__device__ __forceinline__ Row row_of(const NAParams& p, i64 r) {
+  return row_of<RANK>(p, r, p.heads);
+}
+
 // Offset of element e of the row at token y (batch and head taken from row).
 __device__ __forceinline__ i64 at(const i64* st, const Row& row, const int y[3], i64 e) {
   return offset6(st, row.b, y[0], y[1], y[2], row.h, e);
+}
+
+// The key/value-side row that query row `row` reads: kv head h / heads_per_kv.
+__device__ __forceinline__ Row kv_row(const NAParams& p, const Row& row) {
+  Row r = row;
+  r.h = (int)(row.h / p.heads_per_kv);
+  return r;
+}
+
+// Query row g (0 .. heads_per_kv - 1) of the group that reads kv row `row`.
+__device__ __forceinline__ Row group_row(const NAParams& p, const Row& row, int g) {
+  Row r = row;
+  r.h = (int)(row.h * p.heads_per_kv + g);
+  return r;
 }
 
 // Forward window of a query, per axis: slot t holds key coordinate first + step * t, and
@@ -169,7 +194,8 @@ __device__ __forceinline__ typename Acc<T>::type dot(const T* a, i64 sa, const T
 // ---- unfused building blocks ------------------------------------------------------------
 
 // out[row, t] = <a[row], b[key in slot t]> (+ rpb[h, offset of that key]) for every slot t;
-// `empty` at slots outside a causal window. One thread per output element.
+// `empty` at slots outside a causal window; b is key/value-side (kv head of the row's head).
+// One thread per output element.
 template <typename T, int RANK>
 __device__ __forceinline__ void window_dots(const NAParams& p, const T* a, const i64* sa,
                                             const T* b, const i64* sb, const T* rpb, T* out,
@@ -193,7 +219,8 @@ __device__ __forceinline__ void window_dots(const NAParams& p, const T* a, const
       int y[3];
 #pragma unroll
       for (int ax = 0; ax < 3; ++ax) y[ax] = w.first[ax] + w.step[ax] * ts[ax];
-      value = dot(a + at(sa, row, row.x, 0), sa[5], b + at(sb, row, y, 0), sb[5], p.head_dim);
+      value = dot(a + at(sa, row, row.x, 0), sa[5], b + at(sb, kv_row(p, row), y, 0), sb[5],
+                  p.head_dim);
       if (rpb != nullptr) {
         // Same dilation group, so (y - x) / step is the exact in-group offset j' - i'.
         i64 r = row.h * p.rpb[0];
@@ -208,7 +235,8 @@ __device__ __forceinline__ void window_dots(const NAParams& p, const T* a, const
 }
 
 // out[row, e] = sum over valid slots t of weights[row, t] * src[key in slot t, e]: av and the
-// dq of qk. One thread per output element; empty slots are never read.
+// dq of qk (src key/value-side: v, k). One thread per output element; empty slots are never
+// read.
 template <typename T, int RANK>
 __device__ __forceinline__ void window_weighted_sum(const NAParams& p, const T* weights,
                                                     const i64* sw, const T* src, const i64* ss,
@@ -221,9 +249,10 @@ __device__ __forceinline__ void window_weighted_sum(const NAParams& p, const T* 
     const Row row = row_of<RANK>(p, idx / D);
     const Window w = window_of<RANK>(p, row.x);
     const T* wrow = weights + at(sw, row, row.x, 0);
+    const Row kv = kv_row(p, row);
     A acc = 0;
     for_each_key(w, [&](const int (&y)[3], i64 t) {
-      acc += to_float(wrow[t * sw[5]]) * to_float(src[at(ss, row, y, e)]);
+      acc += to_float(wrow[t * sw[5]]) * to_float(src[at(ss, kv, y, e)]);
     });
     out[at(so, row, row.x, e)] = store_as<T>(acc);
   }
@@ -231,32 +260,36 @@ __device__ __forceinline__ void window_weighted_sum(const NAParams& p, const T* 
 
 // out[key, e] = sum over queries i whose window holds the key of
 // weights[i, slot of key in i's window] * src[i, e]: the dk of qk and the dv of av.
-// One thread per output element, looping over the inverse window.
+// One thread per output element of the key/value side, looping over the inverse window and
+// over the query heads of the kv head's group (in order: deterministic, no atomics).
 template <typename T, int RANK>
 __device__ __forceinline__ void inverse_weighted_sum(const NAParams& p, const T* weights,
                                                      const i64* sw, const T* src, const i64* ss,
                                                      T* out, const i64* so) {
   typedef typename Acc<T>::type A;
   const i64 D = p.head_dim;
-  const i64 total = num_rows(p) * D;
+  const i64 total = num_kv_rows(p) * D;
   const int k1 = (int)p.kernel[1], k2 = (int)p.kernel[2];
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
     const i64 e = idx % D;
-    const Row row = row_of<RANK>(p, idx / D);
+    const Row row = row_of<RANK>(p, idx / D, p.kv_heads);
     const InverseWindow iw = inverse_window_of<RANK>(p, row.x);
     A acc = 0;
     int x[3];
-    for (int i0 = iw.lo[0]; i0 < iw.hi[0]; ++i0) {
-      x[0] = iw.group[0] + iw.step[0] * i0;
-      const int s0 = slot_in_window<RANK>(p, iw, 0, i0);
-      for (int i1 = iw.lo[1]; i1 < iw.hi[1]; ++i1) {
-        x[1] = iw.group[1] + iw.step[1] * i1;
-        const int s1 = slot_in_window<RANK>(p, iw, 1, i1);
-        for (int i2 = iw.lo[2]; i2 < iw.hi[2]; ++i2) {
-          x[2] = iw.group[2] + iw.step[2] * i2;
-          const int s2 = slot_in_window<RANK>(p, iw, 2, i2);
-          const i64 t = ((i64)s0 * k1 + s1) * k2 + s2;
-          acc += to_float(weights[at(sw, row, x, t)]) * to_float(src[at(ss, row, x, e)]);
+    for (int g = 0; g < (int)p.heads_per_kv; ++g) {
+      const Row qrow = group_row(p, row, g);
+      for (int i0 = iw.lo[0]; i0 < iw.hi[0]; ++i0) {
+        x[0] = iw.group[0] + iw.step[0] * i0;
+        const int s0 = slot_in_window<RANK>(p, iw, 0, i0);
+        for (int i1 = iw.lo[1]; i1 < iw.hi[1]; ++i1) {
+          x[1] = iw.group[1] + iw.step[1] * i1;
+          const int s1 = slot_in_window<RANK>(p, iw, 1, i1);
+          for (int i2 = iw.lo[2]; i2 < iw.hi[2]; ++i2) {
+            x[2] = iw.group[2] + iw.step[2] * i2;
+            const int s2 = slot_in_window<RANK>(p, iw, 2, i2);
+            const i64 t = ((i64)s0 * k1 + s1) * k2 + s2;
+            acc += to_float(weights[at(sw, qrow, x, t)]) * to_float(src[at(ss, qrow, x, e)]);
+          }
         }
       }
     }
@@ -395,16 +428,17 @@ __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
     const int e0 = c * kChunk;
     const int n = min(kChunk, (int)(p.head_dim - e0));
     const T* q_row = q + at(p.q, row, row.x, 0);
+    const Row kv = kv_row(p, row);
     A m = negative_infinity<A>(), l = 0, acc[kChunk];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc[j] = 0;
     for_each_key(w, [&](const int (&y)[3], i64) {
-      const A s = dot(q_row, p.q[5], k + at(p.k, row, y, 0), p.k[5], p.head_dim) * scale_log2;
+      const A s = dot(q_row, p.q[5], k + at(p.k, kv, y, 0), p.k[5], p.head_dim) * scale_log2;
       const A m_new = max_of(m, s);
       const A correction = exp2_of(m - m_new);  // 0 on the first key (m = -inf)
       const A prob = exp2_of(s - m_new);
       l = l * correction + prob;
-      const T* v_row = v + at(p.v, row, y, e0);
+      const T* v_row = v + at(p.v, kv, y, e0);
 #pragma unroll
       for (int j = 0; j < kChunk; ++j)
         if (j < n) acc[j] = acc[j] * correction + prob * to_float(v_row[j * p.v[5]]);
@@ -453,15 +487,16 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
     const T* do_row = d_out + at(p.d_o, row, row.x, 0);
     const A lse_log2 = lse[at(p.lse, row, row.x, 0)] * (A)kLog2e;
     const A delta_i = delta[at(p.delta, row, row.x, 0)];
+    const Row kv = kv_row(p, row);
     A acc[kChunk];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc[j] = 0;
     for_each_key(w, [&](const int (&y)[3], i64) {
-      const T* k_row = k + at(p.k, row, y, 0);
+      const T* k_row = k + at(p.k, kv, y, 0);
       const A prob =
           exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 - lse_log2);
       const A d_score =
-          prob * (dot(do_row, p.d_o[5], v + at(p.v, row, y, 0), p.v[5], p.head_dim) - delta_i);
+          prob * (dot(do_row, p.d_o[5], v + at(p.v, kv, y, 0), p.v[5], p.head_dim) - delta_i);
       const T* k_chunk = k_row + e0 * p.k[5];
 #pragma unroll
       for (int j = 0; j < kChunk; ++j)
@@ -475,7 +510,8 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
 }
 
 // dk_j = scale * sum_i dS_ij q_i and dv_j = sum_i P_ij d_out_i over the inverse window of
-// key j (P and dS recomputed as in na_bwd_dq_naive). One thread per (key row, chunk).
+// key j and the query heads of its kv head's group (P and dS recomputed as in
+// na_bwd_dq_naive). One thread per (key row, chunk), rows over the kv heads.
 template <typename T, int RANK>
 __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d_out,
                                   const typename Acc<T>::type* lse,
@@ -484,11 +520,11 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
   const int chunks = num_chunks<kChunk>(p);
-  const i64 total = num_rows(p) * chunks;
+  const i64 total = num_kv_rows(p) * chunks;
   const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
     const int c = (int)(idx % chunks);
-    const Row row = row_of<RANK>(p, idx / chunks);
+    const Row row = row_of<RANK>(p, idx / chunks, p.kv_heads);
     const InverseWindow iw = inverse_window_of<RANK>(p, row.x);
     const int e0 = c * kChunk;
     const int n = min(kChunk, (int)(p.head_dim - e0));
@@ -498,25 +534,28 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc_k[j] = acc_v[j] = 0;
     int x[3];
-    for (int i0 = iw.lo[0]; i0 < iw.hi[0]; ++i0) {
-      x[0] = iw.group[0] + iw.step[0] * i0;
-      for (int i1 = iw.lo[1]; i1 < iw.hi[1]; ++i1) {
-        x[1] = iw.group[1] + iw.step[1] * i1;
-        for (int i2 = iw.lo[2]; i2 < iw.hi[2]; ++i2) {
-          x[2] = iw.group[2] + iw.step[2] * i2;
-          const T* q_row = q + at(p.q, row, x, 0);
-          const T* do_row = d_out + at(p.d_o, row, x, 0);
-          const A prob = exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 -
-                                 lse[at(p.lse, row, x, 0)] * (A)kLog2e);
-          const A d_score = prob * (dot(do_row, p.d_o[5], v_row, p.v[5], p.head_dim) -
-                                    delta[at(p.delta, row, x, 0)]);
-          const T* q_chunk = q_row + e0 * p.q[5];
-          const T* do_chunk = do_row + e0 * p.d_o[5];
+    for (int g = 0; g < (int)p.heads_per_kv; ++g) {
+      const Row qr = group_row(p, row, g);
+      for (int i0 = iw.lo[0]; i0 < iw.hi[0]; ++i0) {
+        x[0] = iw.group[0] + iw.step[0] * i0;
+        for (int i1 = iw.lo[1]; i1 < iw.hi[1]; ++i1) {
+          x[1] = iw.group[1] + iw.step[1] * i1;
+          for (int i2 = iw.lo[2]; i2 < iw.hi[2]; ++i2) {
+            x[2] = iw.group[2] + iw.step[2] * i2;
+            const T* q_row = q + at(p.q, qr, x, 0);
+            const T* do_row = d_out + at(p.d_o, qr, x, 0);
+            const A prob = exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 -
+                                   lse[at(p.lse, qr, x, 0)] * (A)kLog2e);
+            const A d_score = prob * (dot(do_row, p.d_o[5], v_row, p.v[5], p.head_dim) -
+                                      delta[at(p.delta, qr, x, 0)]);
+            const T* q_chunk = q_row + e0 * p.q[5];
+            const T* do_chunk = do_row + e0 * p.d_o[5];
 #pragma unroll
-          for (int j = 0; j < kChunk; ++j) {
-            if (j < n) {
-              acc_k[j] += d_score * to_float(q_chunk[j * p.q[5]]);
-              acc_v[j] += prob * to_float(do_chunk[j * p.d_o[5]]);
+            for (int j = 0; j < kChunk; ++j) {
+              if (j < n) {
+                acc_k[j] += d_score * to_float(q_chunk[j * p.q[5]]);
+                acc_v[j] += prob * to_float(do_chunk[j * p.d_o[5]]);
+              }
             }
           }
         }

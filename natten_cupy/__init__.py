@@ -28,32 +28,39 @@ _UNFUSED_OPTIONS = """
 
 _FUSED_DOC = """{n}-D fused neighborhood attention (no attention matrix in memory).
 
-    q, k, v: ``[B, {axes}, H, D]``. Returns ``out`` (same shape and dtype as q) and, with
-    ``return_lse=True``, also ``lse`` ``[B, {axes}, H]`` (float32; float64 for float64
+    q: ``[B, {axes}, H, D]``; k, v: ``[B, {axes}, H_kv, D]`` with H_kv dividing H
+    (grouped-query attention: query head h reads kv head ``h // (H // H_kv)``; H_kv = H is
+    plain multi-head, H_kv = 1 multi-query). Returns ``out`` (same shape and dtype as q) and,
+    with ``return_lse=True``, also ``lse`` ``[B, {axes}, H]`` (float32; float64 for float64
     inputs).
     """ + _FUSED_OPTIONS
 
 _FUSED_BWD_DOC = """Backward of na{n}d: returns (dq, dk, dv) from d_out, q, k, v, out, lse.
 
-    Pass the forward's options again.
+    Pass the forward's options again. dk, dv have k's and v's H_kv heads: each sums the
+    gradients of its group of query heads.
     """ + _FUSED_OPTIONS
 
 _QK_DOC = """{n}-D unfused attention logits: ``[B, {axes}, H, K]``, K = prod(kernel_size).
 
     Slot t (row-major over kernel offsets) holds ``scale``-free ``<q_i, k_j> + rpb`` for the
     t-th key of the window; slots outside a causal window hold -inf. ``rpb``:
-    ``[H, 2k_0-1, ...]`` relative positional bias.
+    ``[H, 2k_0-1, ...]`` relative positional bias. k may have H_kv heads dividing q's H
+    (grouped-query attention, as in na{n}d).
     """ + _UNFUSED_OPTIONS
 
 _AV_DOC = """{n}-D unfused attention-weighted values: ``out_i = sum_t attn[i, t] v_{{j(i, t)}}``.
 
-    Slots outside a causal window are ignored.
+    Slots outside a causal window are ignored. attn: ``[B, {axes}, H, K]``; v may have H_kv
+    heads dividing H (grouped-query attention); out is ``[B, {axes}, H, D]``.
     """ + _UNFUSED_OPTIONS
 
-_QKB_DOC = """Backward of na{n}d_qk: (dq, dk), or (dq, dk, d_rpb) when ``rpb`` is given.
+_QKB_DOC = """Backward of na{n}d_qk: (dq, dk), or (dq, dk, d_rpb) when ``rpb`` is given;
+    dk has k's heads (summed over each kv head's query group).
     """ + _UNFUSED_OPTIONS
 
-_AVB_DOC = """Backward of na{n}d_av: (d_attn, dv).
+_AVB_DOC = """Backward of na{n}d_av: (d_attn, dv); dv has v's heads (summed over each
+    kv head's query group).
     """ + _UNFUSED_OPTIONS
 
 _AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}

@@ -41,6 +41,22 @@ class NAProblem:
     allow_tf32: bool = False
     deterministic: bool = False
     tile: tuple | str | None = None   # a CTA query box, "autotune", or None (default)
+    # Heads of k and v (grouped-query / multi-query attention): query head h reads kv head
+    # h // heads_per_kv. None (the default) means as many as the queries.
+    kv_heads: int | None = None
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+
+    @property
+    def heads_per_kv(self):
+        """Query heads that share one kv head (1 without GQA; 1 for an empty problem)."""
+        return self.heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def is_gqa(self):
+        return self.kv_heads != self.heads
 
     @property
     def num_neighbors(self):
@@ -184,7 +200,7 @@ def _check_options(backend, tile):
 
 
 def _make(rank, ref, kernel_size, stride, dilation, is_causal, scale, allow_tf32=False,
-          deterministic=False, tile=None):
+          deterministic=False, tile=None, kv_heads=None):
     spatial, heads, head_dim, ks, st, dl, ca = _geometry(
         rank, ref.shape, kernel_size, stride, dilation, is_causal)
     if head_dim == 0:
@@ -193,28 +209,69 @@ def _make(rank, ref, kernel_size, stride, dilation, is_causal, scale, allow_tf32
         rank=rank, batch=int(ref.shape[0]), spatial=spatial, heads=heads, head_dim=head_dim,
         kernel_size=ks, stride=st, dilation=dl, is_causal=ca,
         scale=_check_scale(scale, head_dim), dtype=canonical_dtype(ref.dtype),
-        allow_tf32=bool(allow_tf32), deterministic=bool(deterministic), tile=tile)
+        allow_tf32=bool(allow_tf32), deterministic=bool(deterministic), tile=tile,
+        kv_heads=heads if kv_heads is None else int(kv_heads))
 
 
-def _check_inputs(rank, named):
-    """Type, rank, dtype and shape agreement of the (name, array) pairs; first one leads."""
+def _check_types(named):
+    """Every (name, array) pair is an array of a supported dtype (TypeErrors first)."""
     for name, x in named:
         _check_array(name, x)
     for name, x in named:
         _check_dtype(name, x)
+
+
+def _check_inputs(rank, named, kv=()):
+    """Type, rank, dtype and shape agreement of the (name, array) pairs; the first one leads.
+    ``kv``: key/value-side pairs, checked by ``_check_kv`` against the leader. Returns H_kv
+    (the leader's heads when ``kv`` is empty)."""
+    _check_types(list(named) + list(kv))
     (ref_name, ref), rest = named[0], named[1:]
     _check_rank(ref_name, ref, rank)
     for name, x in rest:
         _check_same(name, x, ref_name, ref)
+    return _check_kv(rank, ref_name, ref, kv) if kv else int(ref.shape[1 + rank])
+
+
+def _check_kv(rank, ref_name, ref, named):
+    """Key/value-side arrays (k, v, or v alone) against the query-side ``ref``: same dtype,
+    batch, extents and head dim, one head count H_kv among them that divides ref's H
+    (grouped-query attention; H_kv = H is plain multi-head). Returns H_kv."""
+    kv_heads, first = None, None
+    for name, x in named:
+        _check_rank(name, x, rank)
+        h = int(x.shape[1 + rank])
+        if tuple(x.shape) != tuple(ref.shape[:1 + rank]) + (h, ref.shape[-1]):
+            raise ValueError(
+                f"{name} shape {_shape_text(x.shape)} does not match {ref_name} shape "
+                f"{_shape_text(ref.shape)}: it must be {_layout_text(rank, 'D')} with "
+                f"{ref_name}'s batch, extents and head dim (H may be fewer heads, H_kv)")
+        if canonical_dtype(x.dtype) != canonical_dtype(ref.dtype):
+            raise ValueError(f"{name} dtype {x.dtype} does not match {ref_name} dtype "
+                             f"{ref.dtype}")
+        if kv_heads is None:
+            kv_heads, first = h, name
+        elif h != kv_heads:
+            raise ValueError(f"{name} has {h} heads but {first} has {kv_heads}: keys and "
+                             "values need the same number of heads H_kv")
+    heads = int(ref.shape[1 + rank])
+    if heads == 0 and kv_heads:   # zero heads is an empty call only when both sides are
+        raise ValueError(f"{first} has H_kv = {kv_heads} heads but {ref_name} has none: with "
+                         "zero query heads, keys and values need zero heads too")
+    if (kv_heads == 0 and heads != 0) or (kv_heads and heads % kv_heads):
+        raise ValueError(f"{first} has H_kv = {kv_heads} heads, which does not divide "
+                         f"{ref_name}'s H = {heads} heads (grouped-query attention needs "
+                         "H % H_kv == 0)")
+    return kv_heads
 
 
 def check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
                 allow_tf32=False, deterministic=False, tile=None):
     """Validate a fused forward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
-    _check_inputs(rank, [("q", q), ("k", k), ("v", v)])
+    kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)])
     return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
-                 deterministic, tile)
+                 deterministic, tile, kv)
 
 
 def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
@@ -222,7 +279,8 @@ def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, di
                          tile=None):
     """Validate a fused backward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
-    _check_inputs(rank, [("q", q), ("k", k), ("v", v), ("out", out), ("d_out", d_out)])
+    kv = _check_inputs(rank, [("q", q), ("out", out), ("d_out", d_out)],
+                       kv=[("k", k), ("v", v)])
     _check_array("lse", lse)
     want = tuple(q.shape[:-1])
     if tuple(lse.shape) != want:
@@ -234,7 +292,7 @@ def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, di
     if lse_dtype != want_dtype:
         raise ValueError(f"lse dtype must be {want_dtype} for {q.dtype} inputs, got {lse.dtype}")
     return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
-                 deterministic, tile)
+                 deterministic, tile, kv)
 
 
 def _check_attn(name, attn, rank, q_like, num_neighbors):
@@ -258,26 +316,41 @@ def _check_rpb(rpb, problem, name="rpb"):
 
 def check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32=False):
     tile = _check_options(backend, None)
-    _check_inputs(rank, [("q", q), ("k", k)])
-    p = _make(rank, q, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32, False, tile)
+    kv = _check_inputs(rank, [("q", q)], kv=[("k", k)])
+    p = _make(rank, q, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32, False, tile, kv)
     if rpb is not None:
         _check_rpb(rpb, p)
     return p
 
 
+class _Shaped:
+    """Shape and dtype of an array that the call does not pass (av's output)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
 def check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32=False):
     _check_options(backend, None)
-    _check_inputs(rank, [("v", v)])
-    p = _make(rank, v, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32)
-    _check_attn("attn", attn, rank, v, p.num_neighbors)
+    _check_types([("attn", attn), ("v", v)])
+    _check_rank("attn", attn, rank, last="K")
+    _check_rank("v", v, rank)
+    if tuple(attn.shape[:1 + rank]) != tuple(v.shape[:1 + rank]):
+        raise ValueError(f"attn shape {_shape_text(attn.shape)} does not match v shape "
+                         f"{_shape_text(v.shape)} in batch and extents")
+    # The output: attn's batch, extents and heads, v's head dim.
+    out = _Shaped(tuple(attn.shape[:-1]) + (v.shape[-1],), attn.dtype)
+    kv = _check_kv(rank, "attn", out, [("v", v)])
+    p = _make(rank, out, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32, kv_heads=kv)
+    _check_attn("attn", attn, rank, out, p.num_neighbors)
     return p
 
 
 def check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal, rpb, backend,
                       allow_tf32=False):
     _check_options(backend, None)
-    _check_inputs(rank, [("q", q), ("k", k)])
-    p = _make(rank, q, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32)
+    kv = _check_inputs(rank, [("q", q)], kv=[("k", k)])
+    p = _make(rank, q, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32, kv_heads=kv)
     _check_attn("d_attn", d_attn, rank, q, p.num_neighbors)
     if rpb is not None:
         _check_rpb(rpb, p)
@@ -287,7 +360,7 @@ def check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal, rpb,
 def check_av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend,
                       allow_tf32=False):
     _check_options(backend, None)
-    _check_inputs(rank, [("v", v), ("d_out", d_out)])
-    p = _make(rank, v, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32)
-    _check_attn("attn", attn, rank, v, p.num_neighbors)
+    kv = _check_inputs(rank, [("d_out", d_out)], kv=[("v", v)])
+    p = _make(rank, d_out, kernel_size, 1, dilation, is_causal, 1.0, allow_tf32, kv_heads=kv)
+    _check_attn("attn", attn, rank, d_out, p.num_neighbors)
     return p

@@ -326,7 +326,7 @@ def av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32):
                 (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
                 lambda: _args.check_av(rank, attn, v, kernel_size, dilation, is_causal,
                                        backend, allow_tf32),
-                lambda p: [_same(v)])
+                lambda p: [(tuple(attn.shape[:-1]) + (v.shape[-1],), p.dtype)])
     return None if res is None else res[0]
 
 
@@ -375,4 +375,6 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
 
 def run_torch_call(e, tensors):
     """``run_torch`` on the entry's device."""
+    if _ONE_GPU and _ONE_GPU[0]:   # one GPU: it is the current device (no query)
+        return run_torch(e, tensors)
     return _run("torch", e, tensors)

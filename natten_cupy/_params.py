@@ -21,7 +21,8 @@ TENSOR_FIELDS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv",
 
 PARAMS_DTYPE = numpy.dtype(
     [(name, _I64, (3,)) for name in ("extent", "kernel", "stride", "dilation", "causal")]
-    + [(name, _I64) for name in ("batch", "heads", "head_dim", "num_neighbors")]
+    + [(name, _I64) for name in ("batch", "heads", "head_dim", "num_neighbors", "kv_heads",
+                                 "heads_per_kv")]
     + [(name, _I64, (6,)) for name in TENSOR_FIELDS]
     + [("scale", numpy.float32), ("pad_", numpy.float32), ("scale_f64", numpy.float64)],
     align=True)
@@ -72,6 +73,8 @@ def make_params(problem, **tensors):
     p["heads"] = problem.heads
     p["head_dim"] = problem.head_dim
     p["num_neighbors"] = problem.num_neighbors
+    p["kv_heads"] = problem.kv_heads
+    p["heads_per_kv"] = problem.heads_per_kv
     p["scale"] = numpy.float32(problem.scale)
     p["scale_f64"] = numpy.float64(problem.scale)
     for name, x in tensors.items():

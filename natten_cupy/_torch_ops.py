@@ -170,7 +170,7 @@ _UNFUSED_CHECKS = {
     "av_backward": _args.check_av_backward}
 _UNFUSED_OUTPUTS = {
     "qk": lambda p, q, k, rpb: [(tuple(q.shape[:-1]) + (p.num_neighbors,), p.dtype)],
-    "av": lambda p, attn, v: [_like(v)],
+    "av": lambda p, attn, v: [(tuple(attn.shape[:-1]) + (v.shape[-1],), p.dtype)],
     "qk_backward": lambda p, d_attn, q, k: [_like(q), _like(k)],
     "av_backward": lambda p, d_out, attn, v: [_like(attn), _like(v)]}
 
@@ -295,10 +295,13 @@ class FusedNA(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
         opts = ctx.options
-        dq, dk, dv = fused_grads(
-            q, k, v, out, lse, d_out, d_lse,
-            lambda q, k, v: _fused_no_grad(q, k, v, opts),
-            lambda *t: _fused_backward_no_grad(t, opts), _softmax_scale(q, opts[5]))
+        if d_lse is None and d_out is not None:   # the common case: out's gradient alone
+            dq, dk, dv = _fused_backward_no_grad((d_out, q, k, v, out, lse), opts)
+        else:
+            dq, dk, dv = fused_grads(
+                q, k, v, out, lse, d_out, d_lse,
+                lambda q, k, v: _fused_no_grad(q, k, v, opts),
+                lambda *t: _fused_backward_no_grad(t, opts), _softmax_scale(q, opts[5]))
         return dq, dk, dv, None, None
 
 
@@ -579,7 +582,8 @@ def _av_impl(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int
                              backend, allow_tf32)
     _check_tensors([("attn", attn), ("v", v)])
     be = ops.select_backend("av", problem, _xp(v.device), backend)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # attn's heads (H), v's head dim: v may have fewer heads (H_kv, grouped-query attention)
+    out = torch.empty(attn.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
     with _on_torch_stream(v.device):
         ops.run_av(problem, be, *map(_view, (attn, v, out)))
     return out
@@ -587,7 +591,7 @@ def _av_impl(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int
 
 @_fake("na_av")
 def _(attn, v, *options):
-    return v.new_empty(v.shape)
+    return v.new_empty(attn.shape[:-1] + v.shape[-1:])
 
 
 @_impl("na_av_backward")

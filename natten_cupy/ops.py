@@ -133,7 +133,7 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
     xp = ins.xp
     with ins.on_device():
         do_a, qa, ka, va, oa, la = ins.arrays
-        grads = [_empty(xp, qa.shape, qa.dtype) for _ in range(3)]
+        grads = [_empty(xp, x.shape, qa.dtype) for x in (qa, ka, va)]  # dk, dv: H_kv heads
         run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads)
     return tuple(ins.give_back(g) for g in grads)
 
@@ -167,7 +167,7 @@ def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto
     ins = Inputs.gather(named)
     with ins.on_device():
         aa, va = ins.arrays
-        out = _empty(ins.xp, va.shape, va.dtype)
+        out = _empty(ins.xp, tuple(aa.shape[:-1]) + (va.shape[-1],), va.dtype)  # H, not H_kv
         run_av(problem, be, aa, va, out)
     return ins.give_back(out)
 

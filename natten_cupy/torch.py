@@ -78,14 +78,17 @@ def merge_attentions(outputs, lse_tensors):
 
 
 def _additional_attention(q, keys, values, scale):
-    """(out, lse) of every query attending to the same T extra tokens ``[B, T, H, D]``
-    (dense, in torch ops; chunked over the queries to bound the score memory)."""
+    """(out, lse) of every query attending to the same T extra tokens ``[B, T, H_kv, D]``
+    (dense, in torch ops; chunked over the queries to bound the score memory). H_kv divides
+    q's H (grouped-query attention: query head h reads extra head h // (H / H_kv))."""
     for name, x in (("additional_keys", keys), ("additional_values", values)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
-        if x.ndim != 4 or x.shape[0] != q.shape[0] or x.shape[2] != q.shape[-2]:
-            raise ValueError(f"{name} must be [B, T, H, D] with q's batch {q.shape[0]} and "
-                             f"heads {q.shape[-2]}, got shape {tuple(x.shape)}")
+        if (x.ndim != 4 or x.shape[0] != q.shape[0]
+                or (x.shape[2] == 0 and q.shape[-2]) or (x.shape[2] and q.shape[-2] % x.shape[2])):
+            raise ValueError(f"{name} must be [B, T, H_kv, D] with q's batch {q.shape[0]} and "
+                             f"H_kv dividing q's heads {q.shape[-2]}, got shape "
+                             f"{tuple(x.shape)}")
         if x.dtype != q.dtype or x.device != q.device:
             raise ValueError(f"{name} is {x.dtype} on {x.device}; q is {q.dtype} on {q.device}")
     if keys.shape[:3] != values.shape[:3] or keys.shape[3] != q.shape[-1]:
@@ -93,6 +96,8 @@ def _additional_attention(q, keys, values, scale):
                          f"{tuple(values.shape)} must agree on [B, T, H], and the keys' head "
                          f"dim must be q's ({q.shape[-1]})")
     B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
+    if keys.shape[2] and keys.shape[2] != H:   # GQA: each extra head serves its query group
+        keys, values = (x.repeat_interleave(H // keys.shape[2], dim=2) for x in (keys, values))
     s = D ** -0.5 if scale is None else float(scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     flat = q.reshape(B, -1, H, D)

@@ -80,6 +80,7 @@ class Case:
     heads: int = 3
     permuted: bool = False   # [B, H, *spatial, D] buffers viewed as [B, *spatial, H, D]
     tf32: bool = False
+    kv_heads: int | None = None   # heads of k, v (grouped-query attention); None: heads
 
     @property
     def id(self):
@@ -88,7 +89,13 @@ class Case:
         return (f"{self.kind}-{self.rank}d-{self.dtype}{'-tf32' if self.tf32 else ''}"
                 f"-L{axes(self.spatial)}-k{axes(self.kernel)}-s{axes(self.stride)}"
                 f"-d{axes(self.dilation)}-c{axes(self.causal)}-D{self.head_dim}"
-                f"-B{self.batch}H{self.heads}{'-perm' if self.permuted else ''}")
+                f"-B{self.batch}H{self.heads}"
+                f"{'' if self.kv_heads is None else f'kv{self.kv_heads}'}"
+                f"{'-perm' if self.permuted else ''}")
+
+    @property
+    def h_kv(self):
+        return self.heads if self.kv_heads is None else self.kv_heads
 
     @property
     def np_dtype(self):
@@ -138,6 +145,35 @@ def make_cases():
     return cases
 
 
+# Grouped-query attention: (query heads, kv heads). 8/2 is GQA, 4/1 MQA, 6/3 two per group.
+GQA_HEADS = ((8, 2), (4, 1), (6, 3))
+
+
+def gqa_cases():
+    """GQA/MQA cases: every kind x rank x dtype once, rotating geometries, head dims, head
+    splits (GQA_HEADS) and permuted layouts; float32 also with TF32 once per rank. Batch 1
+    keeps the emulator's runs short (8 heads)."""
+    cases = []
+    n = 0
+    for kind in KINDS:
+        for rank in (1, 2, 3):
+            geoms = GEOMETRIES[rank] if kind == "fused" else GEOMETRIES[rank][:4]
+            for di, dtype in enumerate(list(DTYPES) + ["float32"]):
+                spatial, kernel, stride, dilation, causal = geoms[(n + di) % len(geoms)]
+                if kind != "fused":
+                    stride = (1,) * rank
+                heads, kv_heads = GQA_HEADS[n % len(GQA_HEADS)]
+                tf32 = di == len(DTYPES)
+                cases.append(Case(kind, rank, dtype, spatial, kernel, stride, dilation, causal,
+                                  32 if tf32 else HEAD_DIMS[n % len(HEAD_DIMS)], batch=1,
+                                  heads=heads, kv_heads=kv_heads, permuted=n % 3 == 1,
+                                  tf32=tf32))
+                n += 1
+    if QUICK:
+        cases = cases[::4]
+    return cases
+
+
 # ---- arrays -----------------------------------------------------------------------------
 
 def _rng(case):
@@ -164,6 +200,7 @@ def make_inputs(case):
     rng = _rng(case)
     dt = case.np_dtype
     full = (case.batch,) + case.spatial + (case.heads, case.head_dim)
+    kv = (case.batch,) + case.spatial + (case.h_kv, case.head_dim)   # k, v: H_kv heads
     weights = (case.batch,) + case.spatial + (case.heads, math.prod(case.kernel))
 
     def normal(shape, scale=1.0):
@@ -175,17 +212,17 @@ def make_inputs(case):
 
     x = {}
     if case.fused:
-        x["q"], x["k"], x["v"], x["d_out"] = (normal(full) for _ in range(4))
+        x["q"], x["k"], x["v"], x["d_out"] = (normal(s) for s in (full, kv, kv, full))
     elif case.kind.startswith("qk_backward"):
         x["d_attn"] = with_empty_nan(normal(weights))
-        x["q"], x["k"] = normal(full), normal(full)
+        x["q"], x["k"] = normal(full), normal(kv)
     elif case.kind.startswith("qk"):
-        x["q"], x["k"] = normal(full), normal(full)
+        x["q"], x["k"] = normal(full), normal(kv)
     elif case.kind == "av":
         x["attn"] = with_empty_nan(normal(weights, 0.5))
-        x["v"] = normal(full)
+        x["v"] = normal(kv)
     else:  # av_backward
-        x["d_out"], x["v"] = normal(full), normal(full)
+        x["d_out"], x["v"] = normal(full), normal(kv)
         x["attn"] = with_empty_nan(normal(weights, 0.5))
     if case.rpb:
         x["rpb"] = normal((case.heads,) + tuple(2 * k - 1 for k in case.kernel))
@@ -293,6 +330,7 @@ def run(case, backend, x, xp):
     dt = x["q"].dtype if "q" in x else x["v"].dtype
     acc = accumulator_dtype(dt)
     full = (case.batch,) + case.spatial + (case.heads, case.head_dim)
+    kv = (case.batch,) + case.spatial + (case.h_kv, case.head_dim)
     rows = full[:-1]
     weights = rows + (math.prod(case.kernel),)
 
@@ -304,11 +342,11 @@ def run(case, backend, x, xp):
         y["out"], y["lse"] = out(full), out(rows, acc)
         ops.run_fused_forward(probs["fused_forward"], backend, x["q"], x["k"], x["v"],
                               y["out"], y["lse"])
-        y["dq"], y["dk"], y["dv"] = out(full), out(full), out(full)
+        y["dq"], y["dk"], y["dv"] = out(full), out(kv), out(kv)
         ops.run_fused_backward(probs["fused_backward"], backend, x["d_out"], x["q"], x["k"],
                                x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"])
     elif case.kind.startswith("qk_backward"):
-        y["dq"], y["dk"] = out(full), out(full)
+        y["dq"], y["dk"] = out(full), out(kv)
         y["d_rpb"] = None
         if case.rpb:
             y["d_rpb"] = xp.full(x["rpb"].shape, numpy.nan, dtype=acc)
@@ -323,7 +361,7 @@ def run(case, backend, x, xp):
         y["out"] = out(full)
         ops.run_av(probs["av"], backend, x["attn"], x["v"], y["out"])
     else:
-        y["d_attn"], y["dv"] = out(weights), out(full)
+        y["d_attn"], y["dv"] = out(weights), out(kv)
         ops.run_av_backward(probs["av_backward"], backend, x["d_out"], x["attn"], x["v"],
                             y["d_attn"], y["dv"])
     return y

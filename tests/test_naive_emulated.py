@@ -59,7 +59,18 @@ def _suite_cases():
         gpu_cases.QUICK = quick
 
 
+def _gqa_cases():
+    """The GQA/MQA cases of the suite but the tf32 ones, whatever NATTEN_CUPY_GPU_QUICK says."""
+    quick = gpu_cases.QUICK
+    gpu_cases.QUICK = False
+    try:
+        return [c for c in gpu_cases.gqa_cases() if not c.tf32]
+    finally:
+        gpu_cases.QUICK = quick
+
+
 CASES = _suite_cases()
+GQA_CASES = _gqa_cases()
 
 
 class Placement:
@@ -114,6 +125,13 @@ def test_naive_kernels_emulated(index, emu, monkeypatch):
     _run_case(CASES[index], emu, monkeypatch, GRIDS[index % len(GRIDS)])
 
 
+@pytest.mark.parametrize("index", range(len(GQA_CASES)), ids=[c.id for c in GQA_CASES])
+def test_naive_gqa_kernels_emulated(index, emu, monkeypatch):
+    """Grouped-query / multi-query attention: kv heads read by their query groups, dk and dv
+    summed over each group (every op kind x rank x dtype)."""
+    _run_case(GQA_CASES[index], emu, monkeypatch, GRIDS[index % len(GRIDS)])
+
+
 def test_subset_covers_the_suite():
     """Every op kind, rank and dtype, with causal (mixed), dilation, stride, even kernels,
     permuted layouts and a head dim that is not a multiple of 8."""
@@ -136,7 +154,8 @@ def test_params_layout_matches(emu):
     """NAParams as g++ lays it out == natten_cupy._params.PARAMS_DTYPE (what CuPy passes)."""
     offsets, size = emu.params_layout()
     names = ["extent", "kernel", "stride", "dilation", "causal", "batch", "heads", "head_dim",
-             "num_neighbors", *TENSOR_FIELDS, "scale", "pad_", "scale_f64"]
+             "num_neighbors", "kv_heads", "heads_per_kv", *TENSOR_FIELDS, "scale", "pad_",
+             "scale_f64"]
     assert list(PARAMS_DTYPE.names) == names
     assert offsets == [PARAMS_DTYPE.fields[n][1] for n in names]
     assert size == PARAMS_DTYPE.itemsize

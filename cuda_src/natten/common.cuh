@@ -19,6 +19,10 @@ typedef long long i64;
 struct NAParams {
   i64 extent[3], kernel[3], stride[3], dilation[3], causal[3];
   i64 batch, heads, head_dim, num_neighbors;  // num_neighbors = prod(kernel)
+  // Grouped-query attention: k, v, dk, dv have kv_heads heads (dividing heads); query head h
+  // reads kv head h / heads_per_kv, and a kv head's gradients sum over its heads_per_kv
+  // query heads. Without GQA kv_heads = heads, heads_per_kv = 1.
+  i64 kv_heads, heads_per_kv;
   i64 q[6], k[6], v[6], o[6], d_o[6], dq[6], dk[6], dv[6];
   i64 lse[6], delta[6], attn[6], d_attn[6], rpb[6], d_rpb[6];
   float scale;        // softmax scale (D ** -0.5 unless given), read by the float kernels

@@ -55,6 +55,8 @@ def refuse(problem):
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32 as TF32)"
     if problem.batch * problem.heads >= 2 ** 31:
         return "batch * heads must be below 2**31"
+    if problem.kv_heads != problem.heads:
+        return "grouped-query attention (kv heads != heads) is not built here yet"
     if problem.head_dim % 8 or problem.head_dim > D_BUCKETS[-1]:
         return f"head_dim {problem.head_dim} must be a multiple of 8 up to {D_BUCKETS[-1]}"
     return None

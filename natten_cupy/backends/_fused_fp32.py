@@ -54,6 +54,8 @@ def refuse(problem):
     if problem.dtype != FLOAT32:
         return f"exact-float32 kernels take float32 only, got {problem.dtype_name}"
     D = problem.head_dim
+    if problem.kv_heads != problem.heads:
+        return "grouped-query attention (kv heads != heads) is not built here yet"
     if D % 4 or D > 256:
         return f"head dim must be a multiple of 4 up to 256 for exact float32, got {D}"
     if problem.heads > MAX_GRID or problem.batch > MAX_GRID:

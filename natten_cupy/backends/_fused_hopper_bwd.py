@@ -69,6 +69,8 @@ def refuse(problem):
     """None if this part runs ``problem`` on the current device, else the reason."""
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
+    if problem.kv_heads != problem.heads:   # the mma.sync parts run it meanwhile
+        return "the Hopper fused kernels do not run GQA yet (kv heads != heads)"
     if problem.head_dim % 8 or problem.head_dim > BUCKETS[-1]:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to {BUCKETS[-1]}"
     if not problem.scale > 0:

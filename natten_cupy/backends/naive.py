@@ -6,6 +6,10 @@ one ``NAParams``, so any input layout works without copies. Kernels loop over in
 indices with a grid stride: the grid launched here is only a size hint, capped well inside
 CUDA's limits, which makes tensors of more than 2**31 elements safe.
 
+Grouped-query attention: query rows read their kv head (``NAParams.heads_per_kv``); the
+kernels that write dk/dv run one thread per kv-side element and loop over the group's query
+heads (deterministic, no atomics).
+
 Unfused backward of the relative positional bias runs one warp per (head, bias entry) and is
 deterministic (no atomics). The fused backward allocates one float32 (float64) buffer,
 ``delta = rowsum(d_out * out)``, shaped like lse.
@@ -72,8 +76,13 @@ def _rows(problem):
     return problem.batch * problem.num_tokens * problem.heads
 
 
-def _fused_threads(problem):
-    return _rows(problem) * -(-problem.head_dim // _chunk(problem.dtype))
+def _kv_rows(problem):
+    """Rows of the key/value side (k, v, dk, dv: H_kv heads under grouped-query attention)."""
+    return problem.batch * problem.num_tokens * problem.kv_heads
+
+
+def _fused_threads(problem, rows=_rows):
+    return rows(problem) * -(-problem.head_dim // _chunk(problem.dtype))
 
 
 def rpb_entries(problem):
@@ -96,9 +105,10 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     p = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, d_o=d_out, dq=dq, dk=dk, dv=dv,
                     delta=delta)
     _run("na_bwd_delta_naive", problem, _rows(problem), (out, d_out, delta, p))
-    threads = _fused_threads(problem)
-    _run("na_bwd_dq_naive", problem, threads, (q, k, v, d_out, lse, delta, dq, p))
-    _run("na_bwd_dkdv_naive", problem, threads, (q, k, v, d_out, lse, delta, dk, dv, p))
+    _run("na_bwd_dq_naive", problem, _fused_threads(problem),
+         (q, k, v, d_out, lse, delta, dq, p))
+    _run("na_bwd_dkdv_naive", problem, _fused_threads(problem, _kv_rows),
+         (q, k, v, d_out, lse, delta, dk, dv, p))
 
 
 # ---- unfused ----------------------------------------------------------------------------
@@ -116,9 +126,8 @@ def av(problem, attn, v, out):
 
 def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
     p = make_params(problem, d_attn=d_attn, q=q, k=k, dq=dq, dk=dk, d_rpb=d_rpb)
-    threads = _rows(problem) * problem.head_dim
-    _run("na_qk_bwd_dq_naive", problem, threads, (d_attn, k, dq, p))
-    _run("na_qk_bwd_dk_naive", problem, threads, (d_attn, q, dk, p))
+    _run("na_qk_bwd_dq_naive", problem, _rows(problem) * problem.head_dim, (d_attn, k, dq, p))
+    _run("na_qk_bwd_dk_naive", problem, _kv_rows(problem) * problem.head_dim, (d_attn, q, dk, p))
     if d_rpb is not None:
         _run("na_qk_bwd_rpb_naive", problem, rpb_entries(problem) * WARP, (d_attn, d_rpb, p))
 
@@ -127,7 +136,7 @@ def av_backward(problem, d_out, attn, v, d_attn, dv):
     p = make_params(problem, d_o=d_out, attn=attn, v=v, d_attn=d_attn, dv=dv)
     _run("na_av_bwd_dattn_naive", problem, _rows(problem) * problem.num_neighbors,
          (d_out, v, d_attn, p))
-    _run("na_av_bwd_dv_naive", problem, _rows(problem) * problem.head_dim,
+    _run("na_av_bwd_dv_naive", problem, _kv_rows(problem) * problem.head_dim,
          (attn, d_out, dv, p))
 
 

@@ -66,11 +66,50 @@ def _xp(x):
     return numpy if cupy is None else cupy.get_array_module(x)
 
 
-def _work(xp, x, problem, tail):
-    """``x`` as a contiguous compute-dtype array ``[B, N, *tail]`` (copies only if needed)."""
+def _work(xp, x, problem, tail=None):
+    """``x`` as a contiguous compute-dtype array ``[B, N, *tail]`` (copies only if needed;
+    ``tail`` defaults to x's own trailing axes)."""
     ct = accumulator_dtype(problem.dtype)
     x = xp.ascontiguousarray(x.astype(ct, copy=False))
+    if tail is None:
+        tail = x.shape[1 + problem.rank:]
     return x.reshape((problem.batch, problem.num_tokens) + tuple(tail))
+
+
+def _kv_work(xp, x, problem):
+    """A key/value-side array ``[B, *spatial, H_kv, D]`` as ``[B, N, H, D]``: grouped-query
+    attention written as plain multi-head attention, kv head h // heads_per_kv repeated for
+    every query head h of its group (no copy beyond ``_work``'s without GQA)."""
+    x = _work(xp, x, problem)
+    if problem.heads_per_kv > 1:
+        x = xp.repeat(x, problem.heads_per_kv, axis=2)
+    return x
+
+
+def _group_sum(xp, g, problem):
+    """Per-query-head gradients ``[B, N, H, D]`` summed over each kv head's group of
+    heads_per_kv query heads -> ``[B, N, H_kv, D]`` (the identity without GQA)."""
+    if problem.heads_per_kv == 1:
+        return g
+    B, N, H, D = g.shape
+    return g.reshape(B, N, problem.kv_heads, problem.heads_per_kv, D).sum(axis=3)
+
+
+def _kv_buffer(xp, dst, problem):
+    """Where a kv-side gradient is computed, ``[B, N, H, D]`` in the compute dtype: ``dst``'s
+    own buffer without GQA, else a work array for ``_kv_store``."""
+    if problem.heads_per_kv == 1:
+        return _buffer(xp, dst, problem)
+    ct = accumulator_dtype(problem.dtype)
+    return xp.empty((problem.batch, problem.num_tokens, problem.heads, dst.shape[-1]), ct)
+
+
+def _kv_store(xp, dst, g, problem):
+    """Write the work of ``_kv_buffer`` into the kv-side gradient ``dst`` (group sums)."""
+    if problem.heads_per_kv == 1:
+        _store(dst, g)
+        return
+    dst[...] = _group_sum(xp, g, problem).reshape(dst.shape).astype(dst.dtype, copy=False)
 
 
 def _buffer(xp, dst, problem):
@@ -193,7 +232,8 @@ def _masked(xp, valid, x, fill):
 def fused_forward(problem, q, k, v, out, lse):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
-    qf, kf, vf = (_work(xp, x, problem, (H, D)) for x in (q, k, v))
+    qf = _work(xp, q, problem)
+    kf, vf = (_kv_work(xp, x, problem) for x in (k, v))
     o, m_out = _buffer(xp, out, problem), _buffer(xp, lse, problem)
     tables = _Tables(problem, xp)
     for lo, hi in _chunks(xp, problem, K, 1):
@@ -214,7 +254,8 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
     scale = problem.scale
-    qf, kf, vf, of, dof = (_work(xp, x, problem, (H, D)) for x in (q, k, v, out, d_out))
+    qf, of, dof = (_work(xp, x, problem) for x in (q, out, d_out))
+    kf, vf = (_kv_work(xp, x, problem) for x in (k, v))
     lf = _work(xp, lse, problem, (H,))
     delta = xp.einsum("bnhd,bnhd->bnh", dof, of)
     del of
@@ -234,7 +275,7 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     _store(dq, g)
 
     # dk, dv: gather each key's queries through the inverse table.
-    gk, gv = _buffer(xp, dk, problem), _buffer(xp, dv, problem)
+    gk, gv = _kv_buffer(xp, dk, problem), _kv_buffer(xp, dv, problem)
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 2):
         qidx, _, valid = tables.inverse(lo, hi)
         for b in range(B):
@@ -245,8 +286,8 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
             ds = p * (_dots(dog, vf[b, lo:hi]) - delta[b][qidx].transpose(0, 2, 1))
             gv[b, lo:hi] = _weighted(p, dog)
             gk[b, lo:hi] = scale * _weighted(ds, qg)
-    _store(dk, gk)
-    _store(dv, gv)
+    _kv_store(xp, dk, gk, problem)
+    _kv_store(xp, dv, gv, problem)
 
 
 # ---- unfused ---------------------------------------------------------------------------
@@ -255,7 +296,7 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
 def qk(problem, q, k, rpb, attn):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
-    qf, kf = (_work(xp, x, problem, (H, D)) for x in (q, k))
+    qf, kf = _work(xp, q, problem), _kv_work(xp, k, problem)
     bias = None
     if rpb is not None:
         bias = rpb.astype(qf.dtype).reshape(H, -1)
@@ -276,7 +317,7 @@ def qk(problem, q, k, rpb, attn):
 def av(problem, attn, v, out):
     xp = _xp(v)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
-    vf = _work(xp, v, problem, (H, D))
+    vf = _kv_work(xp, v, problem)
     af = _work(xp, attn, problem, (H, K))
     o = _buffer(xp, out, problem)
     tables = _Tables(problem, xp)
@@ -291,7 +332,7 @@ def av(problem, attn, v, out):
 def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
-    qf, kf = (_work(xp, x, problem, (H, D)) for x in (q, k))
+    qf, kf = _work(xp, q, problem), _kv_work(xp, k, problem)
     daf = _work(xp, d_attn, problem, (H, K))
     tables = _Tables(problem, xp, inverse=True)
     rpb_size = math.prod(2 * kk - 1 for kk in problem.kernel_size)
@@ -312,14 +353,14 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
 
     da_slots = _by_slot(xp, daf)
     del daf
-    g = _buffer(xp, dk, problem)
+    g = _kv_buffer(xp, dk, problem)
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 1):
         qidx, slots, valid = tables.inverse(lo, hi)
         pairs = qidx * K + slots
         for b in range(B):
             dag = da_slots[b][pairs].transpose(0, 2, 1)
             g[b, lo:hi] = _weighted(_masked(xp, valid, dag, 0), qf[b][qidx])
-    _store(dk, g)
+    _kv_store(xp, dk, g, problem)
     if d_rpb is not None:
         d_rpb += rpb_acc.reshape(d_rpb.shape).astype(d_rpb.dtype)
 
@@ -328,7 +369,7 @@ def qk_backward(problem, d_attn, q, k, dq, dk, d_rpb):
 def av_backward(problem, d_out, attn, v, d_attn, dv):
     xp = _xp(v)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
-    vf, dof = (_work(xp, x, problem, (H, D)) for x in (v, d_out))
+    vf, dof = _kv_work(xp, v, problem), _work(xp, d_out, problem)
     af = _work(xp, attn, problem, (H, K))
     tables = _Tables(problem, xp, inverse=True)
 
@@ -339,7 +380,7 @@ def av_backward(problem, d_out, attn, v, d_attn, dv):
             da[b, lo:hi] = _masked(xp, valid, _dots(vf[b][keys], dof[b, lo:hi]), 0)
     _store(d_attn, da)
 
-    g = _buffer(xp, dv, problem)
+    g = _kv_buffer(xp, dv, problem)
     a_slots = _by_slot(xp, af)
     del af
     for lo, hi in _chunks(xp, problem, tables.inverse_width, 1):
@@ -348,4 +389,4 @@ def av_backward(problem, d_out, attn, v, d_attn, dv):
         for b in range(B):
             ag = _masked(xp, valid, a_slots[b][pairs].transpose(0, 2, 1), 0)
             g[b, lo:hi] = _weighted(ag, dof[b][qidx])
-    _store(dv, g)
+    _kv_store(xp, dv, g, problem)

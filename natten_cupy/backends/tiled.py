@@ -75,6 +75,8 @@ def refuse(op, problem):
         return f"head dim {d} is not a multiple of 8 up to {MAX_HEAD_DIM}"
     if any(s != 1 for s in problem.stride):
         return f"unfused ops take stride 1, got {problem.stride}"
+    if problem.kv_heads != problem.heads:
+        return "grouped-query attention (kv heads != heads) is not built here yet"
     if max(problem.spatial) >= 2 ** 31:
         return "extents of 2**31 or more do not fit the kernels' int32 coordinates"
     if op == "qk_backward" and problem.heads > 65535:
