@@ -24,7 +24,7 @@ import sys
 
 from . import _args
 from ._dtypes import accumulator_dtype, canonical_dtype
-from ._launch import Plan, profiling, run_plan
+from ._launch import Plan, _recorders, profiling, run_plan
 from ._operands import Layout, rows_ready
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
@@ -71,7 +71,7 @@ def _cupy_sig(x):
     return (x.shape, x.strides, x.dtype, x.data.ptr & 15, x.data.device_id)
 
 
-def _torch_sig(x):
+def _torch_sig(x):   # (torch_entry writes the same tuple out inline)
     return (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(), x.requires_grad,
             x.is_neg())
 
@@ -219,11 +219,12 @@ def run_torch(e, inputs):
             inputs[i] = inputs[i].clone(memory_format=torch.contiguous_format)
     if e.torch_out is None:
         e.torch_out = (_torch_dtypes(e.outputs), _torch_dtypes(e.workspaces))
-    outs = [torch.empty(s, dtype=d, device=dev) for s, d in e.torch_out[0]]
-    ws = [torch.empty(s, dtype=d, device=dev) for s, d in e.torch_out[1]]
-    ptrs = [0 if x is None else x.data_ptr() for x in inputs]
-    ptrs += [x.data_ptr() for x in outs]
-    ptrs += [x.data_ptr() for x in ws]
+    out_specs, ws_specs = e.torch_out
+    empty = torch.empty
+    outs = [empty(s, dtype=d, device=dev) for s, d in out_specs]
+    # one pass over operands, outputs and workspaces (the workspaces live until return)
+    ws = [empty(s, dtype=d, device=dev) for s, d in ws_specs] if ws_specs else ()
+    ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *outs, *ws)]
     run_plan(e.plan, ptrs, torch._C._cuda_getCurrentRawStream(e.device))
     return outs
 
@@ -356,10 +357,12 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
     """The Entry for a torch-layer call on CUDA tensors (``problem_of()`` validates and
     returns (problem, backend) on the first call of a signature; ``outputs_of(problem)``
     gives the outputs' (shape, numpy dtype)), or None."""
-    if not enabled or profiling():
+    if not enabled or _recorders:   # (``profiling()``, without the call)
         return None
-    try:
-        key = (op, rank, *[None if x is None else _torch_sig(x) for x in tensors],
+    try:   # (``_torch_sig`` of each tensor, written out: one Python call fewer a tensor)
+        key = (op, rank, *[None if x is None else
+                           (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
+                            x.requires_grad, x.is_neg()) for x in tensors],
                _options_key(options))
         e = _entries.get(key)
     except Exception:
