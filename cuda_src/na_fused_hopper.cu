@@ -393,8 +393,8 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 
   // Batch and head offsets; rank 1 also folds in the group and steps rows by dilation.
   const T* qb = q + b * p.q[0] + h * p.q[4];
-  const T* kb = k + b * p.k[0] + h * p.k[4];
-  const T* vb = v + b * p.v[0] + h * p.v[4];
+  const T* kb;  // k and v of the kv head this query head reads, set by the loader
+  const T* vb;
   const int d0 = (int)p.dilation[0];
   auto load_q = [&]() {
     if (RANK == 1)
@@ -565,6 +565,14 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     }
   };
 
+  // Register split (loader, each compute warpgroup), within the 3 x 168 the CTA holds: the
+  // 2-D and 3-D loaders do index math per row; 2-D at head dim 64 gives its loader 56 (at 40
+  // it spilled 16 bytes once it computes the GQA kv head), its compute warpgroups fit in 224.
+  constexpr int kLoaderRegs = WG == 2 ? (RANK == 1 ? kLoaderRegs1D
+                                         : RANK == 2 && D > 64 ? 40 : 56) : 32;
+  constexpr int kComputeRegs = WG == 2 ? (RANK == 1 ? kComputeRegs1D
+                                          : RANK == 2 && D > 64 ? 232 : 224) : 160;
+  static_assert(WG != 2 || kLoaderRegs + 2 * kComputeRegs <= 3 * 168, "over the CTA's registers");
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 128);
@@ -573,7 +581,12 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   }
   __syncthreads();
   if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
-    regs_dec<WG == 2 ? (RANK == 1 ? kLoaderRegs1D : RANK == 2 ? 40 : 56) : 32>();  // 2, 3: index math
+    regs_dec<kLoaderRegs>();
+    // GQA: query head h reads kv head h / heads_per_kv. Computed here, in the loader only:
+    // before the split (live into both roles) the 2-D D64 kernels spilled.
+    const int hk = h / (int)p.heads_per_kv;
+    kb = k + b * p.k[0] + hk * p.k[4];
+    vb = v + b * p.v[0] + hk * p.v[4];
     load_q();
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
@@ -582,7 +595,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     }
     cp_async_wait_all();
   } else {
-    regs_inc<WG == 2 ? (RANK == 1 ? kComputeRegs1D : RANK == 2 ? 232 : 224) : 160>();
+    regs_inc<kComputeRegs>();
     consume();
   }
 }

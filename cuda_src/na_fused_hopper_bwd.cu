@@ -161,16 +161,22 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   // needs a few, the epilogue the rest), not held in registers over the whole walk.
   __shared__ BwdGeom<RANK, T0, T1, T2, true> G;
   __shared__ int live;
-  const int h = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
+  // The CTA's keys belong to kv head hk; its walk visits the query tiles of each of the
+  // kv head's `group` query heads in turn (GQA; group = 1 otherwise), so dK and dV sum over
+  // them in registers, in a fixed order.
+  const int hk = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
+  const int group = (int)p.heads_per_kv;
   const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
 
-  const T* qb = q + b * p.q[0] + h * p.q[4];
-  const T* kb = k + b * p.k[0] + h * p.k[4];
-  const T* vb = v + b * p.v[0] + h * p.v[4];
-  const T* dob = d_o + b * p.d_o[0] + h * p.d_o[4];
-  const float* lseb = lse + b * p.lse[0] + h * p.lse[4];
-  const float* deltab = delta + b * p.delta[0] + h * p.delta[4];
+  const T* kb = k + b * p.k[0] + hk * p.k[4];
+  const T* vb = v + b * p.v[0] + hk * p.v[4];
+  // Query-side bases of the group's first head; head g of the group adds g times the stride.
+  const i64 h0 = (i64)hk * group;
+  const T* qb = q + b * p.q[0] + h0 * p.q[4];
+  const T* dob = d_o + b * p.d_o[0] + h0 * p.d_o[4];
+  const float* lseb = lse + b * p.lse[0] + h0 * p.lse[4];
+  const float* deltab = delta + b * p.delta[0] + h0 * p.delta[4];
 
   if (tid == 0) {
     live = G.init(p);
@@ -186,13 +192,16 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
     regs_dec<BwdRegs::loader>();
     load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
-    for (int j = 0; j < num_tiles; ++j) {
-      if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
-      load_rows<T, D, BQ, NT>(sm.tile0(j), qb, p.q, sm.tile1(j), dob, p.d_o, G, p, j * BQ, hd,
-                              tid);
-      load_row_values<BQ>(sm.vec0(j), lseb, sm.vec1(j), deltab, G, p, j * BQ, tid);
-      cp_async_arrive(sm.full + 8 * (j % STAGES));
-    }
+    int j = 0;  // the step: query tile jt of head g, in walk order
+    for (int g = 0; g < group; ++g)
+      for (int jt = 0; jt < num_tiles; ++jt, ++j) {
+        if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
+        load_rows<T, D, BQ, NT>(sm.tile0(j), qb + g * p.q[4], p.q, sm.tile1(j),
+                                dob + g * p.d_o[4], p.d_o, G, p, jt * BQ, hd, tid);
+        load_row_values<BQ>(sm.vec0(j), lseb + g * p.lse[4], sm.vec1(j),
+                            deltab + g * p.delta[4], G, p, jt * BQ, tid);
+        cp_async_arrive(sm.full + 8 * (j % STAGES));
+      }
     cp_async_wait_all();
     return;
   }
@@ -210,7 +219,9 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-  for (int j = 0; j < num_tiles; ++j) {
+  int j = 0;
+  for (int g = 0; g < group; ++g)
+  for (int jt = 0; jt < num_tiles; ++jt, ++j) {
     mbar_wait(sm.full + 8 * (j % STAGES), (j / STAGES) & 1);
     fence_proxy_async();
     const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
@@ -222,9 +233,9 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     wgmma_wait<0>();
     fence_regs(acc_s);
     fence_regs(acc_dp);
-    if (G.needs_mask(j * BQ, BQ))
-      mask_scores<BQ, RANK>(acc_s, j * BQ, quad, G.rk, G.inner, wl, wn);
-    // Column 8 i + 2 quad + e is query j * BQ + that: its lse and delta from the slot.
+    if (G.needs_mask(jt * BQ, BQ))
+      mask_scores<BQ, RANK>(acc_s, jt * BQ, quad, G.rk, G.inner, wl, wn);
+    // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
     const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
     const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
 #pragma unroll
@@ -283,13 +294,13 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
         fence_regs(acc_q);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int f = j * BQ + qrow + 8 * r;
+          const int f = jt * BQ + qrow + 8 * r;
           if (f >= G.total) continue;  // past the region: nothing to add
           int c[3], x[3] = {0, 0, 0};
           G.other(f, c);
 #pragma unroll
           for (int a = 0; a < RANK; ++a) x[a] = G.g[a] + (int)p.dilation[a] * c[a];
-          float* at = dq_ws + dq_ws_offset(p, b, x[0], x[1], x[2], h) + 64 * half + 2 * quad;
+          float* at = dq_ws + dq_ws_offset(p, b, x[0], x[1], x[2], h0 + g) + 64 * half + 2 * quad;
 #pragma unroll
           for (int i = 0; i < 8; ++i)
             if (64 * half + 8 * i + 2 * quad < hd)
@@ -311,8 +322,8 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     bool valid;
     G.owner(row0 + 8 * r, c, valid);
     if (!valid) continue;
-    T* at_k = dk + b * p.dk[0] + h * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
-    T* at_v = dv + b * p.dv[0] + h * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
+    T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
+    T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       const int col = 8 * i + 2 * quad;
@@ -350,9 +361,10 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
 
+  const int hk = h / (int)p.heads_per_kv;  // the kv head this query head reads (GQA)
   const T* qb = q + b * p.q[0] + h * p.q[4];
-  const T* kb = k + b * p.k[0] + h * p.k[4];
-  const T* vb = v + b * p.v[0] + h * p.v[4];
+  const T* kb = k + b * p.k[0] + hk * p.k[4];
+  const T* vb = v + b * p.v[0] + hk * p.v[4];
   const T* dob = d_o + b * p.d_o[0] + h * p.d_o[4];
 
   if (tid == 0) {

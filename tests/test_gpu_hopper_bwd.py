@@ -6,7 +6,7 @@ checks dq, dk, dv against the reference backward in float64: the error must be a
 error of the reference backward run in the same precision plus a floor (FlashAttention's rule
 for gradients, tests/gpu_cases.py); every element must be written. The part is deterministic
 (no atomics): three runs must agree bitwise. Skipped on GPUs other than compute capability
-9.0. Called directly: fused.py does not dispatch to this part yet.
+9.0. Called directly (fused.py dispatches to it only where it measured faster).
 """
 
 import numpy
@@ -210,3 +210,81 @@ def test_hopper_backward_plan_replays(rng):
         run_plan_on(plan, arrays + tuple(ws))
     for g, w in zip(grads, want):
         assert numpy.array_equal(to_host(g), w)
+
+
+# ---- grouped-query attention (fewer kv heads) ----------------------------------------------
+
+# (spatial, kernel, stride, dilation, causal, heads, kv heads, head_dim, dtype)
+GQA_CASES = [
+    ((300,), 33, 1, 2, True, 4, 2, 64, F16),
+    ((1500,), 1024, 1, 1, False, 3, 1, 128, BF16),          # MQA
+    ((33, 41), (7, 5), (2, 1), (2, 3), (True, False), 4, 1, 128, F16),
+    ((24, 37), (4, 6), 1, 1, False, 6, 2, 64, BF16),
+    ((9, 17, 13), (3, 5, 4), 1, (1, 2, 1), (False, False, True), 4, 2, 128, F16),
+]
+
+
+def _gqa_id(c):
+    return f"{len(c[0])}d-{c[0]}-H{c[5]}-kv{c[6]}-D{c[7]}-{numpy.dtype(c[8]).name}"
+
+
+def _repeat_heads(x, group):
+    """kv [B, *spatial, H_kv, D] seen by every query head: head h holds kv head h // group."""
+    return numpy.repeat(x, group, axis=-2)
+
+
+def _group_sum(g, group):
+    """A repeated head's gradient summed back onto its kv head."""
+    return g.reshape(g.shape[:-2] + (g.shape[-2] // group, group, g.shape[-1])).sum(-2)
+
+
+@pytest.mark.parametrize("dq_atomic", [False, True], ids=("deterministic", "atomic_dq"))
+@pytest.mark.parametrize("case", GQA_CASES, ids=_gqa_id)
+def test_hopper_gqa_matches_repeated_heads(case, dq_atomic, rng):
+    """Forward and backward with H_kv < H against the float64 reference of the same problem
+    with each kv head repeated for its query heads (and dk, dv summed back over the group):
+    the kernels index the shared kv head, no repeat copy."""
+    import cupy as cp
+    from natten_cupy.backends import _fused_hopper
+    _skip_unless_hopper()
+    spatial, ks, st, dl, ca, heads, kv_heads, dim, dtype = case
+    rank, group = len(spatial), heads // kv_heads
+    if dq_atomic and not H.atomic_supported(rank, H._bucket(dim)):
+        pytest.skip("no atomic dQ variant at this rank and head dim (not built)")
+    qs, ks_ = (2,) + tuple(spatial) + (heads, dim), (2,) + tuple(spatial) + (kv_heads, dim)
+    q, d_out = (rng.standard_normal(qs).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal(ks_).astype(dtype) for _ in range(2))
+    problem = _args.check_fused(rank, q, k, v, ks, st, dl, ca, None, "fused",
+                                deterministic=True)
+    assert problem.kv_heads == kv_heads
+    assert H.refuse(problem) is None and _fused_hopper.refuse(problem) is None
+    # the dense-heads problem in float64: the truth, and in the case's dtype: the yardstick
+    dense = _args.check_fused(rank, q, q, q, ks, st, dl, ca, None, "fused")
+    h64 = [x.astype(F64) for x in (q, _repeat_heads(k, group), _repeat_heads(v, group), d_out)]
+    out64, lse64 = numpy.empty(qs, F64), numpy.empty(qs[:-1], F64)
+    run_fused_forward(dense, get_backend("reference"), *h64[:3], out64, lse64)
+    out, lse = out64.astype(dtype), lse64.astype(F32)
+    truth = _reference_backward(dense, h64[0], h64[1], h64[2], out64, lse64, h64[3])
+    low = _reference_backward(dense, q, _repeat_heads(k, group), _repeat_heads(v, group),
+                              out, lse, d_out)
+    truth[1:] = [_group_sum(t, group) for t in truth[1:]]
+    low[1:] = [_group_sum(t, group) for t in low[1:]]
+
+    dq_, dk_, dv_ = (upload(cp, x) for x in (q, k, v))
+    got_out = cp.full(qs, cp.nan, dtype=dq_.dtype)
+    got_lse = cp.full(qs[:-1], cp.nan, dtype=cp.float32)
+    _fused_hopper.forward(problem, dq_, dk_, dv_, got_out, got_lse)
+    out_h = to_host(got_out)
+    assert not numpy.isnan(out_h).any() and not numpy.isnan(to_host(got_lse)).any()
+    floor = FLOOR[q.dtype]
+    assert float(numpy.abs(out_h - out64).max()) <= 3 * float(numpy.abs(out - out64).max()) \
+        + floor * max(1.0, float(numpy.abs(out64).max()))
+
+    grads = [upload(cp, numpy.full(s, numpy.nan, dtype)) for s in (qs, ks_, ks_)]
+    H.backward(problem, dq_, dk_, dv_, upload(cp, out), cp.asarray(lse), upload(cp, d_out),
+               *grads, dq_atomic=dq_atomic)
+    for name, g, t, y in zip(("dq", "dk", "dv"), map(to_host, grads), truth, low):
+        assert not numpy.isnan(g).any(), f"unwritten (NaN) elements in {name}"
+        err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
+        assert err <= 3 * ref_err + floor * max(1.0, float(numpy.abs(t).max())), \
+            (name, err, ref_err)

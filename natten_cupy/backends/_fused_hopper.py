@@ -84,8 +84,6 @@ def _compute_capability():
 def refuse(problem):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused forward runs float16 and bfloat16, not {problem.dtype_name}"
-    if problem.kv_heads != problem.heads:   # the mma.sync parts run it meanwhile
-        return "the Hopper fused kernels do not run GQA yet (kv heads != heads)"
     if problem.head_dim % 8 or problem.head_dim > 128:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to 128"
     if not problem.scale > 0:

@@ -69,8 +69,6 @@ def refuse(problem):
     """None if this part runs ``problem`` on the current device, else the reason."""
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
-    if problem.kv_heads != problem.heads:   # the mma.sync parts run it meanwhile
-        return "the Hopper fused kernels do not run GQA yet (kv heads != heads)"
     if problem.head_dim % 8 or problem.head_dim > BUCKETS[-1]:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to {BUCKETS[-1]}"
     if not problem.scale > 0:
@@ -98,10 +96,11 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False):
 
 
 def atomic_supported(rank, dp):
-    """Where the atomic dQ variant is built: all but rank 3 at head dim 128, which spills
-    under NVRTC 13.0 within the register split the CTA holds (loader 40, compute 232; see
-    BwdRegs in the .cu)."""
-    return not (rank == 3 and dp == 128)
+    """Where the atomic dQ variant is built: rank 1, and ranks 2 and 3 at head dim 64; at
+    128 they spill under NVRTC 13.0 within the register split the CTA holds (loader 40,
+    compute 232; see BwdRegs in the .cu): rank 3 always, rank 2 by 24 bytes once the walk
+    loops over a GQA group's query heads."""
+    return rank == 1 or dp == 64
 
 
 def instantiations():
@@ -165,13 +164,16 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_a
     no_ws = numpy.uint64(0)  # a null pointer
     name_delta, name_kv, name_dq = _names(problem.dtype, dp, problem.rank, tile, dq_atomic)
     box = OWNER_BOX[problem.rank][:problem.rank]
+    # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
+    # dQ: a CTA per query head.
+    kv_grid = (ctas, problem.kv_heads, problem.batch)
     grid = (ctas, problem.heads, problem.batch)
     ws = DQ_WS if dq_atomic else no_ws
     calls = [
         KernelCall(get_kernel(SOURCE, name_delta, extra_options=OPTIONS),
                    (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (D_OUT, OUT, DELTA, ws, p),
                    name="na_bwd_hopper_delta", backend="fused"),
-        KernelCall(get_kernel(SOURCE, name_kv, extra_options=OPTIONS), grid, (THREADS, 1, 1),
+        KernelCall(get_kernel(SOURCE, name_kv, extra_options=OPTIONS), kv_grid, (THREADS, 1, 1),
                    (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, p),
                    shared_mem=smem_bytes(dp, tile.bq, tile.kv_stages, True, dq_atomic),
                    name="na_bwd_hopper_kv", backend="fused", tile=box),
