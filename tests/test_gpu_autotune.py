@@ -44,3 +44,60 @@ def test_autotune_is_a_valid_tile_option():
     assert out.shape == q.shape
     with pytest.raises(ValueError, match="tile must be a tuple of positive ints or 'autotune'"):
         natten_cupy.na2d(q, q, q, 3, tile="fastest")
+
+
+def test_autotune_candidates_include_the_hopper_part(monkeypatch):
+    """Where the Hopper part accepts a problem, autotune times it against the mma.sync
+    part's tiles (the backward's mma.sync part has one configuration, MMA); the winner routes
+    the problem to that part, and a stored string winner stays a string."""
+    import dataclasses
+    from natten_cupy import _args
+    q = numpy.zeros((1, 64, 2, 128), numpy.float16)
+    problem = _args.check_fused(1, q, q, q, 9, 1, 1, False, None, "fused", tile="autotune")
+    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="_fused_hopper": True)
+    fwd = fused._candidates("fused_forward", problem)
+    bwd = fused._candidates("fused_backward", problem)
+    assert fwd[-1] == fused.HOPPER and all(isinstance(b, tuple) for b in fwd[:-1]) and fwd[:-1]
+    assert bwd == [fused.MMA, fused.HOPPER]
+    as_hopper = dataclasses.replace(problem, tile=fused.HOPPER)
+    assert fused._parts_for("fused_forward", as_hopper) == "_fused_hopper"
+    assert fused._parts_for("fused_backward", as_hopper) == "_fused_hopper_bwd"
+    assert fused._parts_for("fused_backward", dataclasses.replace(problem, tile=fused.MMA)) \
+        == "_fused_bwd"
+    assert fused._tile_value("wgmma") == "wgmma" and fused._tile_value([8, 16]) == (8, 16)
+    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="_fused_hopper": False)
+    assert fused._candidates("fused_backward", problem) == []
+    f32 = _args.check_fused(1, q.astype(numpy.float32), q.astype(numpy.float32),
+                            q.astype(numpy.float32), 9, 1, 1, False, None, "fused",
+                            tile="autotune")
+    assert fused.HOPPER not in fused._candidates("fused_forward", f32)
+
+
+@pytest.mark.gpu
+def test_autotune_chooses_between_hopper_and_mma_sync(tmp_path, monkeypatch, rng):
+    """On an H200 a 1-D head-dim-128 problem has both parts as candidates, forward and
+    backward; the tuned results match the default ones."""
+    import cupy
+    from natten_cupy.backends import _fused_hopper
+    if _fused_hopper._compute_capability() != (9, 0):
+        pytest.skip("needs a compute capability 9.0 GPU")
+    monkeypatch.setenv("NATTEN_CUPY_CACHE_DIR", str(tmp_path))
+    fused._tuned_memory.clear()
+    shape = (1, 700, 2, 128)
+    q, k, v, d_out = (cupy.asarray(rng.standard_normal(shape).astype(numpy.float16))
+                      for _ in range(4))
+
+    def run(tile):
+        out, lse = natten_cupy.na1d(q, k, v, 65, return_lse=True, tile=tile)
+        grads = natten_cupy.na1d_backward(d_out, q, k, v, out, lse, 65, tile=tile)
+        return [out, lse, *grads]
+
+    tuned, default = run("autotune"), run(None)
+    data = json.loads((tmp_path / "autotune.json").read_text())
+    ops = sorted(key.split("|")[1] for key in data)
+    assert ops == ["fused_backward", "fused_forward"], data
+    for winner in data.values():
+        assert winner in (fused.HOPPER, fused.MMA) or isinstance(winner, list), winner
+    for a, b in zip(tuned, default):
+        err = float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max())
+        assert err < 5e-3

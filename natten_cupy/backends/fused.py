@@ -15,10 +15,12 @@ Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (
 implements) and ``instantiations()``; a part with several tile configurations lists them in
 ``CONFIGS`` (per rank, each with a ``box``: the CTA's query box).
 
-``tile="autotune"`` times every candidate tile of the part once per problem signature (shape,
-geometry, dtype, device) on the caller's inputs and keeps the winner, in memory and in a JSON
-file under ``$NATTEN_CUPY_CACHE_DIR`` (default ``~/.cache/natten_cupy``), so later processes
-reuse it without timing again.
+``tile="autotune"`` times every candidate once per problem signature (shape, geometry, dtype,
+device) on the caller's inputs and keeps the winner, in memory and in a JSON file under
+``$NATTEN_CUPY_CACHE_DIR`` (default ``~/.cache/natten_cupy``), so later processes reuse it
+without timing again. The candidates are the mma.sync part's tiles and, where it accepts the
+problem, the Hopper part: the measured winner replaces the fixed rule of ``_hopper_bwd_pays``
+(and of the forward) for that signature.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from .._dtypes import FLOAT32, HALF_TYPES
 
 NAME = "fused"
 DTYPES = HALF_TYPES + (FLOAT32,)
+# Tile values an autotuned problem carries internally (never a caller's): the Hopper part,
+# and the mma.sync backward's one configuration (it has no tile choice).
+HOPPER = "wgmma"
+MMA = "mma.sync"
+_HOPPER_PART = {"fused_forward": "_fused_hopper", "fused_backward": "_fused_hopper_bwd"}
+_MMA_PART = {"fused_forward": "_fused_fwd", "fused_backward": "_fused_bwd"}
 
 
 def _part(name):
@@ -59,6 +67,10 @@ def _parts_for(op, problem):
     exact_fp32 = problem.dtype == FLOAT32 and not problem.allow_tf32
     if exact_fp32:
         return "_fused_fp32"
+    if problem.tile == HOPPER:
+        return _HOPPER_PART[op]
+    if problem.tile == MMA:
+        return _MMA_PART[op]
     if op == "fused_forward":
         return "_fused_hopper" if _hopper_serves(problem) else "_fused_fwd"
     return "_fused_hopper_bwd" if _hopper_bwd_pays(problem) else "_fused_bwd"
@@ -81,12 +93,12 @@ def refuse(op, problem):
         return "the fused backend runs only the fused ops (use tiled or naive for qk/av)"
     if problem.dtype not in DTYPES:
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32)"
+    if problem.tile == "autotune":  # accepted where the default choice is
+        problem = dataclasses.replace(problem, tile=None)
     name = _parts_for(op, problem)
     part = _part(name)
     if part is None:
         return f"{name} is not built yet"
-    if problem.tile == "autotune":
-        problem = dataclasses.replace(problem, tile=None)
     return part.refuse(problem)
 
 
@@ -108,26 +120,23 @@ def plan(op, problem, layouts):
 def tuned(op, problem):
     """``problem`` with tile="autotune" replaced by its known winner (or the only candidate),
     or None while no call has timed the candidates yet."""
-    part = _part(_parts_for(op, problem))
-    boxes = _candidates(part, problem)
-    if len(boxes) < 2:
-        return dataclasses.replace(problem, tile=boxes[0] if boxes else None)
+    cands = _candidates(op, problem)
+    if len(cands) < 2:
+        return dataclasses.replace(problem, tile=cands[0] if cands else None)
     box = _tuned_memory.get(_signature(op, problem))
     return None if box is None else dataclasses.replace(problem, tile=box)
 
 
 def fused_forward(problem, q, k, v, out, lse):
-    part = _part(_parts_for("fused_forward", problem))
-    problem = _tuned(part, "fused_forward", problem,
-                     lambda p: part.forward(p, q, k, v, out, lse))
-    part.forward(problem, q, k, v, out, lse)
+    def run(p):
+        _part(_parts_for("fused_forward", p)).forward(p, q, k, v, out, lse)
+    run(_tuned("fused_forward", problem, run))
 
 
 def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
-    part = _part(_parts_for("fused_backward", problem))
-    problem = _tuned(part, "fused_backward", problem,
-                     lambda p: part.backward(p, q, k, v, out, lse, d_out, dq, dk, dv))
-    part.backward(problem, q, k, v, out, lse, d_out, dq, dk, dv)
+    def run(p):
+        _part(_parts_for("fused_backward", p)).backward(p, q, k, v, out, lse, d_out, dq, dk, dv)
+    run(_tuned("fused_backward", problem, run))
 
 
 # ---- autotuning ------------------------------------------------------------------------
@@ -135,14 +144,26 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
 _tuned_memory = {}
 
 
-def _candidates(part, problem):
-    configs = getattr(part, "CONFIGS", {}).get(problem.rank, ())
+def _candidates(op, problem):
+    """The tiles an autotuned ``problem`` chooses among: the boxes of the part's CONFIGS
+    (the mma.sync part's, or the exact-fp32 part's), and HOPPER where that part accepts the
+    problem (then MMA stands for an mma.sync part without boxes)."""
+    plain = dataclasses.replace(problem, tile=None)
+    exact_fp32 = problem.dtype == FLOAT32 and not problem.allow_tf32
+    part = _part("_fused_fp32" if exact_fp32 else _MMA_PART[op])
     boxes = []
-    for cfg in configs:
+    for cfg in getattr(part, "CONFIGS", {}).get(problem.rank, ()):
         box = tuple(cfg.box[:problem.rank])
         if box not in boxes:
             boxes.append(box)
+    if not exact_fp32 and _hopper_serves(plain, _HOPPER_PART[op]):
+        boxes = (boxes or [MMA]) + [HOPPER]
     return boxes
+
+
+def _tile_value(stored):
+    """A winner as cached (a list for a box, a string for a part) as a problem's tile."""
+    return stored if isinstance(stored, str) else tuple(stored)
 
 
 def _cache_file():
@@ -162,11 +183,11 @@ def _signature(op, problem):
     return f"{_device_name(cupy.cuda.Device().id)}|{op}|{p!r}"
 
 
-def _tuned(part, op, problem, run):
+def _tuned(op, problem, run):
     """``problem`` with its tile fixed: unchanged unless it asks for "autotune"."""
     if problem.tile != "autotune":
         return problem
-    boxes = _candidates(part, problem)
+    boxes = _candidates(op, problem)
     if len(boxes) < 2:
         return dataclasses.replace(problem, tile=boxes[0] if boxes else None)
     key = _signature(op, problem)
@@ -178,20 +199,21 @@ def _tuned(part, op, problem, run):
         except (OSError, ValueError):
             box = None
         if box is None:
-            box = _time_candidates(part, problem, boxes, run)
+            box = _time_candidates(op, problem, boxes, run)
             _store(path, key, box)
-        box = tuple(box)
+        box = _tile_value(box)
         _tuned_memory[key] = box
     return dataclasses.replace(problem, tile=box)
 
 
-def _time_candidates(part, problem, boxes, run, reps=3):
-    """The box whose run is fastest (median of ``reps`` after one warm-up), by CUDA events."""
+def _time_candidates(op, problem, boxes, run, reps=3):
+    """The candidate whose run is fastest (median of ``reps`` after one warm-up), by CUDA
+    events: a list for a box, the string for a part."""
     import cupy
     best, best_ms = None, float("inf")
     for box in boxes:
         p = dataclasses.replace(problem, tile=box)
-        if part.refuse(p) is not None:
+        if refuse(op, p) is not None:
             continue
         run(p)
         times = []
@@ -205,7 +227,8 @@ def _time_candidates(part, problem, boxes, run, reps=3):
         ms = sorted(times)[len(times) // 2]
         if ms < best_ms:
             best, best_ms = box, ms
-    return list(best if best is not None else boxes[0])
+    best = best if best is not None else boxes[0]
+    return best if isinstance(best, str) else list(best)
 
 
 def _store(path, key, box):
@@ -215,7 +238,7 @@ def _store(path, key, box):
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             data = {}
-        data[key] = list(box)
+        data[key] = box if isinstance(box, str) else list(box)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         tmp.replace(path)
