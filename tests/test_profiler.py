@@ -517,6 +517,10 @@ class _FakeCupy:
 @pytest.mark.parametrize("extra", [["--backprop"], ["--backprop", "--unfused"],
                                    ["--dtype", "fp64", "-c", "true", "false"]])
 def test_cli_profile_flow_on_cpu(monkeypatch, capsys, extra):
+    # The reference backend binds cupy at import: imported first under the stand-in it would
+    # keep it for the session. Imported here with the real one, it runs NumPy for this test.
+    from natten_cupy.backends import reference
+    monkeypatch.setattr(reference, "cupy", None)
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)
     monkeypatch.setenv("COLUMNS", "200")
     rc = profile_cli.main(["-i", "12", "10", "-k", "5", "-n", "2", "-d", "8", "--backend",
