@@ -191,12 +191,17 @@ def _check_options(backend, tile):
                         f"got {backend!r}")
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {backend!r}")
-    if tile is not None and tile != "autotune":
-        if not (isinstance(tile, (tuple, list)) and tile
-                and all(isinstance(t, numbers.Integral) and t > 0 for t in tile)):
-            raise ValueError(f"tile must be a tuple of positive ints or 'autotune', got {tile!r}")
-        tile = tuple(int(t) for t in tile)
-    return tile
+    return None if tile is None else check_tile(tile)
+
+
+def check_tile(tile):
+    """A tile option (not None): "autotune", or a box as a tuple of ints."""
+    if isinstance(tile, str) and tile == "autotune":
+        return tile
+    if not (isinstance(tile, (tuple, list)) and tile
+            and all(isinstance(t, numbers.Integral) and t > 0 for t in tile)):
+        raise ValueError(f"tile must be a tuple of positive ints or 'autotune', got {tile!r}")
+    return tuple(int(t) for t in tile)
 
 
 def _make(rank, ref, kernel_size, stride, dilation, is_causal, scale, allow_tf32=False,

@@ -107,18 +107,18 @@ def _rpb_shape(heads, kernel_size):
 
 def _forward_problem(q, k, v, options):
     """(problem, backend) of a fused forward; raises what the array API raises."""
-    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det = options
+    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det, tile = options
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
-                                backend, tf32, det)
+                                backend, tf32, det, tile)
     _check_tensors([("q", q), ("k", k), ("v", v)])
     return problem, ops.select_backend("fused_forward", problem, _xp(q.device), backend)
 
 
 def _backward_problem(tensors, options):
-    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det = options
+    rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det, tile = options
     d_out, q, k, v, out, lse = tensors
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
-                                         dilation, is_causal, scale, backend, tf32, det)
+                                         dilation, is_causal, scale, backend, tf32, det, tile)
     _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
                     ("lse", lse)])
     return problem, ops.select_backend("fused_backward", problem, _xp(q.device), backend)
@@ -230,7 +230,7 @@ def _fused_no_grad(q, k, v, options):
     if e is not None:
         out, lse = _fast.run_torch_call(e, (q, k, v))
         return out, lse
-    return _fused_forward(q, k, v, *_op_options(options))
+    return _forward_op(q, k, v, _op_options(options))
 
 
 def _fused_backward_no_grad(tensors, options):
@@ -242,11 +242,37 @@ def _fused_backward_no_grad(tensors, options):
 
 
 def _op_options(options):
-    """The custom ops' option arguments from (rank, kernel_size, stride, dilation, is_causal,
-    scale, backend, allow_tf32, deterministic)."""
-    rank, ks, st, dl, ca, scale, backend, tf32, det = options
+    """The ops' option arguments (kernel_size, stride, dilation, is_causal, scale, backend,
+    allow_tf32, deterministic, tile as text) from (rank, kernel_size, stride, dilation,
+    is_causal, scale, backend, allow_tf32, deterministic, tile)."""
+    rank, ks, st, dl, ca, scale, backend, tf32, det, tile = options
     ks, st, dl, ca = per_axis(rank, ks, dl, ca, st)
-    return ks, st, dl, ca, None if scale is None else float(scale), backend, bool(tf32), bool(det)
+    return (ks, st, dl, ca, None if scale is None else float(scale), backend, bool(tf32),
+            bool(det), tile_text(tile))
+
+
+def tile_text(tile):
+    """A tile option as the ops' schema carries it (no union types there): "" for None,
+    "autotune", or the box as "8,16"."""
+    if tile is None:
+        return ""
+    return tile if isinstance(tile, str) else ",".join(str(int(t)) for t in tile)
+
+
+def _tile_value(text):
+    """The inverse of ``tile_text``; anything else is passed on for validation to name."""
+    if not text:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        return text
+
+
+def _forward_op(q, k, v, opts, lse_grad=False):
+    """The forward op on the 9 option arguments of ``_op_options`` (lse_grad sits between
+    deterministic and tile in its schema)."""
+    return _fused_forward(q, k, v, *opts[:8], lse_grad, opts[8])
 
 
 def _softmax_scale(q, scale):
@@ -325,12 +351,12 @@ _OPTIONS3 = ("SymInt[] kernel_size, SymInt[] dilation, bool[] is_causal, str bac
 _SCHEMAS = {
     "na_fused_forward": "(Tensor q, Tensor k, Tensor v, SymInt[] kernel_size, SymInt[] stride, "
                         "SymInt[] dilation, bool[] is_causal, float? scale, str backend, "
-                        "bool allow_tf32, bool deterministic, bool lse_grad=False) "
-                        "-> (Tensor, Tensor)",
+                        "bool allow_tf32, bool deterministic, bool lse_grad=False, "
+                        "str tile=\"\") -> (Tensor, Tensor)",
     "na_fused_backward": "(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, "
                          "Tensor lse, SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, "
                          "bool[] is_causal, float? scale, str backend, bool allow_tf32, "
-                         "bool deterministic) -> (Tensor, Tensor, Tensor)",
+                         "bool deterministic, str tile=\"\") -> (Tensor, Tensor, Tensor)",
     "na_qk": f"(Tensor q, Tensor k, Tensor? rpb, {_OPTIONS3}) -> Tensor",
     "na_qk_backward": f"(Tensor d_attn, Tensor q, Tensor k, bool with_rpb, {_OPTIONS3}) "
                       "-> (Tensor, Tensor, Tensor)",
@@ -364,11 +390,12 @@ def _op(name):
 def _fused_forward_impl(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
                         stride: list[int], dilation: list[int], is_causal: list[bool],
                         scale: Optional[float], backend: str, allow_tf32: bool,
-                        deterministic: bool, lse_grad: bool = False) -> tuple[Tensor, Tensor]:
+                        deterministic: bool, lse_grad: bool = False,
+                        tile: str = "") -> tuple[Tensor, Tensor]:
     """(out, lse); with ``lse_grad`` the autograd formula takes lse's gradient too (else lse
     is not differentiable, so compiled graphs carry no lse gradient they do not need)."""
     options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
-               allow_tf32, deterministic)
+               allow_tf32, deterministic, _tile_value(tile))
     e = _forward_entry(q, k, v, options)
     if e is not None:
         out, lse = _fast.run_torch_call(e, (q, k, v))
@@ -383,7 +410,7 @@ def _fused_forward_impl(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
 
 @_fake("na_fused_forward")
 def _(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-      deterministic, lse_grad=False):
+      deterministic, lse_grad=False, tile=""):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype))
 
 
@@ -391,10 +418,10 @@ def _(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_t
 def _fused_backward_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                          lse: Tensor, kernel_size: list[int], stride: list[int],
                          dilation: list[int], is_causal: list[bool], scale: Optional[float],
-                         backend: str, allow_tf32: bool,
-                         deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         backend: str, allow_tf32: bool, deterministic: bool,
+                         tile: str = "") -> tuple[Tensor, Tensor, Tensor]:
     options = (len(kernel_size), kernel_size, stride, dilation, is_causal, scale, backend,
-               allow_tf32, deterministic)
+               allow_tf32, deterministic, _tile_value(tile))
     tensors = (d_out, q, k, v, out, lse)
     e = _backward_entry(tensors, options)
     if e is not None:
@@ -454,7 +481,7 @@ class _FusedOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options, lse_grad):
         with _BELOW():
-            out, lse = _fused_forward(q, k, v, *options, lse_grad)
+            out, lse = _forward_op(q, k, v, options, lse_grad)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
         if not lse_grad:
@@ -471,20 +498,20 @@ class _FusedOp(torch.autograd.Function):
         else:
             dq, dk, dv = fused_grads(
                 q, k, v, out, lse, d_out, d_lse,
-                lambda q, k, v: _backward_ops_call(_fused_forward, (q, k, v, *opts)),
+                lambda q, k, v: _backward_ops_call(_forward_op, (q, k, v, opts)),
                 lambda *t: _backward_ops_call(_fused_backward, (*t, *opts)),
                 _softmax_scale(q, opts[4]))
         return dq, dk, dv, None, None
 
 
 def _fused_forward_autograd(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
-                            allow_tf32, deterministic, lse_grad=False):
+                            allow_tf32, deterministic, lse_grad=False, tile=""):
     options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-               deterministic)
+               deterministic, tile)
     if _grad_enabled() and _any_requires_grad(q, k, v):
         return _FusedOp.apply(q, k, v, options, lse_grad)
     with _BELOW():
-        return _fused_forward(q, k, v, *options, lse_grad)
+        return _forward_op(q, k, v, options, lse_grad)
 
 
 _fused_forward = _op("na_fused_forward")

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import _AXES, _args
 from ._torch_ops import (AV, QK, FusedNA, _av, _check_tensors, _forward_entry, _fused_forward,
-                         _qk, _unfused_entry, per_axis)
+                         _qk, _unfused_entry, per_axis, tile_text)
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",
@@ -116,21 +116,22 @@ def _additional_attention(q, keys, values, scale):
 # ---- public functions ---------------------------------------------------------------------
 
 def _na(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-        deterministic, lse_grad=False):
+        deterministic, lse_grad=False, tile=None):
     """(out, lse) with autograd through out, and through lse where ``lse_grad`` (eager calls
     always carry it: an unused lse costs nothing there)."""
     if _validating():
         options = (rank, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-                   deterministic)
+                   deterministic, tile)
         e = _forward_entry(q, k, v, options)
         if e is not None:
             return FusedNA.apply(q, k, v, e, options)
         _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
-                          backend, allow_tf32, deterministic)
+                          backend, allow_tf32, deterministic, tile)
         _check_tensors([("q", q), ("k", k), ("v", v)])
     ks, st, dl, ca = per_axis(rank, kernel_size, dilation, is_causal, stride)
     return _fused_forward(q, k, v, ks, st, dl, ca, None if scale is None else float(scale),
-                          backend, bool(allow_tf32), bool(deterministic), bool(lse_grad))
+                          backend, bool(allow_tf32), bool(deterministic), bool(lse_grad),
+                          tile_text(tile))
 
 
 def na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=False,
@@ -138,14 +139,16 @@ def na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fal
        backend=None, q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
        backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
        run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-       return_lse=False, *, allow_tf32=False, deterministic=False):
+       return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
     """Fused neighborhood attention with autograd (``rank`` spatial axes)."""
+    if tile is not None:   # checked here: the ops carry it as text
+        tile = _args.check_tile(tile)
     stride = 1 if stride is None else stride
     dilation = 1 if dilation is None else dilation
     is_causal = False if is_causal is None else is_causal
     extra = additional_keys is not None or additional_values is not None
     out, lse = _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-                   _backend(backend), allow_tf32, deterministic, return_lse or extra)
+                   _backend(backend), allow_tf32, deterministic, return_lse or extra, tile)
     if extra:
         if additional_keys is None or additional_values is None:
             raise ValueError("additional_keys and additional_values must be given together, "
@@ -198,7 +201,9 @@ _NA_DOC = """{n}-D fused neighborhood attention with autograd (NATTEN's calling 
     backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
     torch_compile) are accepted and have no effect. Keyword-only: ``allow_tf32`` lets float32
     inputs use TF32 tensor cores; ``deterministic`` is accepted (every fused-op kernel is
-    deterministic already).
+    deterministic already); ``tile``: the fused forward's CTA query box (a tuple) or
+    "autotune" (the fastest kernel and tile for the problem, forward and backward, timed once
+    and remembered), as in the array API.
     """
 
 _UNFUSED_OPTIONS = """
@@ -226,10 +231,10 @@ def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-         return_lse=False, *, allow_tf32=False, deterministic=False):
+         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
     return na(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
               additional_keys, additional_values, backend=backend, return_lse=return_lse,
-              allow_tf32=allow_tf32, deterministic=deterministic)
+              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile)
 
 
 def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -237,10 +242,10 @@ def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-         return_lse=False, *, allow_tf32=False, deterministic=False):
+         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
     return na(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
               additional_keys, additional_values, backend=backend, return_lse=return_lse,
-              allow_tf32=allow_tf32, deterministic=deterministic)
+              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile)
 
 
 def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -248,10 +253,10 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-         return_lse=False, *, allow_tf32=False, deterministic=False):
+         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
     return na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
               additional_keys, additional_values, backend=backend, return_lse=return_lse,
-              allow_tf32=allow_tf32, deterministic=deterministic)
+              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile)
 
 
 def na1d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",

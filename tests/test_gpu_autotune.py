@@ -101,3 +101,29 @@ def test_autotune_chooses_between_hopper_and_mma_sync(tmp_path, monkeypatch, rng
     for a, b in zip(tuned, default):
         err = float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max())
         assert err < 5e-3
+
+
+@pytest.mark.gpu
+def test_torch_layer_autotune_matches_default(tmp_path, monkeypatch):
+    """natten_cupy.torch with tile="autotune": the first call tunes (forward and backward),
+    later calls take the warm path with the winner; gradients match the default call."""
+    import torch
+    from natten_cupy import torch as nt
+    monkeypatch.setenv("NATTEN_CUPY_CACHE_DIR", str(tmp_path))
+    fused._tuned_memory.clear()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, d_out = (torch.randn(2, 24, 20, 2, 64, device="cuda", dtype=torch.bfloat16,
+                                  generator=gen) for _ in range(4))
+
+    def grads(**kw):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = nt.na2d(*leaves, 7, **kw)
+        out.backward(d_out)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    default = grads()
+    first, warm = grads(tile="autotune"), grads(tile="autotune")
+    assert len(json.loads((tmp_path / "autotune.json").read_text())) >= 1
+    for a, b, c in zip(default, first, warm):
+        assert torch.equal(b, c)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

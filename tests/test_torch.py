@@ -589,3 +589,40 @@ def test_gpu_mixed_devices_rejected():
     with pytest.raises(ValueError, match="all arrays must be on the same device, got q on GPU, "
                                          "k on CPU, v on GPU"):
         nt.na2d(q, q.cpu(), q, 3)
+
+
+# ---- tile in the torch layer ----------------------------------------------------------------
+
+@pytest.mark.parametrize("tile", [(8, 16), "autotune", [4, 4]])
+def test_torch_layer_takes_tile(tile):
+    """tile= reaches the fused op (as text in its schema) eagerly and under torch.compile;
+    on CPU tensors (reference backend) it changes nothing; a bad tile names the argument."""
+    from natten_cupy import torch as nt
+    from natten_cupy._torch_ops import _tile_value, tile_text
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, d_out = (torch.randn(1, 9, 10, 2, 8, generator=gen, dtype=torch.float64)
+                      for _ in range(4))
+
+    def grads(fn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(d_out)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    want = grads(lambda q, k, v: nt.na2d(q, k, v, 3))
+    eager = grads(lambda q, k, v: nt.na2d(q, k, v, 3, tile=tile))
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(lambda q, k, v: nt.na2d(q, k, v, 3, tile=tile),
+                                   fullgraph=True, backend="aot_eager"))
+    for a, b, c in zip(want, eager, compiled):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    norm = tile if isinstance(tile, str) else tuple(tile)
+    assert _tile_value(tile_text(norm)) == norm
+
+
+@pytest.mark.parametrize("bad", ["fastest", (0, 4), (2.5, 4), ()])
+def test_torch_layer_rejects_a_bad_tile(bad):
+    from natten_cupy import torch as nt
+    q = torch.zeros(1, 6, 6, 1, 8)
+    with pytest.raises(ValueError, match="tile must be a tuple of positive ints or 'autotune'"):
+        nt.na2d(q, q, q, 3, tile=bad)

@@ -40,7 +40,8 @@ def test_schemas_and_tags_are_stable():
         "na_fused_forward": "natten_cupy::na_fused_forward(Tensor q, Tensor k, Tensor v, "
                             "SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, "
                             "bool[] is_causal, float? scale, str backend, bool allow_tf32, "
-                            "bool deterministic, bool lse_grad=False) -> (Tensor, Tensor)",
+                            "bool deterministic, bool lse_grad=False, str tile=\"\") "
+                            "-> (Tensor, Tensor)",
         "na_qk_backward": "natten_cupy::na_qk_backward(Tensor d_attn, Tensor q, Tensor k, "
                           "bool with_rpb, SymInt[] kernel_size, SymInt[] dilation, "
                           "bool[] is_causal, str backend, bool allow_tf32) "
