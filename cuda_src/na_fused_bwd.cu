@@ -3,7 +3,9 @@
 // Threads: a CTA owns a multi-dimensional tile of one dilation group; each warp owns a compact
 // 16-row patch of it (the m16 rows) and walks, 32 rows at a time, only the rows its patch
 // reaches, gathered from a shared-memory slab (one row address per lane), no atomics.
-// Reads q, k, v, d_o, lse (and o for delta); writes dq and delta, then dk, dv, each once.
+// Reads q, k, v, d_o, lse (and o for delta); writes dq and delta, then dk, dv, each once
+// (grouped-query attention: a dK/dV CTA of a kv head walks the queries of every query head of
+// its group in turn).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/fused_bwd_tile.cuh"
@@ -22,7 +24,9 @@ constexpr int kNB = 32;    // gathered rows per warp step
 // Owner tensors own0/own1, gathered gat0/gat1; S = own0 gat0^T, dP = own1 gat1^T,
 // out0 += dS gat0, out1 += P gat1 (owners are keys only), over head-dim columns
 // [chunk * DC, chunk * DC + DC). Dp: head dim padded to a multiple of 16 (zero columns).
-template <typename T, int Dp, int DC, bool OwnerIsKey>
+// Grouped (owners are keys only): loop over the heads_per_kv query heads of the owner kv
+// head; a separate instantiation, so that the kernels without GQA keep their registers.
+template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped>
 __device__ __forceinline__ void bwd_pass(
     const T* __restrict__ own0, const T* __restrict__ own1, const T* __restrict__ gat0,
     const T* __restrict__ gat1, const T* __restrict__ o, const float* __restrict__ lse,
@@ -63,8 +67,12 @@ __device__ __forceinline__ void bwd_pass(
     glen[a] = d > 1 ? (L - g + d - 1) / d : L;
   }
   const int col0 = (int)bx * DC;
-  const int bh = bh0 + (int)blockIdx.y;  // batch * heads < 2^31 (launcher)
-  const int b = bh / (int)p.heads, h = bh % (int)p.heads;
+  // Owner heads: query heads, or kv heads when owners are keys (grouped-query attention:
+  // kv head h is read by query heads h * heads_per_kv + g, g < heads_per_kv).
+  const int hpk = (int)p.heads_per_kv;
+  const int nh = OwnerIsKey ? (int)p.kv_heads : (int)p.heads;
+  const int bh = bh0 + (int)blockIdx.y;  // batch * nh < 2^31 (launcher)
+  const int b = bh / nh, h = bh % nh;
 #pragma unroll
   for (int a = 0; a < 3; ++a) {
     org[a] = tix[a] * tile[a];
@@ -228,117 +236,126 @@ __device__ __forceinline__ void bwd_pass(
   n[2] = max(min(chi[2] - clo[2], slab_rows), 1);
   n[1] = max(min(chi[1] - clo[1], slab_rows / n[2]), 1);
   n[0] = max(min(chi[0] - clo[0], slab_rows / (n[1] * n[2])), 1);
-  // Gathered rows of this (batch, head): the launcher makes their last dims contiguous.
-  const T* gat0_bh = gat0 + (b * sg0[0] + h * sg0[4]);
-  const T* gat1_bh = gat1 + (b * sg1[0] + h * sg1[4]);
-  const float* lse_bh = lse + (b * p.lse[0] + h * p.lse[4]);
-  const float* dlt_bh = delta + (b * p.delta[0] + h * p.delta[4]);
   const unsigned lse_a = tc::smem_addr(lse_s), dlt_a = tc::smem_addr(dlt_s);
-  for (int s0 = clo[0]; s0 < chi[0]; s0 += n[0])
-  for (int s1 = clo[1]; s1 < chi[1]; s1 += n[1])
-  for (int s2 = clo[2]; s2 < chi[2]; s2 += n[2]) {
-    const int e0 = min(s0 + n[0], chi[0]), e1 = min(s1 + n[1], chi[1]), e2 = min(s2 + n[2], chi[2]);
-    const int m1 = e1 - s1, m2 = e2 - s2;
-    const int rows = (e0 - s0) * m1 * m2;
-    const bwd::FastDiv by_plane(m1 * m2), by_m2(m2);
-    __syncthreads();  // every warp is done with the previous slab
-    // Each warp stages 32-row chunks: lane r finds row base + r's offsets (and copies its
-    // lse and delta: query rows of the dK/dV pass), then the warp copies the chunk's 16-byte
-    // pieces, 32 consecutive ones per turn (coalesced), offsets by shuffle.
-    for (int base = warp * 32; base < rows; base += kWarps * 32) {
-      const int r = base + lane;
-      i64 off0 = 0, off1 = 0;
-      if (r < rows) {
-        const int c0 = by_plane.div(r), rem = r - c0 * by_plane.m, c1 = by_m2.div(rem);
-        const int x0 = full(0, s0 + c0), x1 = full(1, s1 + c1), x2 = full(2, s2 + rem - c1 * m2);
-        off0 = x0 * sg0[1] + x1 * sg0[2] + x2 * sg0[3];
-        off1 = x0 * sg1[1] + x1 * sg1[2] + x2 * sg1[3];
-        if (OwnerIsKey) {
-          bwd::cp_async4(lse_a + r * 4, lse_bh + (x0 * p.lse[1] + x1 * p.lse[2] + x2 * p.lse[3]));
-          bwd::cp_async4(dlt_a + r * 4,
-                         dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
-        }
-      }
-#pragma unroll 4
-      for (int idx = lane; idx < 32 * CH; idx += 32) {
-        const int j = idx / CH, piece = idx % CH;
-        const i64 o0 = __shfl_sync(0xffffffffu, off0, j), o1 = __shfl_sync(0xffffffffu, off1, j);
-        if (base + j < rows) {
-          const bool ok = piece * EPP < D;
-          const int e = ok ? piece * EPP : 0;
-          tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, gat0_bh + (o0 + e), ok);
-          tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, gat1_bh + (o1 + e), ok);
-        }
-      }
-    }
-    tc::cp_async_commit();
-    tc::cp_async_wait<0>();
-    __syncthreads();
-
-    // This warp's share of the slab: its reach intersected with the slab box.
-    const int lo0 = max(wlo[0], s0), lo1 = max(wlo[1], s1), lo2 = max(wlo[2], s2);
-    const int k0 = max(min(whi[0], e0) - lo0, 0), k1 = max(min(whi[1], e1) - lo1, 0),
-              k2 = max(min(whi[2], e2) - lo2, 0);
-    const int count = k0 * k1 * k2;
-    const bwd::FastDiv by_k12(k1 * k2), by_k2(k2);
+  // Gathered heads: the owner query head's kv head (one), or every query head of the owner
+  // kv head's group in turn, accumulating into the same registers (dK, dV sum over the
+  // group in a fixed order: deterministic, no atomics, no repeated copy of k and v).
+  const int hg0 = OwnerIsKey ? h * hpk : h / hpk;
 #pragma unroll 1
-    for (int base = 0; base < count; base += kNB) {
-      {
-        // Lane builds the descriptor of gathered row base + lane. Its interval per axis:
-        // the query's window (owners are keys) or the key's inverse range (owners are
-        // queries); owner rows inside it on every axis attend.
-        bwd::RowDesc d;
-        d.row = 0;
-        d.mask = 0u;
-        d.l2 = d.dl = 0.f;
-        const int t = base + lane;
-        if (t < count) {
-          const int c0 = by_k12.div(t), rem = t - c0 * by_k12.m, c1 = by_k2.div(rem);
-          const int c[3] = {lo0 + c0, lo1 + c1, lo2 + rem - c1 * k2};
-          d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
-          d.mask = 0xffffu;
-#pragma unroll
-          for (int a = 0; a < 3; ++a) {
-            const int4 e = ax[a].at(tab, c[a]);
-            d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
-                                     patch[a], inner[a], rep[a]);
-          }
+  for (int gi = 0; gi < (OwnerIsKey && Grouped ? hpk : 1); ++gi) {
+    const int hg = hg0 + gi;
+    // Gathered rows of this (batch, head): the launcher makes their last dims contiguous.
+    const T* gat0_bh = gat0 + (b * sg0[0] + hg * sg0[4]);
+    const T* gat1_bh = gat1 + (b * sg1[0] + hg * sg1[4]);
+    const float* lse_bh = lse + (b * p.lse[0] + hg * p.lse[4]);
+    const float* dlt_bh = delta + (b * p.delta[0] + hg * p.delta[4]);
+    for (int s0 = clo[0]; s0 < chi[0]; s0 += n[0])
+    for (int s1 = clo[1]; s1 < chi[1]; s1 += n[1])
+    for (int s2 = clo[2]; s2 < chi[2]; s2 += n[2]) {
+      const int e0 = min(s0 + n[0], chi[0]), e1 = min(s1 + n[1], chi[1]),
+                e2 = min(s2 + n[2], chi[2]);
+      const int m1 = e1 - s1, m2 = e2 - s2;
+      const int rows = (e0 - s0) * m1 * m2;
+      const bwd::FastDiv by_plane(m1 * m2), by_m2(m2);
+      __syncthreads();  // every warp is done with the previous slab
+      // Each warp stages 32-row chunks: lane r finds row base + r's offsets (and copies its
+      // lse and delta: query rows of the dK/dV pass), then the warp copies the chunk's 16-byte
+      // pieces, 32 consecutive ones per turn (coalesced), offsets by shuffle.
+      for (int base = warp * 32; base < rows; base += kWarps * 32) {
+        const int r = base + lane;
+        i64 off0 = 0, off1 = 0;
+        if (r < rows) {
+          const int c0 = by_plane.div(r), rem = r - c0 * by_plane.m, c1 = by_m2.div(rem);
+          const int x0 = full(0, s0 + c0), x1 = full(1, s1 + c1), x2 = full(2, s2 + rem - c1 * m2);
+          off0 = x0 * sg0[1] + x1 * sg0[2] + x2 * sg0[3];
+          off1 = x0 * sg1[1] + x1 * sg1[2] + x2 * sg1[3];
           if (OwnerIsKey) {
-            d.l2 = lse_s[d.row] * bwd::kLog2e;
-            d.dl = dlt_s[d.row];
+            bwd::cp_async4(lse_a + r * 4, lse_bh + (x0 * p.lse[1] + x1 * p.lse[2] + x2 * p.lse[3]));
+            bwd::cp_async4(dlt_a + r * 4,
+                           dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
           }
         }
-        wdesc[lane] = d;
+#pragma unroll 4
+        for (int idx = lane; idx < 32 * CH; idx += 32) {
+          const int j = idx / CH, piece = idx % CH;
+          const i64 o0 = __shfl_sync(0xffffffffu, off0, j), o1 = __shfl_sync(0xffffffffu, off1, j);
+          if (base + j < rows) {
+            const bool ok = piece * EPP < D;
+            const int e = ok ? piece * EPP : 0;
+            tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, gat0_bh + (o0 + e), ok);
+            tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, gat1_bh + (o1 + e), ok);
+          }
+        }
       }
-      __syncwarp();
-      const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
-      const typename St::Rows r1 = St::shifted(r0, gat_shift);
+      tc::cp_async_commit();
+      tc::cp_async_wait<0>();
+      __syncthreads();
 
-      float s[4][4] = {}, dp[4][4] = {};
-      St::template abt<Dp>(s, own_a0, r0, RB);
-      St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
-
+      // This warp's share of the slab: its reach intersected with the slab box.
+      const int lo0 = max(wlo[0], s0), lo1 = max(wlo[1], s1), lo2 = max(wlo[2], s2);
+      const int k0 = max(min(whi[0], e0) - lo0, 0), k1 = max(min(whi[1], e1) - lo1, 0),
+                k2 = max(min(whi[2], e2) - lo2, 0);
+      const int count = k0 * k1 * k2;
+      const bwd::FastDiv by_k12(k1 * k2), by_k2(k2);
+#pragma unroll 1
+      for (int base = 0; base < count; base += kNB) {
+        {
+          // Lane builds the descriptor of gathered row base + lane. Its interval per axis:
+          // the query's window (owners are keys) or the key's inverse range (owners are
+          // queries); owner rows inside it on every axis attend.
+          bwd::RowDesc d;
+          d.row = 0;
+          d.mask = 0u;
+          d.l2 = d.dl = 0.f;
+          const int t = base + lane;
+          if (t < count) {
+            const int c0 = by_k12.div(t), rem = t - c0 * by_k12.m, c1 = by_k2.div(rem);
+            const int c[3] = {lo0 + c0, lo1 + c1, lo2 + rem - c1 * k2};
+            d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
+            d.mask = 0xffffu;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
-            const float dl = OwnerIsKey ? d.dl : row_dl[hh];
-            const int e = hh * 2 + c;
-            const float pv = (d.mask >> (group + 8 * hh)) & 1u
-                                 ? fast_exp2(s[nt][e] * sl2 - l2) : 0.f;
-            s[nt][e] = pv;
-            dp[nt][e] = pv * (dp[nt][e] - dl);
+            for (int a = 0; a < 3; ++a) {
+              const int4 e = ax[a].at(tab, c[a]);
+              d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
+                                       patch[a], inner[a], rep[a]);
+            }
+            if (OwnerIsKey) {
+              d.l2 = lse_s[d.row] * bwd::kLog2e;
+              d.dl = dlt_s[d.row];
+            }
           }
+          wdesc[lane] = d;
         }
-      St::template ab<DC>(acc0, dp, r0, RB);
-      if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
-      __syncwarp();  // descriptors are rewritten next step
+        __syncwarp();
+        const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
+        const typename St::Rows r1 = St::shifted(r0, gat_shift);
+
+        float s[4][4] = {}, dp[4][4] = {};
+        St::template abt<Dp>(s, own_a0, r0, RB);
+        St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
+
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
+              const float dl = OwnerIsKey ? d.dl : row_dl[hh];
+              const int e = hh * 2 + c;
+              const float pv = (d.mask >> (group + 8 * hh)) & 1u
+                                   ? fast_exp2(s[nt][e] * sl2 - l2) : 0.f;
+              s[nt][e] = pv;
+              dp[nt][e] = pv * (dp[nt][e] - dl);
+            }
+          }
+        St::template ab<DC>(acc0, dp, r0, RB);
+        if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
+        __syncwarp();  // descriptors are rewritten next step
+      }
     }
-  }
+  }  // gathered heads
 
   // ---- write this lane's rows once (last dims contiguous, rows 16-byte aligned: the
   // launcher guarantees it), two adjacent columns per store ----
@@ -364,7 +381,9 @@ __device__ __forceinline__ void bwd_pass(
 // spills): the dK/dV pass holds two accumulator sets; sm_80's allocator needs a little more
 // room than sm_90's for the head-dim-32 dQ pass, and so does CUDA 13.0's sm_90 allocator for
 // the head-dim-32 f16/bf16 dK/dV pass (136 spill bytes at 3 CTAs; none from 13.1 on).
-template <typename T, int Dp, bool OwnerIsKey> struct MinBlocks {
+// The grouped-query dK/dV pass (Grouped) holds a few registers more for its loop over the
+// group's query heads; where that spills at 3 CTAs (sm_80, head dim 32) it keeps 2.
+template <typename T, int Dp, bool OwnerIsKey, bool Grouped = false> struct MinBlocks {
 #if __CUDA_ARCH__ >= 900
   static constexpr int q32 = 4;
 #else
@@ -372,6 +391,8 @@ template <typename T, int Dp, bool OwnerIsKey> struct MinBlocks {
 #endif
 #if __CUDA_ARCH__ >= 900 && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1301
   static constexpr int kv32 = sizeof(T) == 2 ? 2 : 3;
+#elif __CUDA_ARCH__ < 900
+  static constexpr int kv32 = Grouped ? 2 : 3;
 #else
   static constexpr int kv32 = 3;
 #endif
@@ -380,11 +401,12 @@ template <typename T, int Dp, bool OwnerIsKey> struct MinBlocks {
 
 }  // namespace
 
-// dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * heads from
-// bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA tile
-// t and warp patch p (powers of two), log2 l of p, tiles per dilation group n.
-template <typename T, int Dp, int DC>
-__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true>::value)
+// dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * kv heads
+// from bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA
+// tile t and warp patch p (powers of two), log2 l of p, tiles per dilation group n. Grouped:
+// grouped-query attention (heads_per_kv > 1), each CTA walks its kv head's query heads.
+template <typename T, int Dp, int DC, bool Grouped>
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true, Grouped>::value)
 na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
                 float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
@@ -395,8 +417,8 @@ na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
   const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
-  bwd_pass<T, Dp, DC, true>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk,
-                            p.dv, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
+  bwd_pass<T, Dp, DC, true, Grouped>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k, p.v,
+                                     p.q, p.d_o, p.dk, p.dv, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
                             bh0);
 }
 
@@ -414,7 +436,7 @@ na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
   const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
-  bwd_pass<T, Dp, DC, false>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
+  bwd_pass<T, Dp, DC, false, false>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
                              p.dq, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
                             bh0);
 }

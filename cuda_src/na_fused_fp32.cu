@@ -91,7 +91,13 @@ struct Cta {
   }
 
   __device__ __forceinline__ i64 offset(const i64* st, int i0, int i1, int i2, int e) const {
-    return offset6(st, b, coord(0, i0), coord(1, i1), coord(2, i2), h, e);
+    return offset_at(st, h, i0, i1, i2, e);
+  }
+
+  // The same in head `head` of the tensor (the other side of a grouped-query problem).
+  __device__ __forceinline__ i64 offset_at(const i64* st, int head, int i0, int i1, int i2,
+                                           int e) const {
+    return offset6(st, b, coord(0, i0), coord(1, i1), coord(2, i2), head, e);
   }
 
   // Window (INVERSE: inverse window) of in-group row i on axis a, clamped into the group.
@@ -185,15 +191,16 @@ struct Micro {
   }
 };
 
-// Copies cells o + [0, n) of two (batch, head, group) tensors into shared rows of RS floats
+// Copies cells o + [0, n) of two (batch, head, group) tensors, in head `head`, into shared
+// rows of RS floats
 // (row (c0 * S1 + c1) * S2 + c2 holds cell o + c) by cp.async; head-dim columns at or past D
 // are zero. Each thread keeps one 16-byte column and walks the cells kThreads / F apart.
 template <int DP, int RS>
 __device__ __forceinline__ void load_slab(float* dst_a, const float* __restrict__ src_a,
                                           const i64* st_a, float* dst_b,
                                           const float* __restrict__ src_b, const i64* st_b,
-                                          const Cta& c, const int (&o)[3], const int (&n)[3],
-                                          const int* S, int D) {
+                                          const Cta& c, int head, const int (&o)[3],
+                                          const int (&n)[3], const int* S, int D) {
   constexpr int F = DP / 4, STEP = kThreads / F;
   static_assert(kThreads % F == 0, "a thread keeps one column");
   const int col = 4 * (threadIdx.x % F);
@@ -201,8 +208,8 @@ __device__ __forceinline__ void load_slab(float* dst_a, const float* __restrict_
   const int total = n[0] * n[1] * n[2];
   // Element offsets: the slab origin, plus one in-group step (dilation times the tensor's axis
   // stride) per axis.
-  const float* base_a = src_a + c.offset(st_a, o[0], o[1], o[2], col);
-  const float* base_b = src_b + c.offset(st_b, o[0], o[1], o[2], col);
+  const float* base_a = src_a + c.offset_at(st_a, head, o[0], o[1], o[2], col);
+  const float* base_b = src_b + c.offset_at(st_b, head, o[0], o[1], o[2], col);
   i64 step_a[3], step_b[3];
 #pragma unroll
   for (int a = 0; a < 3; ++a) {
@@ -227,11 +234,11 @@ __device__ __forceinline__ void load_slab(float* dst_a, const float* __restrict_
   tc::cp_async_commit();
 }
 
-// Per-row scalars of a slab: lse in base 2, and delta.
+// Per-row scalars of a slab in head `head`: lse in base 2, and delta.
 __device__ __forceinline__ void load_slab_rows(float* lse2_s, float* delta_s,
                                                const float* __restrict__ lse,
                                                const float* __restrict__ delta,
-                                               const NAParams& p, const Cta& c,
+                                               const NAParams& p, const Cta& c, int head,
                                                const int (&o)[3], const int (&n)[3],
                                                const int* S) {
   const int total = n[0] * n[1] * n[2];
@@ -240,8 +247,8 @@ __device__ __forceinline__ void load_slab_rows(float* lse2_s, float* delta_s,
     const int c1 = (e / n[2]) % n[1];
     const int c0 = e / (n[2] * n[1]);
     const int row = (c0 * S[1] + c1) * S[2] + c2;
-    lse2_s[row] = lse[c.offset(p.lse, o[0] + c0, o[1] + c1, o[2] + c2, 0)] * kLog2e;
-    delta_s[row] = delta[c.offset(p.delta, o[0] + c0, o[1] + c1, o[2] + c2, 0)];
+    lse2_s[row] = lse[c.offset_at(p.lse, head, o[0] + c0, o[1] + c1, o[2] + c2, 0)] * kLog2e;
+    delta_s[row] = delta[c.offset_at(p.delta, head, o[0] + c0, o[1] + c1, o[2] + c2, 0)];
   }
 }
 
@@ -285,6 +292,7 @@ na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
 
   const int mt[3] = {1, MT1, MT2};
   const Cta c(p, tp, mt);
+  const int kv_head = c.h / (int)p.heads_per_kv;  // grouped-query attention: k, v's head
   const int D = (int)p.head_dim;
   const int lane_g = threadIdx.x % G;
   const unsigned gmask = group_mask<G>();
@@ -322,7 +330,7 @@ na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
         const int o[3] = {o0, o1, o2};
         const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
         __syncthreads();  // the previous slab is consumed
-        load_slab<DP, RS>(ks, k, p.k, vs, v, p.v, c, o, sb.n, tp.slab, D);
+        load_slab<DP, RS>(ks, k, p.k, vs, v, p.v, c, kv_head, o, sb.n, tp.slab, D);
         tc::cp_async_wait<0>();
         __syncthreads();
         int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
@@ -478,6 +486,7 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
 
   const int mt[3] = {1, MT1, MT2};
   const Cta c(p, tp, mt);
+  const int kv_head = c.h / (int)p.heads_per_kv;  // grouped-query attention: k, v's head
   const int D = (int)p.head_dim;
   const int lane_g = threadIdx.x % G;
   const unsigned gmask = group_mask<G>();
@@ -519,7 +528,7 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
         const int o[3] = {o0, o1, o2};
         const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
         __syncthreads();
-        load_slab<DP, RS>(ks, k, p.k, vs, v, p.v, c, o, sb.n, tp.slab, D);
+        load_slab<DP, RS>(ks, k, p.k, vs, v, p.v, c, kv_head, o, sb.n, tp.slab, D);
         tc::cp_async_wait<0>();
         __syncthreads();
         int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
@@ -593,7 +602,7 @@ na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
   float* delta_s = lse2_s + cells;
 
   const int mt[3] = {1, MT1, MT2};
-  const Cta c(p, tp, mt);
+  const Cta c(p, tp, mt);  // c.h: a kv head; its group's query heads fill the slabs in turn
   const int D = (int)p.head_dim;
   const int lane_g = threadIdx.x % G;
   const unsigned gmask = group_mask<G>();
@@ -626,53 +635,58 @@ na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
   for (int a = 0; a < 3; ++a) c.halo<true>(a, tp.cta[a] * mt[a], hlo[a], hhi[a]);
 
-  for (int o0 = hlo[0]; o0 < hhi[0]; o0 += tp.slab[0]) {
-    for (int o1 = hlo[1]; o1 < hhi[1]; o1 += tp.slab[1]) {
-      for (int o2 = hlo[2]; o2 < hhi[2]; o2 += tp.slab[2]) {
-        const int o[3] = {o0, o1, o2};
-        const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
-        __syncthreads();
-        load_slab<DP, RS>(qs, q, p.q, dos, d_out, p.d_o, c, o, sb.n, tp.slab, D);
-        load_slab_rows(lse2_s, delta_s, lse, delta, p, c, o, sb.n, tp.slab);
-        tc::cp_async_wait<0>();
-        __syncthreads();
-        int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
-        for (int done = 0; done < sb.count; done += NB) {
-          int cell[NB];
-          const unsigned bits = mi.template chunk<NB>(j, sb.lo, sb.hi, o, tp.slab,
-                                                      sb.count - done, cell);
-          float s[MQ][NB], dp[MQ][NB];
-          slab_dots<G, F, RS>(s, dp, kr, vr, qs, dos, cell, lane_g);
+  // Grouped-query attention: the query heads of this kv head's group in turn, accumulating
+  // into the same registers (a fixed order: deterministic, no atomics).
+#pragma unroll 1
+  for (int qh = c.h * (int)p.heads_per_kv; qh < (c.h + 1) * (int)p.heads_per_kv; ++qh) {
+    for (int o0 = hlo[0]; o0 < hhi[0]; o0 += tp.slab[0]) {
+      for (int o1 = hlo[1]; o1 < hhi[1]; o1 += tp.slab[1]) {
+        for (int o2 = hlo[2]; o2 < hhi[2]; o2 += tp.slab[2]) {
+          const int o[3] = {o0, o1, o2};
+          const SlabBox sb(o, hhi, tp.slab, mi.ulo, mi.uhi);
+          __syncthreads();
+          load_slab<DP, RS>(qs, q, p.q, dos, d_out, p.d_o, c, qh, o, sb.n, tp.slab, D);
+          load_slab_rows(lse2_s, delta_s, lse, delta, p, c, qh, o, sb.n, tp.slab);
+          tc::cp_async_wait<0>();
+          __syncthreads();
+          int j[3] = {sb.lo[0], sb.lo[1], sb.lo[2]};
+          for (int done = 0; done < sb.count; done += NB) {
+            int cell[NB];
+            const unsigned bits = mi.template chunk<NB>(j, sb.lo, sb.hi, o, tp.slab,
+                                                        sb.count - done, cell);
+            float s[MQ][NB], dp[MQ][NB];
+            slab_dots<G, F, RS>(s, dp, kr, vr, qs, dos, cell, lane_g);
 #pragma unroll
-          for (int kk = 0; kk < NB; ++kk) {
-            const float l2 = lse2_s[cell[kk]], de = delta_s[cell[kk]];
-#pragma unroll
-            for (int m = 0; m < MQ; ++m) {
-              const float sv = group_sum<G>(s[m][kk], gmask);
-              const float dpv = group_sum<G>(dp[m][kk], gmask);
-              const float pv = ((bits >> (m * NB + kk)) & 1u) ? exp2f(sv - l2) : 0.f;
-              s[m][kk] = pv;
-              dp[m][kk] = pv * (dpv - de);
-            }
-          }
-#pragma unroll
-          for (int kk = 0; kk < NB; ++kk) {
-#pragma unroll
-            for (int t = 0; t < F; ++t) {
-              const int at = cell[kk] * RS + 4 * (lane_g + G * t);
-              const float4 qv = *reinterpret_cast<const float4*>(qs + at);
-              const float4 dov = *reinterpret_cast<const float4*>(dos + at);
+            for (int kk = 0; kk < NB; ++kk) {
+              const float l2 = lse2_s[cell[kk]], de = delta_s[cell[kk]];
 #pragma unroll
               for (int m = 0; m < MQ; ++m) {
-                axpy4(dva[m][t], s[m][kk], dov);
-                axpy4(dka[m][t], dp[m][kk], qv);
+                const float sv = group_sum<G>(s[m][kk], gmask);
+                const float dpv = group_sum<G>(dp[m][kk], gmask);
+                const float pv = ((bits >> (m * NB + kk)) & 1u) ? exp2f(sv - l2) : 0.f;
+                s[m][kk] = pv;
+                dp[m][kk] = pv * (dpv - de);
+              }
+            }
+#pragma unroll
+            for (int kk = 0; kk < NB; ++kk) {
+#pragma unroll
+              for (int t = 0; t < F; ++t) {
+                const int at = cell[kk] * RS + 4 * (lane_g + G * t);
+                const float4 qv = *reinterpret_cast<const float4*>(qs + at);
+                const float4 dov = *reinterpret_cast<const float4*>(dos + at);
+#pragma unroll
+                for (int m = 0; m < MQ; ++m) {
+                  axpy4(dva[m][t], s[m][kk], dov);
+                  axpy4(dka[m][t], dp[m][kk], qv);
+                }
               }
             }
           }
         }
       }
     }
-  }
+  }  // query heads of the group
 
 #pragma unroll
   for (int m1 = 0; m1 < MT1; ++m1) {

@@ -1,6 +1,6 @@
 // Fused neighborhood-attention forward on tensor cores: out = softmax(scale * q k^T) v over each query's window, and lse (natural log), flash-style (online softmax, nothing in memory).
 // One CTA = a box of queries of one dilation group, head and batch; each warp owns a compact 16-query patch (the m16 rows of its mma) and walks only its patch's key halo, line by line in 8-key groups (2-D, 3-D) or flat 16 keys at a time, gathering key rows from shared memory (ldmatrix or per-lane loads take any row).
-// Reads q, k, v (last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit); writes out and lse (float32).
+// Reads q, k, v (k, v of the head's kv head under GQA; last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit); writes out and lse (float32).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/fused_tile.cuh"
@@ -183,8 +183,12 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   }
 
   const i64 hd = p.head_dim;
-  const i64 kbase = batch * p.k[0] + head * p.k[4];
-  const i64 vbase = batch * p.v[0] + head * p.v[4];
+  // Grouped-query attention: this head's keys and values are those of kv head
+  // head / heads_per_kv (the same head without GQA); unsigned 32-bit division (the signed
+  // one cost 8 bytes of spill at head dim 32 on sm_80).
+  const i64 kv_head = (unsigned)head / (unsigned)p.heads_per_kv;
+  const i64 kbase = batch * p.k[0] + kv_head * p.k[4];
+  const i64 vbase = batch * p.v[0] + kv_head * p.v[4];
   const T* const qw = q_s + warp * 16 * DP;
 
   // ---- stage this warp's 16 query rows (zero-padded to DP) ----

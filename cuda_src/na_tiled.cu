@@ -32,8 +32,9 @@ struct Geometry {
 // Decode this warp's (batch, heads, d-slice, patch); false when the patch is empty.
 // Warp order: d-slice fastest, then head group, then patch (last axis fastest), then batch,
 // so a CTA's warps share rows of the same tokens and neighboring CTAs share halos in L2.
+// `heads`: heads of the rows (p.heads; p.kv_heads for the inverse sums, whose rows are keys).
 __device__ __forceinline__ bool setup_warp(const NAParams& p, bool inverse, int slices,
-                                           int heads_per_warp, Geometry& G) {
+                                           int heads_per_warp, int heads, Geometry& G) {
   // Inert axes (kernel 1) trail the real ones.
   const int rank = p.kernel[2] > 1 ? 3 : (p.kernel[1] > 1 ? 2 : 1);
   G.pw[0] = rank == 1 ? 16 : (rank == 2 ? 4 : 1);
@@ -41,10 +42,10 @@ __device__ __forceinline__ bool setup_warp(const NAParams& p, bool inverse, int 
   G.pw[2] = rank == 3 ? 4 : 1;
   i64 w = (i64)blockIdx.x * kWarps + threadIdx.x / 32;
   G.slice = (int)(w % slices); w /= slices;
-  const int groups = (int)((p.heads + heads_per_warp - 1) / heads_per_warp);
+  const int groups = (heads + heads_per_warp - 1) / heads_per_warp;
   G.h = (int)(w % groups) * heads_per_warp;
   w /= groups;
-  G.nh = min(heads_per_warp, (int)p.heads - G.h);
+  G.nh = min(heads_per_warp, heads - G.h);
   int pa[3], npg[3];
   for (int a = 2; a >= 0; --a) {
     G.ax[a] = axis_of(p, a);
@@ -125,11 +126,22 @@ __device__ __forceinline__ HaloPos advanced(const Geometry& G, const HaloPos& p,
   return r;
 }
 
-// Offset of the (batch, head) row at in-group index x of tensor with strides st.
-__device__ __forceinline__ i64 row_offset(const Geometry& G, const i64* st, const int (&x)[3]) {
+// Offset of the row at in-group index x, in head `head`, of tensor with strides st.
+__device__ __forceinline__ i64 row_offset_at(const Geometry& G, const i64* st,
+                                             const int (&x)[3], int head) {
   return offset6(st, G.b, G.g[0] + (i64)G.ax[0].dilation * x[0],
                  G.g[1] + (i64)G.ax[1].dilation * x[1], G.g[2] + (i64)G.ax[2].dilation * x[2],
-                 G.h, 0);
+                 head, 0);
+}
+
+// ... in the warp's first head.
+__device__ __forceinline__ i64 row_offset(const Geometry& G, const i64* st, const int (&x)[3]) {
+  return row_offset_at(G, st, x, G.h);
+}
+
+// Grouped-query attention: the kv head that query head h reads (unsigned division: h >= 0).
+__device__ __forceinline__ int kv_head_of(const NAParams& p, int h) {
+  return (int)((unsigned)h / (unsigned)p.heads_per_kv);
 }
 
 // Per-axis windows [s, e) of the query at in-group index x.
@@ -286,7 +298,7 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
   constexpr int R = Elem<T, EXACT>::kRegs8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Geometry G;
-  if (!setup_warp(p, false, 1, heads_per_warp, G)) return;
+  if (!setup_warp(p, false, 1, heads_per_warp, (int)p.heads, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int D = (int)p.head_dim;
   const int K = (int)p.num_neighbors;
@@ -334,7 +346,8 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
       for (int a = 0; a < 3; ++a)
         rpo[e] += (i64)(y[a] - rx[ri][a] + G.ax[a].kernel - 1) * p.rpb[1 + a];
     }
-    const T* brow = b_in + row_offset(G, p.k, bpos.y) + 8 * quad;
+    // b (k, or v for d_attn) is key/value-side: head hh reads kv head kv_head_of(G.h + hh).
+    const T* brow = b_in + row_offset_at(G, p.k, bpos.y, 0) + 8 * quad;
     const T* bj[8];  // EXACT: key j of the block, from the lanes that walk it
     if constexpr (EXACT) {
 #pragma unroll
@@ -359,7 +372,7 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
     };
     if constexpr (EXACT) {
       for (int hh = 0; hh < G.nh; ++hh) {
-        const i64 ha = hh * p.q[4], hb = hh * p.k[4];
+        const i64 ha = hh * p.q[4], hb = (i64)kv_head_of(p, G.h + hh) * p.k[4];
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         float part[2][8];
 #pragma unroll
@@ -397,7 +410,8 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
             const i64 hh = h0 + i;
             load8<T, EXACT>(a0[i], arow[0] + hh * p.q[4] + 32 * ch, hok && d0 < D);
             load8<T, EXACT>(a1[i], arow[1] + hh * p.q[4] + 32 * ch, hok && d0 < D);
-            load8<T, EXACT>(bfrag[i], brow + hh * p.k[4] + 32 * ch, hok && bok && d0 < D);
+            load8<T, EXACT>(bfrag[i], brow + kv_head_of(p, G.h + hh) * p.k[4] + 32 * ch,
+                            hok && bok && d0 < D);
           }
 #pragma unroll
           for (int i = 0; i < HP; ++i) mma_chunk32<T>(acc[i], a0[i], a1[i], bfrag[i]);
@@ -486,7 +500,8 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
   const int D = (int)p.head_dim;
   const int slices = (D + 8 * NT - 1) / (8 * NT);
   Geometry G;
-  if (!setup_warp(p, INVERSE, slices, HB, G)) return;
+  // Inverse sums write the key/value side (dv, dk): rows over the kv heads.
+  if (!setup_warp(p, INVERSE, slices, HB, INVERSE ? (int)p.kv_heads : (int)p.heads, G)) return;
   const int lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int dbase = G.slice * 8 * NT;
   const int K = (int)p.num_neighbors;
@@ -586,13 +601,13 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
     for (int j = 0; j < 4; ++j) {
       const bool cok = base + cofs[j] < G.cols;
       const int(&y)[3] = pos[j].y;
-      xrow[j] = x_in + row_offset(G, p.v, y) + dbase;
+      xrow[j] = x_in + row_offset_at(G, p.v, y, 0) + dbase;  // head added per head below
       if constexpr (EXACT)
         if (grp == 0) xsm[cofs[j]] = reinterpret_cast<unsigned long long>(xrow[j]);
       if (INVERSE) {
         int s[3], e[3];
         windows_of(G, y, s, e);
-        const i64 wq = row_offset(G, p.attn, y);
+        const i64 wq = row_offset_at(G, p.attn, y, 0);  // query head added per head below
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           const int slot = (cok && rok[ri]) ? slot_of(G, s, e, rx[ri]) : -1;
@@ -614,104 +629,113 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
 #pragma unroll
     for (int hh = 0; hh < HB; ++hh) {
       if (hh >= G.nh) break;
-      const i64 hx = hh * p.v[4], hw = hh * whead;
-      float wv[2][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri)
-          wv[ri][j] = (wmask >> (2 * j + ri) & 1u) ? to_float(wsrc[woff[ri][j] + hw]) : 0.f;
-
-      if constexpr (EXACT) {
-        // This lane's outputs: slice elements 2 * NT * quad + el, el < 2 * NT, kept in acc
-        // as the epilogue reads them.
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          wsm[grp * 16 + cofs[j]] = wv[0][j];
-          wsm[(grp + 8) * 16 + cofs[j]] = wv[1][j];
-        }
-        __syncwarp();
-        const int d0 = 2 * NT * quad;
-        const int left = G.cols - base;  // columns of this step that exist
+      // Heads of X and of the weights for output head G.h + hh. Forward: X (v, k) is
+      // key/value-side, read at the query head's kv head. Inverse (grouped-query attention):
+      // the output is kv head G.h + hh, summed over its query heads in turn (fixed order, no
+      // atomics); weights and X (d_out, q) are read at each.
 #pragma unroll 1
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const float4 wa = *reinterpret_cast<const float4*>(wsm + grp * 16 + 4 * c4);
-          const float4 wb = *reinterpret_cast<const float4*>(wsm + (grp + 8) * 16 + 4 * c4);
-          const float w0s[4] = {wa.x, wa.y, wa.z, wa.w}, w1s[4] = {wb.x, wb.y, wb.z, wb.w};
+      for (int g = 0; g < (INVERSE ? (int)p.heads_per_kv : 1); ++g) {
+        const int qh = INVERSE ? (G.h + hh) * (int)p.heads_per_kv + g : G.h + hh;
+        const i64 hx = (i64)(INVERSE ? qh : kv_head_of(p, qh)) * p.v[4];
+        const i64 hw = INVERSE ? qh * whead : hh * whead;
+        float wv[2][4];
 #pragma unroll
-          for (int cc = 0; cc < 4; ++cc) {
-            const int c = 4 * c4 + cc;
-            const T* xr = reinterpret_cast<const T*>(xsm[c]) + hx;
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int u = 0; u < 2 * NT / 4; ++u) {
-              float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-              if (c < left && dbase + d0 + 4 * u < D)
-                f = __ldg(reinterpret_cast<const float4*>(xr + d0 + 4 * u));
-              const float xv[4] = {f.x, f.y, f.z, f.w};
+          for (int ri = 0; ri < 2; ++ri)
+            wv[ri][j] = (wmask >> (2 * j + ri) & 1u) ? to_float(wsrc[woff[ri][j] + hw]) : 0.f;
+
+        if constexpr (EXACT) {
+          // This lane's outputs: slice elements 2 * NT * quad + el, el < 2 * NT, kept in acc
+          // as the epilogue reads them.
 #pragma unroll
-              for (int m = 0; m < 4; ++m) {
-                const int el = 4 * u + m;
-                float& a0 = el < NT ? acc[hh][el][0] : acc[hh][el - NT][1];
-                float& a1 = el < NT ? acc[hh][el][2] : acc[hh][el - NT][3];
-                a0 = fmaf(w0s[cc], xv[m], a0);
-                a1 = fmaf(w1s[cc], xv[m], a1);
+          for (int j = 0; j < 4; ++j) {
+            wsm[grp * 16 + cofs[j]] = wv[0][j];
+            wsm[(grp + 8) * 16 + cofs[j]] = wv[1][j];
+          }
+          __syncwarp();
+          const int d0 = 2 * NT * quad;
+          const int left = G.cols - base;  // columns of this step that exist
+#pragma unroll 1
+          for (int c4 = 0; c4 < 4; ++c4) {
+            const float4 wa = *reinterpret_cast<const float4*>(wsm + grp * 16 + 4 * c4);
+            const float4 wb = *reinterpret_cast<const float4*>(wsm + (grp + 8) * 16 + 4 * c4);
+            const float w0s[4] = {wa.x, wa.y, wa.z, wa.w}, w1s[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+              const int c = 4 * c4 + cc;
+              const T* xr = reinterpret_cast<const T*>(xsm[c]) + hx;
+#pragma unroll
+              for (int u = 0; u < 2 * NT / 4; ++u) {
+                float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (c < left && dbase + d0 + 4 * u < D)
+                  f = __ldg(reinterpret_cast<const float4*>(xr + d0 + 4 * u));
+                const float xv[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                  const int el = 4 * u + m;
+                  float& a0 = el < NT ? acc[hh][el][0] : acc[hh][el - NT][1];
+                  float& a1 = el < NT ? acc[hh][el][2] : acc[hh][el - NT][3];
+                  a0 = fmaf(w0s[cc], xv[m], a0);
+                  a1 = fmaf(w1s[cc], xv[m], a1);
+                }
               }
             }
           }
-        }
-        __syncwarp();  // before the next head (or step) overwrites wsm and xsm
-      } else {
-        unsigned xw[4][XW];
+          __syncwarp();  // before the next head (or step) overwrites wsm and xsm
+        } else {
+          unsigned xw[4][XW];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const bool cok = base + cofs[j] < G.cols;
+          for (int j = 0; j < 4; ++j) {
+            const bool cok = base + cofs[j] < G.cols;
 #pragma unroll
-          for (int u = 0; u < NT / U; ++u) {
-            const int d = NT * grp + U * u;
-            const bool ok = cok && dbase + d < D;
-            const T* src = xrow[j] + hx + d;
-            if constexpr (F32) {
-              float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-              if (ok) f = __ldg(reinterpret_cast<const float4*>(src));
-              xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
-              xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
-            } else if constexpr (U == 8) {
-              uint4 f = make_uint4(0u, 0u, 0u, 0u);
-              if (ok) f = __ldg(reinterpret_cast<const uint4*>(src));
-              xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
-            } else {
-              uint2 f = make_uint2(0u, 0u);
-              if (ok) f = __ldg(reinterpret_cast<const uint2*>(src));
-              xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
+            for (int u = 0; u < NT / U; ++u) {
+              const int d = NT * grp + U * u;
+              const bool ok = cok && dbase + d < D;
+              const T* src = xrow[j] + hx + d;
+              if constexpr (F32) {
+                float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (ok) f = __ldg(reinterpret_cast<const float4*>(src));
+                xw[j][4 * u] = tc::to_tf32(f.x); xw[j][4 * u + 1] = tc::to_tf32(f.y);
+                xw[j][4 * u + 2] = tc::to_tf32(f.z); xw[j][4 * u + 3] = tc::to_tf32(f.w);
+              } else if constexpr (U == 8) {
+                uint4 f = make_uint4(0u, 0u, 0u, 0u);
+                if (ok) f = __ldg(reinterpret_cast<const uint4*>(src));
+                xw[j][4 * u] = f.x; xw[j][4 * u + 1] = f.y; xw[j][4 * u + 2] = f.z; xw[j][4 * u + 3] = f.w;
+              } else {
+                uint2 f = make_uint2(0u, 0u);
+                if (ok) f = __ldg(reinterpret_cast<const uint2*>(src));
+                xw[j][2 * u] = f.x; xw[j][2 * u + 1] = f.y;
+              }
+            }
+          }
+          if constexpr (F32) {
+            const unsigned a0[4] = {tc::to_tf32(wv[0][0]), tc::to_tf32(wv[1][0]),
+                                    tc::to_tf32(wv[0][1]), tc::to_tf32(wv[1][1])};
+            const unsigned a1[4] = {tc::to_tf32(wv[0][2]), tc::to_tf32(wv[1][2]),
+                                    tc::to_tf32(wv[0][3]), tc::to_tf32(wv[1][3])};
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              const unsigned b0[2] = {xw[0][t], xw[1][t]};
+              const unsigned b1[2] = {xw[2][t], xw[3][t]};
+              tc::mma1688_tf32(acc[hh][t], a0, b0);
+              tc::mma1688_tf32(acc[hh][t], a1, b1);
+            }
+          } else {
+            typename Elem<T, false>::Tag tag;
+            const unsigned a[4] = {tc::pack2(wv[0][0], wv[0][1], tag), tc::pack2(wv[1][0], wv[1][1], tag),
+                                   tc::pack2(wv[0][2], wv[0][3], tag), tc::pack2(wv[1][2], wv[1][3], tag)};
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              // Element t of a column is the low (t even) or high half of word t / 2.
+              const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
+              const unsigned b[2] = {__byte_perm(xw[0][t / 2], xw[1][t / 2], sel),
+                                     __byte_perm(xw[2][t / 2], xw[3][t / 2], sel)};
+              tc::mma16816(acc[hh][t], a, b, tag);
             }
           }
         }
-        if constexpr (F32) {
-          const unsigned a0[4] = {tc::to_tf32(wv[0][0]), tc::to_tf32(wv[1][0]),
-                                  tc::to_tf32(wv[0][1]), tc::to_tf32(wv[1][1])};
-          const unsigned a1[4] = {tc::to_tf32(wv[0][2]), tc::to_tf32(wv[1][2]),
-                                  tc::to_tf32(wv[0][3]), tc::to_tf32(wv[1][3])};
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const unsigned b0[2] = {xw[0][t], xw[1][t]};
-            const unsigned b1[2] = {xw[2][t], xw[3][t]};
-            tc::mma1688_tf32(acc[hh][t], a0, b0);
-            tc::mma1688_tf32(acc[hh][t], a1, b1);
-          }
-        } else {
-          typename Elem<T, false>::Tag tag;
-          const unsigned a[4] = {tc::pack2(wv[0][0], wv[0][1], tag), tc::pack2(wv[1][0], wv[1][1], tag),
-                                 tc::pack2(wv[0][2], wv[0][3], tag), tc::pack2(wv[1][2], wv[1][3], tag)};
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            // Element t of a column is the low (t even) or high half of word t / 2.
-            const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
-            const unsigned b[2] = {__byte_perm(xw[0][t / 2], xw[1][t / 2], sel),
-                                   __byte_perm(xw[2][t / 2], xw[3][t / 2], sel)};
-            tc::mma16816(acc[hh][t], a, b, tag);
-          }
-        }
-      }
+      }  // query heads of the group
     }
   }
 

@@ -289,3 +289,56 @@ def test_torch_additional_keys_with_kv_heads(rng):
     rep = [x.repeat_interleave(2, dim=-2) for x in (k, v, ek, ev)]
     want = nt.na2d(q, rep[0], rep[1], 3, additional_keys=rep[2], additional_values=rep[3])
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ---- backends' refusals (CPU: refusals need no GPU) ----------------------------------------
+
+def _problem(dtype, heads=8, kv_heads=2, D=64, allow_tf32=False):
+    q = numpy.zeros((1, 9, 11, heads, D), dtype)
+    k = numpy.zeros((1, 9, 11, kv_heads, D), dtype)
+    return _args.check_fused(2, q, k, k, 3, 1, 1, False, None, "auto", allow_tf32)
+
+
+def test_fused_and_tiled_parts_take_gqa():
+    from natten_cupy.backends import _fused_bwd, _fused_fp32, _fused_fwd, fused, tiled
+    p = _problem(numpy.float16)
+    assert _fused_fwd.refuse(p) is None and _fused_bwd.refuse(p) is None
+    assert fused.refuse("fused_forward", p) is None and fused.refuse("fused_backward", p) is None
+    assert _fused_fp32.refuse(_problem(numpy.float32)) is None
+    assert _fused_fwd.refuse(_problem(numpy.float32, allow_tf32=True)) is None
+    q = numpy.zeros((1, 9, 11, 8, 64), numpy.float16)
+    k = numpy.zeros((1, 9, 11, 2, 64), numpy.float16)
+    for op, problem in (("qk", _args.check_qk(2, q, k, 3, 1, False, None, "auto")),
+                        ("av", _args.check_av(2, numpy.zeros((1, 9, 11, 8, 9), numpy.float16),
+                                              k, 3, 1, False, "auto"))):
+        assert tiled.refuse(op, problem) is None
+
+
+def test_fused_backward_names_the_grouped_kernel():
+    """The dK/dV pass of a GQA problem is its own instantiation (the loop over the group's
+    query heads), listed for the compile test; without GQA the original kernel runs."""
+    from natten_cupy.backends import _fused_bwd
+    grouped = _fused_bwd._names("__half", 64, grouped=True)[0]
+    assert grouped == "na_bwd_fused_kv<__half, 64, 64, true>"
+    listed = {name for _, name in _fused_bwd.instantiations()}
+    assert {"na_bwd_fused_kv<__half, 64, 64, true>",
+            "na_bwd_fused_kv<__half, 64, 64, false>"} <= listed
+
+
+def test_gpu_gqa_capability_table_matches_the_backends_refusals():
+    """The GPU suite's GQA cases: each backend refuses exactly what the main table says it
+    refuses (GQA adds no refusal)."""
+    import gpu_cases
+    from natten_cupy.backends import get_backend
+    for backend in gpu_cases.BACKENDS:
+        mod = get_backend(backend)
+        ran = 0
+        for case in gpu_cases.gqa_cases():
+            why = gpu_cases.refusal(case, mod)
+            expected = gpu_cases.expected_refusal(case, backend)
+            if expected is None:
+                assert why is None, f"{backend} refuses {case.id}: {why}"
+                ran += 1
+            else:
+                assert why is not None and expected in why, (case.id, expected, why)
+        assert ran >= 10, f"{backend} runs only {ran} GQA cases"

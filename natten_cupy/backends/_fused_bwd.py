@@ -8,7 +8,8 @@ Two launches, no atomics (so every run is bitwise reproducible, ``deterministic`
    patch (1-D 16, 2-D 4x4, 3-D 1x4x4) and walks only the keys its patch's windows reach, 32
    at a time, gathered from a shared-memory slab;
 2. ``na_bwd_fused_kv``: dK, dV, the same walk with keys as owners and the queries whose
-   windows reach them gathered (with the delta of pass 1).
+   windows reach them gathered (with the delta of pass 1); under grouped-query attention a
+   CTA owns keys of one kv head and walks the queries of each head of its group in turn.
 
 Window arithmetic comes from per-axis tables built here (``_axis_table``) and cached on the
 device. Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; the
@@ -55,8 +56,6 @@ def refuse(problem):
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32 as TF32)"
     if problem.batch * problem.heads >= 2 ** 31:
         return "batch * heads must be below 2**31"
-    if problem.kv_heads != problem.heads:
-        return "grouped-query attention (kv heads != heads) is not built here yet"
     if problem.head_dim % 8 or problem.head_dim > D_BUCKETS[-1]:
         return f"head_dim {problem.head_dim} must be a multiple of 8 up to {D_BUCKETS[-1]}"
     return None
@@ -66,8 +65,12 @@ def _bucket(head_dim):
     return next(d for d in D_BUCKETS if d >= head_dim)
 
 
-def _names(ctype, dp):
-    return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}>",
+def _names(ctype, dp, grouped=False):
+    """Kernel names of the dK/dV and dQ passes; ``grouped``: the dK/dV pass that loops over a
+    kv head's query heads (grouped-query attention), its own instantiation so that the
+    kernels without GQA keep their register budget."""
+    return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}, "
+            f"{'true' if grouped else 'false'}>",
             f"na_bwd_fused_q<{ctype}, {dp}, {min(dp, Q_CHUNK)}>")
 
 
@@ -77,6 +80,7 @@ def instantiations():
         ct = c_type(dt)
         for dp in D_BUCKETS:
             out += [(SOURCE, name) for name in _names(ct, dp)]
+            out.append((SOURCE, _names(ct, dp, grouped=True)[0]))
     return out
 
 
@@ -182,9 +186,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
         raise ValueError(f"tile {tile} and patch {patch} extents must be powers of two")
     lpatch = tuple(int(x).bit_length() - 1 for x in patch)
     geo = [numpy.int32(x) for x in tile + patch + lpatch + tuple(per_axis)]
-    bh = problem.batch * problem.heads
     tab, tab_off, reach = _geometry(problem, tile)
-    name_kv, name_q = _names(ct, dp)
+    name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1)
     calls = []
     for name, chunk, owner_is_key, ptrs in (
             (name_q, min(dp, Q_CHUNK), False, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ)),
@@ -192,6 +195,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
         slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key)
         fn = get_kernel(SOURCE, name)
         gx = ntiles * groups * (dp // chunk)
+        # Grid y: (batch, owner head): query heads for dQ, kv heads for dK/dV (each of those
+        # CTAs walks its kv head's group of query heads).
+        bh = problem.batch * (problem.kv_heads if owner_is_key else problem.heads)
         for bh0 in range(0, bh, MAX_GRID_Y):
             calls.append(KernelCall(
                 fn, (gx, min(MAX_GRID_Y, bh - bh0), 1), (32 * nwarps, 1, 1),

@@ -15,7 +15,9 @@ rows), win. Shared memory per CTA is half a multiprocessor's (two CTAs per SM, w
 what the registers allow).
 
 Backward: delta = rowsum(dO * O), then dQ (query-parallel) and dK/dV (key-parallel, P
-recomputed from lse); no atomics, so results are deterministic.
+recomputed from lse); no atomics, so results are deterministic. Grouped-query attention:
+query CTAs read their head's kv head; a dK/dV CTA owns keys of one kv head and streams the
+queries of each head of its group in turn.
 """
 
 from __future__ import annotations
@@ -54,8 +56,6 @@ def refuse(problem):
     if problem.dtype != FLOAT32:
         return f"exact-float32 kernels take float32 only, got {problem.dtype_name}"
     D = problem.head_dim
-    if problem.kv_heads != problem.heads:
-        return "grouped-query attention (kv heads != heads) is not built here yet"
     if D % 4 or D > 256:
         return f"head dim must be a multiple of 4 up to 256 for exact float32, got {D}"
     if problem.heads > MAX_GRID or problem.batch > MAX_GRID:
@@ -309,6 +309,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
     lanes = _lanes(problem.head_dim, DKV_COLUMNS)
     row = _row_floats(lanes, DKV_COLUMNS, micro)
     tiles, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
+    grid = (grid[0], problem.kv_heads, grid[2])   # a CTA per kv head (walks its query group)
     calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro)), grid,
                             (THREADS, 1, 1),
                             (Q, K, V, D_OUT, LSE, DELTA, DK, DV, params, tiles),

@@ -108,8 +108,6 @@ def refuse(problem):
         return f"fused forward on tensor cores runs float16, bfloat16 and TF32, not {problem.dtype_name}"
     if problem.head_dim % 8 or problem.head_dim > 256:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to 256"
-    if problem.kv_heads != problem.heads:
-        return "grouped-query attention (kv heads != heads) is not built here yet"
     cfg = _config(problem)
     if isinstance(cfg, str):
         return cfg

@@ -15,7 +15,9 @@ reduction (the softmax between qk and av is ``natten_cupy.softmax``):
 
 float16/bfloat16 run on f16/bf16 tensor cores, float32 on TF32 tensor cores when the caller
 allows TF32, otherwise in exact float32 with FMAs on the same tiles (``EXACT`` kernels).
-Head dims: multiples of 8 up to 256.
+Head dims: multiples of 8 up to 256. Grouped-query attention: k, v are read at each query
+head's kv head; the inverse sums (dk, dv) run warps over kv heads that add up their group's
+query heads in turn (deterministic).
 q/k/v-like tensors are read and written with 16-byte accesses along the head dim: a tensor
 whose head dim is not contiguous, or whose other strides break that alignment, goes through
 a contiguous copy. attn, d_attn, rpb and d_rpb are accessed element-wise with any strides.
@@ -75,8 +77,6 @@ def refuse(op, problem):
         return f"head dim {d} is not a multiple of 8 up to {MAX_HEAD_DIM}"
     if any(s != 1 for s in problem.stride):
         return f"unfused ops take stride 1, got {problem.stride}"
-    if problem.kv_heads != problem.heads:
-        return "grouped-query attention (kv heads != heads) is not built here yet"
     if max(problem.spatial) >= 2 ** 31:
         return "extents of 2**31 or more do not fit the kernels' int32 coordinates"
     if op == "qk_backward" and problem.heads > 65535:
@@ -128,9 +128,10 @@ def num_patches(problem):
     return total
 
 
-def _grid(problem, heads_per_warp, slices=1):
-    """CTAs covering every (batch, patch, head group, head-dim slice) warp."""
-    groups = _ceil_div(problem.heads, heads_per_warp)
+def _grid(problem, heads_per_warp, slices=1, heads=None):
+    """CTAs covering every (batch, patch, head group, head-dim slice) warp; ``heads``: of the
+    rows (default the query heads; the inverse sums' rows are kv heads)."""
+    groups = _ceil_div(problem.heads if heads is None else heads, heads_per_warp)
     warps = problem.batch * num_patches(problem) * groups * slices
     return (_ceil_div(warps, WARPS),)
 
@@ -218,7 +219,8 @@ def _weighted_call(problem, weights, x, out, inverse, slots):
     slices = _ceil_div(problem.head_dim, 8 * tiles)
     stage = 0 if inverse else weight_stage_bytes(problem)
     expr = _weighted_expr(problem, inverse)
-    grid = _grid(problem, weighted_heads(problem, inverse), slices) + (1, 1)
+    grid = _grid(problem, weighted_heads(problem, inverse), slices,
+                 problem.kv_heads if inverse else problem.heads) + (1, 1)
     sw, sx, so = map(Operand, slots)
     return KernelCall(get_kernel(SOURCE, expr), grid, (32 * WARPS, 1, 1),
                       (sw, sx, so, numpy.int32(stage > 0), p), shared_mem=WARPS * stage,
