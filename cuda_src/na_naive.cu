@@ -404,10 +404,12 @@ __global__ void na_av_bwd_dv_naive(const T* attn, const T* d_out, T* dv, NAParam
 
 // ---- fused kernels ----------------------------------------------------------------------
 
-// Head-dim chunks per row; rows times chunks are the work items of the fused kernels.
+// Chunks of a head dim of `dim` elements per row; rows times chunks are the work items of the
+// fused kernels (dim: the head dim of what a kernel writes: out has v_dim, dq head_dim, and
+// dk, dv together the larger of the two).
 template <int kChunk>
-__device__ __forceinline__ int num_chunks(const NAParams& p) {
-  return (int)((p.head_dim + kChunk - 1) / kChunk);
+__device__ __forceinline__ int num_chunks(i64 dim) {
+  return (int)((dim + kChunk - 1) / kChunk);
 }
 
 // out = softmax(scale q k^T) v over each window, online (one pass over the keys), and
@@ -418,7 +420,7 @@ __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
                              typename Acc<T>::type* lse, NAParams p) {
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
-  const int chunks = num_chunks<kChunk>(p);
+  const int chunks = num_chunks<kChunk>(p.v_dim);  // out's columns
   const i64 total = num_rows(p) * chunks;
   const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
@@ -426,7 +428,7 @@ __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
     const Row row = row_of<RANK>(p, idx / chunks);
     const Window w = window_of<RANK>(p, row.x);
     const int e0 = c * kChunk;
-    const int n = min(kChunk, (int)(p.head_dim - e0));
+    const int n = min(kChunk, (int)(p.v_dim - e0));
     const T* q_row = q + at(p.q, row, row.x, 0);
     const Row kv = kv_row(p, row);
     A m = negative_infinity<A>(), l = 0, acc[kChunk];
@@ -462,7 +464,7 @@ __global__ void na_bwd_delta_naive(const T* out, const T* d_out, typename Acc<T>
     const Row row = row_of<RANK>(p, idx);
     delta[at(p.delta, row, row.x, 0)] =
         dot(out + at(p.o, row, row.x, 0), p.o[5], d_out + at(p.d_o, row, row.x, 0), p.d_o[5],
-            p.head_dim);
+            p.v_dim);
   }
 }
 
@@ -474,7 +476,7 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
                                 const typename Acc<T>::type* delta, T* dq, NAParams p) {
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
-  const int chunks = num_chunks<kChunk>(p);
+  const int chunks = num_chunks<kChunk>(p.head_dim);
   const i64 total = num_rows(p) * chunks;
   const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
@@ -496,7 +498,7 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
       const A prob =
           exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 - lse_log2);
       const A d_score =
-          prob * (dot(do_row, p.d_o[5], v + at(p.v, kv, y, 0), p.v[5], p.head_dim) - delta_i);
+          prob * (dot(do_row, p.d_o[5], v + at(p.v, kv, y, 0), p.v[5], p.v_dim) - delta_i);
       const T* k_chunk = k_row + e0 * p.k[5];
 #pragma unroll
       for (int j = 0; j < kChunk; ++j)
@@ -519,7 +521,8 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
                                   NAParams p) {
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
-  const int chunks = num_chunks<kChunk>(p);
+  // dk has head_dim columns, dv v_dim: chunks cover the larger, each side stops at its own.
+  const int chunks = num_chunks<kChunk>(max(p.head_dim, p.v_dim));
   const i64 total = num_kv_rows(p) * chunks;
   const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
   for (i64 idx = first_index(); idx < total; idx += index_step()) {
@@ -527,7 +530,7 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
     const Row row = row_of<RANK>(p, idx / chunks, p.kv_heads);
     const InverseWindow iw = inverse_window_of<RANK>(p, row.x);
     const int e0 = c * kChunk;
-    const int n = min(kChunk, (int)(p.head_dim - e0));
+    const int n = min(kChunk, (int)(p.head_dim - e0)), nv = min(kChunk, (int)(p.v_dim - e0));
     const T* k_row = k + at(p.k, row, row.x, 0);
     const T* v_row = v + at(p.v, row, row.x, 0);
     A acc_k[kChunk], acc_v[kChunk];
@@ -546,16 +549,14 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
             const T* do_row = d_out + at(p.d_o, qr, x, 0);
             const A prob = exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 -
                                    lse[at(p.lse, qr, x, 0)] * (A)kLog2e);
-            const A d_score = prob * (dot(do_row, p.d_o[5], v_row, p.v[5], p.head_dim) -
+            const A d_score = prob * (dot(do_row, p.d_o[5], v_row, p.v[5], p.v_dim) -
                                       delta[at(p.delta, qr, x, 0)]);
             const T* q_chunk = q_row + e0 * p.q[5];
             const T* do_chunk = do_row + e0 * p.d_o[5];
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) {
-              if (j < n) {
-                acc_k[j] += d_score * to_float(q_chunk[j * p.q[5]]);
-                acc_v[j] += prob * to_float(do_chunk[j * p.d_o[5]]);
-              }
+              if (j < n) acc_k[j] += d_score * to_float(q_chunk[j * p.q[5]]);
+              if (j < nv) acc_v[j] += prob * to_float(do_chunk[j * p.d_o[5]]);
             }
           }
         }
@@ -565,10 +566,8 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
     T* dv_row = dv + at(p.dv, row, row.x, e0);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      if (j < n) {
-        dk_row[j * p.dk[5]] = store_as<T>(acc_k[j] * scale_of<A>(p));
-        dv_row[j * p.dv[5]] = store_as<T>(acc_v[j]);
-      }
+      if (j < n) dk_row[j * p.dk[5]] = store_as<T>(acc_k[j] * scale_of<A>(p));
+      if (j < nv) dv_row[j * p.dv[5]] = store_as<T>(acc_v[j]);
     }
   }
 }

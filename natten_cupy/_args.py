@@ -44,10 +44,15 @@ class NAProblem:
     # Heads of k and v (grouped-query / multi-query attention): query head h reads kv head
     # h // heads_per_kv. None (the default) means as many as the queries.
     kv_heads: int | None = None
+    # Head dim of v, out and their gradients (fused ops); None (the default) means head_dim.
+    # The unfused ops see only one head dim each (qk: q/k's, av: v's), in head_dim.
+    v_dim: int | None = None
 
     def __post_init__(self):
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
+        if self.v_dim is None:
+            object.__setattr__(self, "v_dim", self.head_dim)
 
     @property
     def heads_per_kv(self):
@@ -205,17 +210,20 @@ def check_tile(tile):
 
 
 def _make(rank, ref, kernel_size, stride, dilation, is_causal, scale, allow_tf32=False,
-          deterministic=False, tile=None, kv_heads=None):
+          deterministic=False, tile=None, kv_heads=None, v_dim=None):
     spatial, heads, head_dim, ks, st, dl, ca = _geometry(
         rank, ref.shape, kernel_size, stride, dilation, is_causal)
     if head_dim == 0:
         raise ValueError(f"head dim must be positive, got shape {_shape_text(ref.shape)}")
+    if v_dim == 0:
+        raise ValueError("head dim must be positive, got v with head dim 0")
     return NAProblem(
         rank=rank, batch=int(ref.shape[0]), spatial=spatial, heads=heads, head_dim=head_dim,
         kernel_size=ks, stride=st, dilation=dl, is_causal=ca,
         scale=_check_scale(scale, head_dim), dtype=canonical_dtype(ref.dtype),
         allow_tf32=bool(allow_tf32), deterministic=bool(deterministic), tile=tile,
-        kv_heads=heads if kv_heads is None else int(kv_heads))
+        kv_heads=heads if kv_heads is None else int(kv_heads),
+        v_dim=head_dim if v_dim is None else int(v_dim))
 
 
 def _check_types(named):
@@ -226,31 +234,36 @@ def _check_types(named):
         _check_dtype(name, x)
 
 
-def _check_inputs(rank, named, kv=()):
+def _check_inputs(rank, named, kv=(), free_dim=()):
     """Type, rank, dtype and shape agreement of the (name, array) pairs; the first one leads.
-    ``kv``: key/value-side pairs, checked by ``_check_kv`` against the leader. Returns H_kv
-    (the leader's heads when ``kv`` is empty)."""
+    ``kv``: key/value-side pairs, checked by ``_check_kv`` against the leader (``free_dim``:
+    those whose head dim may differ). Returns H_kv (the leader's heads when ``kv`` is
+    empty)."""
     _check_types(list(named) + list(kv))
     (ref_name, ref), rest = named[0], named[1:]
     _check_rank(ref_name, ref, rank)
     for name, x in rest:
         _check_same(name, x, ref_name, ref)
-    return _check_kv(rank, ref_name, ref, kv) if kv else int(ref.shape[1 + rank])
+    return (_check_kv(rank, ref_name, ref, kv, free_dim) if kv
+            else int(ref.shape[1 + rank]))
 
 
-def _check_kv(rank, ref_name, ref, named):
+def _check_kv(rank, ref_name, ref, named, free_dim=()):
     """Key/value-side arrays (k, v, or v alone) against the query-side ``ref``: same dtype,
-    batch, extents and head dim, one head count H_kv among them that divides ref's H
-    (grouped-query attention; H_kv = H is plain multi-head). Returns H_kv."""
+    batch, extents and head dim (but those named in ``free_dim``: v of the fused ops), one
+    head count H_kv among them that divides ref's H (grouped-query attention; H_kv = H is
+    plain multi-head). Returns H_kv."""
     kv_heads, first = None, None
     for name, x in named:
         _check_rank(name, x, rank)
         h = int(x.shape[1 + rank])
-        if tuple(x.shape) != tuple(ref.shape[:1 + rank]) + (h, ref.shape[-1]):
+        d = int(x.shape[-1]) if name in free_dim else ref.shape[-1]
+        if tuple(x.shape) != tuple(ref.shape[:1 + rank]) + (h, d):
             raise ValueError(
                 f"{name} shape {_shape_text(x.shape)} does not match {ref_name} shape "
                 f"{_shape_text(ref.shape)}: it must be {_layout_text(rank, 'D')} with "
-                f"{ref_name}'s batch, extents and head dim (H may be fewer heads, H_kv)")
+                f"{ref_name}'s batch, extents"
+                + ("" if name in free_dim else " and head dim") + " (H may be fewer heads, H_kv)")
         if canonical_dtype(x.dtype) != canonical_dtype(ref.dtype):
             raise ValueError(f"{name} dtype {x.dtype} does not match {ref_name} dtype "
                              f"{ref.dtype}")
@@ -270,13 +283,20 @@ def _check_kv(rank, ref_name, ref, named):
     return kv_heads
 
 
+class _Shaped:
+    """Shape and dtype of an array that the call does not pass (av's output)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
 def check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
                 allow_tf32=False, deterministic=False, tile=None):
     """Validate a fused forward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
-    kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)])
+    kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)], free_dim=("v",))
     return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
-                 deterministic, tile, kv)
+                 deterministic, tile, kv, int(v.shape[-1]))
 
 
 def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
@@ -284,8 +304,13 @@ def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, di
                          tile=None):
     """Validate a fused backward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
-    kv = _check_inputs(rank, [("q", q), ("out", out), ("d_out", d_out)],
-                       kv=[("k", k), ("v", v)])
+    kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)], free_dim=("v",))
+    # out and d_out: q's batch, extents and heads, v's head dim Dv.
+    _check_types([("out", out), ("d_out", d_out)])
+    o_like = _Shaped(tuple(q.shape[:-1]) + (v.shape[-1],), q.dtype)
+    for name, x in (("out", out), ("d_out", d_out)):
+        _check_rank(name, x, rank)
+        _check_same(name, x, "q" if v.shape[-1] == q.shape[-1] else "the expected", o_like)
     _check_array("lse", lse)
     want = tuple(q.shape[:-1])
     if tuple(lse.shape) != want:
@@ -297,7 +322,7 @@ def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, di
     if lse_dtype != want_dtype:
         raise ValueError(f"lse dtype must be {want_dtype} for {q.dtype} inputs, got {lse.dtype}")
     return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
-                 deterministic, tile, kv)
+                 deterministic, tile, kv, int(v.shape[-1]))
 
 
 def _check_attn(name, attn, rank, q_like, num_neighbors):
@@ -326,13 +351,6 @@ def check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_t
     if rpb is not None:
         _check_rpb(rpb, p)
     return p
-
-
-class _Shaped:
-    """Shape and dtype of an array that the call does not pass (av's output)."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), dtype
 
 
 def check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32=False):

@@ -291,7 +291,8 @@ def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale
                 lambda: _args.check_fused(rank, q, k, v, kernel_size, stride, dilation,
                                           is_causal, scale, backend, allow_tf32,
                                           deterministic, tile),
-                lambda p: [_same(q), (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))])
+                lambda p: [(tuple(q.shape[:-1]) + (v.shape[-1],), p.dtype),
+                           (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))])
     if res is None:
         return None
     return tuple(res) if return_lse else res[0]

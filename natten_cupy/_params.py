@@ -7,6 +7,10 @@ and types here must match the C++ struct exactly.
 The softmax scale travels twice: rounded to float32 (``scale``, what the float32, float16
 and bfloat16 kernels compute with) and as the caller's float64 (``scale_f64``, what the
 float64 kernels compute with, so that float64 results do not carry float32's rounding).
+
+Grouped-query attention: k, v, dk, dv have ``kv_heads`` heads; query head h reads kv head
+``h / heads_per_kv``. ``v_dim``: the head dim of v, out and their gradients in the fused ops
+(``head_dim``, that of q and k, unless the caller's values have their own).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ TENSOR_FIELDS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv",
 PARAMS_DTYPE = numpy.dtype(
     [(name, _I64, (3,)) for name in ("extent", "kernel", "stride", "dilation", "causal")]
     + [(name, _I64) for name in ("batch", "heads", "head_dim", "num_neighbors", "kv_heads",
-                                 "heads_per_kv")]
+                                 "heads_per_kv", "v_dim")]
     + [(name, _I64, (6,)) for name in TENSOR_FIELDS]
     + [("scale", numpy.float32), ("pad_", numpy.float32), ("scale_f64", numpy.float64)],
     align=True)
@@ -75,6 +79,7 @@ def make_params(problem, **tensors):
     p["num_neighbors"] = problem.num_neighbors
     p["kv_heads"] = problem.kv_heads
     p["heads_per_kv"] = problem.heads_per_kv
+    p["v_dim"] = problem.v_dim
     p["scale"] = numpy.float32(problem.scale)
     p["scale_f64"] = numpy.float64(problem.scale)
     for name, x in tensors.items():

@@ -134,7 +134,8 @@ def _forward_entry(q, k, v, options):
     return _fast.torch_entry(
         "fused_forward", options[0], (q, k, v), options,
         lambda: _forward_problem(q, k, v, options),
-        lambda p: [_like(q), (tuple(q.shape[:-1]), accumulator_dtype(p.dtype))])
+        lambda p: [(tuple(q.shape[:-1]) + (v.shape[-1],), p.dtype),   # v's head dim
+                   (tuple(q.shape[:-1]), accumulator_dtype(p.dtype))])
 
 
 def _backward_entry(tensors, options):
@@ -401,7 +402,7 @@ def _fused_forward_impl(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
         out, lse = _fast.run_torch_call(e, (q, k, v))
         return out, lse
     problem, be = _forward_problem(q, k, v, options)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # Dv
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
     with _on_torch_stream(q.device):
         ops.run_fused_forward(problem, be, *map(_view, (q, k, v, out, lse)))
@@ -411,7 +412,8 @@ def _fused_forward_impl(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
 @_fake("na_fused_forward")
 def _(q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
       deterministic, lse_grad=False, tile=""):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype))
+    return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+            q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype)))
 
 
 @_impl("na_fused_backward")

@@ -109,7 +109,7 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
     xp = ins.xp
     with ins.on_device():
         qa, ka, va = ins.arrays
-        out = _empty(xp, qa.shape, qa.dtype)
+        out = _empty(xp, tuple(qa.shape[:-1]) + (va.shape[-1],), qa.dtype)  # v's head dim
         lse = _empty(xp, qa.shape[:-1], accumulator_dtype(qa.dtype))
         run_fused_forward(problem, be, qa, ka, va, out, lse)
     if return_lse:

@@ -81,6 +81,7 @@ class Case:
     permuted: bool = False   # [B, H, *spatial, D] buffers viewed as [B, *spatial, H, D]
     tf32: bool = False
     kv_heads: int | None = None   # heads of k, v (grouped-query attention); None: heads
+    v_dim: int | None = None      # head dim of v, out (fused cases); None: head_dim
 
     @property
     def id(self):
@@ -91,7 +92,12 @@ class Case:
                 f"-d{axes(self.dilation)}-c{axes(self.causal)}-D{self.head_dim}"
                 f"-B{self.batch}H{self.heads}"
                 f"{'' if self.kv_heads is None else f'kv{self.kv_heads}'}"
+                f"{'' if self.v_dim is None else f'-Dv{self.v_dim}'}"
                 f"{'-perm' if self.permuted else ''}")
+
+    @property
+    def dv(self):
+        return self.head_dim if self.v_dim is None else self.v_dim
 
     @property
     def h_kv(self):
@@ -174,6 +180,27 @@ def gqa_cases():
     return cases
 
 
+# (head dim, value head dim) of the Dv cases: smaller, larger, and odd.
+DV_DIMS = ((32, 16), (16, 40), (64, 33), (8, 24))
+
+
+def dv_cases():
+    """Fused cases whose values have their own head dim Dv (every rank x dtype, half of them
+    with GQA); the fused kernels refuse them (naive and reference run them)."""
+    cases = []
+    n = 0
+    for rank in (1, 2, 3):
+        for dtype in DTYPES:
+            spatial, kernel, stride, dilation, causal = GEOMETRIES[rank][n % 5]
+            d, dv = DV_DIMS[n % len(DV_DIMS)]
+            heads, kv_heads = ((3, None), (4, 2))[n % 2]
+            cases.append(Case("fused", rank, dtype, spatial, kernel, stride, dilation, causal,
+                              d, batch=1, heads=heads, kv_heads=kv_heads, v_dim=dv,
+                              permuted=n % 3 == 2))
+            n += 1
+    return cases
+
+
 # ---- arrays -----------------------------------------------------------------------------
 
 def _rng(case):
@@ -201,6 +228,8 @@ def make_inputs(case):
     dt = case.np_dtype
     full = (case.batch,) + case.spatial + (case.heads, case.head_dim)
     kv = (case.batch,) + case.spatial + (case.h_kv, case.head_dim)   # k, v: H_kv heads
+    vf = kv[:-1] + (case.dv,)       # v of the fused ops: its own head dim Dv
+    of = full[:-1] + (case.dv,)     # out, d_out
     weights = (case.batch,) + case.spatial + (case.heads, math.prod(case.kernel))
 
     def normal(shape, scale=1.0):
@@ -212,7 +241,7 @@ def make_inputs(case):
 
     x = {}
     if case.fused:
-        x["q"], x["k"], x["v"], x["d_out"] = (normal(s) for s in (full, kv, kv, full))
+        x["q"], x["k"], x["v"], x["d_out"] = (normal(s) for s in (full, kv, vf, of))
     elif case.kind.startswith("qk_backward"):
         x["d_attn"] = with_empty_nan(normal(weights))
         x["q"], x["k"] = normal(full), normal(kv)
@@ -332,6 +361,7 @@ def run(case, backend, x, xp):
     full = (case.batch,) + case.spatial + (case.heads, case.head_dim)
     kv = (case.batch,) + case.spatial + (case.h_kv, case.head_dim)
     rows = full[:-1]
+    vf, of = kv[:-1] + (case.dv,), rows + (case.dv,)   # fused: v, dv and out, d_out
     weights = rows + (math.prod(case.kernel),)
 
     def out(shape, dtype=dt):
@@ -339,10 +369,10 @@ def run(case, backend, x, xp):
 
     y = {}
     if case.fused:
-        y["out"], y["lse"] = out(full), out(rows, acc)
+        y["out"], y["lse"] = out(of), out(rows, acc)
         ops.run_fused_forward(probs["fused_forward"], backend, x["q"], x["k"], x["v"],
                               y["out"], y["lse"])
-        y["dq"], y["dk"], y["dv"] = out(full), out(kv), out(kv)
+        y["dq"], y["dk"], y["dv"] = out(full), out(kv), out(vf)
         ops.run_fused_backward(probs["fused_backward"], backend, x["d_out"], x["q"], x["k"],
                                x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"])
     elif case.kind.startswith("qk_backward"):
@@ -445,6 +475,8 @@ def expected_refusal(case, backend_name):
             return "runs only the fused ops"
         if case.dtype == "float64":
             return "dtype float64 is not supported"
+        if case.dv != case.head_dim:
+            return "need the value head dim equal to the query/key head dim"
         if tensor_cores and (case.head_dim % 8 or case.head_dim > 256):
             return "multiple of 8"
         if not tensor_cores and (case.head_dim % 4 or case.head_dim > 256):

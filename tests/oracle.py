@@ -130,7 +130,7 @@ def _fused(q, k, v, mask, scale):
     scale = D ** -0.5 if scale is None else scale
     qh, kh, vh = _bnhd(q), _bnhd(k), _bnhd(v)
     p, lse = _softmax(scale * qh @ kh.transpose(0, 1, 3, 2), mask)
-    out = _back(p @ vh, q.shape)
+    out = _back(p @ vh, q.shape[:-1] + v.shape[-1:])   # values may have their own head dim
     return out, lse.transpose(0, 2, 1).reshape(q.shape[:-1])
 
 
@@ -155,7 +155,7 @@ def fused_backward(d_out, q, k, v, kernel, stride=1, dilation=1, causal=False, s
     dq = scale * ds @ kh
     dk = scale * ds.transpose(0, 1, 3, 2) @ qh
     dv = p.transpose(0, 1, 3, 2) @ doh
-    return _back(dq, q.shape), _back(dk, q.shape), _back(dv, q.shape)
+    return _back(dq, q.shape), _back(dk, k.shape), _back(dv, v.shape)
 
 
 # ---- unfused ops -----------------------------------------------------------------------

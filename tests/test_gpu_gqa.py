@@ -5,7 +5,8 @@ kind, odd extents, causal mixes, dilation, stride for the fused ops, permuted la
 8 query heads over 2 kv heads, 4 over 1 (MQA), 6 over 3) run on naive, tiled and fused
 against the float64 reference with NaN-poisoned outputs that must be fully written, under
 the same capability table as the main suite (GQA changes no backend's dtype or head-dim
-rules). The float64 reference of GQA is itself checked against dense attention on repeated
+rules). Fused cases whose values have a head dim of their own (Dv != D) run on naive; the
+fused backend must refuse them by name. The float64 reference of GQA is itself checked against dense attention on repeated
 kv heads in ``tests/test_gqa.py``. Further: the fused backward is bitwise reproducible
 (dK/dV sum a group's query heads in a fixed order, no atomics), warm calls of the fast path
 equal the general path and keep separate entries per kv-head count, and the torch layer's
@@ -23,7 +24,7 @@ from natten_cupy.backends import get_backend
 import gpu_cases
 from gpu_cases import BACKENDS, Case
 
-CASES = gpu_cases.gqa_cases()
+CASES = gpu_cases.gqa_cases() + gpu_cases.dv_cases()  # and values with their own head dim
 
 
 @pytest.mark.gpu

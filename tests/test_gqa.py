@@ -333,7 +333,7 @@ def test_gpu_gqa_capability_table_matches_the_backends_refusals():
     for backend in gpu_cases.BACKENDS:
         mod = get_backend(backend)
         ran = 0
-        for case in gpu_cases.gqa_cases():
+        for case in gpu_cases.gqa_cases() + gpu_cases.dv_cases():
             why = gpu_cases.refusal(case, mod)
             expected = gpu_cases.expected_refusal(case, backend)
             if expected is None:
@@ -342,3 +342,77 @@ def test_gpu_gqa_capability_table_matches_the_backends_refusals():
             else:
                 assert why is not None and expected in why, (case.id, expected, why)
         assert ran >= 10, f"{backend} runs only {ran} GQA cases"
+
+
+# ---- values with their own head dim (Dv != D) -------------------------------------------------
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g[0]) for g in GEOMETRIES])
+@pytest.mark.parametrize("dims", [(4, 7), (8, 3)])
+def test_fused_value_head_dim_of_its_own(geometry, dims, rng):
+    spatial, kernel, stride, dilation, causal = geometry
+    D, Dv = dims
+    rank = len(spatial)
+    B, H, Hkv = 2, 4, 2
+    q = rng.standard_normal((B,) + spatial + (H, D))
+    k = rng.standard_normal((B,) + spatial + (Hkv, D))
+    v = rng.standard_normal((B,) + spatial + (Hkv, Dv))
+    d_out = rng.standard_normal((B,) + spatial + (H, Dv))
+    kw = dict(stride=stride, dilation=dilation, is_causal=causal)
+    out, lse = call(rank)(q, k, v, kernel, return_lse=True, **kw)
+    assert out.shape == q.shape[:-1] + (Dv,)
+    want_out, want_lse = oracle.fused_forward(q, repeat_kv(k, 2), repeat_kv(v, 2), kernel,
+                                              stride, dilation, causal)
+    close(out, want_out)
+    close(lse, want_lse)
+    dq, dk, dv = call(rank, "_backward")(d_out, q, k, v, out, lse, kernel, **kw)
+    wq, wk, wv = oracle.fused_backward(d_out, q, repeat_kv(k, 2), repeat_kv(v, 2), kernel,
+                                       stride, dilation, causal)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    close(dq, wq)
+    close(dk, group_sum(wk, 2))
+    close(dv, group_sum(wv, 2))
+
+
+def test_value_head_dim_validation_and_refusals():
+    q, k, v = _z(1, 9, 4, 8), _z(1, 9, 2, 8), _z(1, 9, 2, 5)
+    p = _args.check_fused(1, q, k, v, 3, 1, 1, False, None, "auto")
+    assert (p.head_dim, p.v_dim) == (8, 5) and make_params(p)["v_dim"] == 5
+    assert _args.check_fused(1, q, k, k, 3, 1, 1, False, None, "auto").v_dim == 8
+    out, lse = _z(1, 9, 4, 5), _z(1, 9, 4)
+    with pytest.raises(ValueError, match=re.escape(
+            "d_out shape (1, 9, 4, 8) does not match the expected shape (1, 9, 4, 5)")):
+        natten_cupy.na1d_backward(q, q, k, v, out, lse, 3)
+    with pytest.raises(ValueError, match=re.escape(
+            "out shape (1, 9, 4, 8) does not match the expected shape (1, 9, 4, 5)")):
+        natten_cupy.na1d_backward(out, q, k, v, q, lse, 3)
+    with pytest.raises(ValueError, match=re.escape(
+            "k shape (1, 9, 2, 5) does not match q shape (1, 9, 4, 8)")):
+        natten_cupy.na1d(q, v, v, 3)   # keys keep the queries' head dim
+    with pytest.raises(ValueError, match="head dim must be positive, got v with head dim 0"):
+        natten_cupy.na1d(q, k, _z(1, 9, 2, 0), 3)
+    from natten_cupy.backends import fused, naive
+    half = _args.check_fused(1, q.astype(numpy.float16), k.astype(numpy.float16),
+                             v.astype(numpy.float16), 3, 1, 1, False, None, "auto")
+    for op in ("fused_forward", "fused_backward"):
+        assert fused.refuse(op, half) == (
+            "the fused kernels need the value head dim equal to the query/key head dim, got "
+            "head dim 8 and value head dim 5 (naive and reference run it)")
+        assert naive.refuse(op, half) is None
+
+
+def test_torch_value_head_dim(rng):
+    torch = pytest.importorskip("torch")
+    import natten_cupy.torch as nt
+    q = torch.randn(1, 7, 6, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 7, 6, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 7, 6, 2, 5, dtype=torch.float64, requires_grad=True)
+    out = nt.na2d(q, k, v, 3)
+    assert out.shape == (1, 7, 6, 4, 5)
+    kr, vr = (x.repeat_interleave(2, dim=-2) for x in (k, v))
+    assert torch.allclose(out, nt.na2d(q, kr, vr, 3), rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert torch.autograd.gradcheck(lambda a, b, c: nt.na2d(a, b, c, 3),
+                                    (q.detach()[..., :2, :].requires_grad_(),
+                                     k.detach()[..., :1, :].requires_grad_(),
+                                     v.detach()[..., :1, :].requires_grad_()))

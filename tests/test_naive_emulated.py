@@ -70,7 +70,7 @@ def _gqa_cases():
 
 
 CASES = _suite_cases()
-GQA_CASES = _gqa_cases()
+GQA_CASES = _gqa_cases() + gpu_cases.dv_cases()   # with the value-head-dim cases
 
 
 class Placement:
@@ -128,7 +128,8 @@ def test_naive_kernels_emulated(index, emu, monkeypatch):
 @pytest.mark.parametrize("index", range(len(GQA_CASES)), ids=[c.id for c in GQA_CASES])
 def test_naive_gqa_kernels_emulated(index, emu, monkeypatch):
     """Grouped-query / multi-query attention: kv heads read by their query groups, dk and dv
-    summed over each group (every op kind x rank x dtype)."""
+    summed over each group (every op kind x rank x dtype); and fused ops whose values have a
+    head dim of their own (Dv != D)."""
     _run_case(GQA_CASES[index], emu, monkeypatch, GRIDS[index % len(GRIDS)])
 
 
@@ -154,7 +155,7 @@ def test_params_layout_matches(emu):
     """NAParams as g++ lays it out == natten_cupy._params.PARAMS_DTYPE (what CuPy passes)."""
     offsets, size = emu.params_layout()
     names = ["extent", "kernel", "stride", "dilation", "causal", "batch", "heads", "head_dim",
-             "num_neighbors", "kv_heads", "heads_per_kv", *TENSOR_FIELDS, "scale", "pad_",
+             "num_neighbors", "kv_heads", "heads_per_kv", "v_dim", *TENSOR_FIELDS, "scale", "pad_",
              "scale_f64"]
     assert list(PARAMS_DTYPE.names) == names
     assert offsets == [PARAMS_DTYPE.fields[n][1] for n in names]

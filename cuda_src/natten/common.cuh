@@ -23,6 +23,9 @@ struct NAParams {
   // reads kv head h / heads_per_kv, and a kv head's gradients sum over its heads_per_kv
   // query heads. Without GQA kv_heads = heads, heads_per_kv = 1.
   i64 kv_heads, heads_per_kv;
+  // Head dim of v, out, d_out and dv in the fused ops (head_dim: that of q, k, dq, dk);
+  // equal to head_dim unless the caller's values have their own.
+  i64 v_dim;
   i64 q[6], k[6], v[6], o[6], d_o[6], dq[6], dk[6], dv[6];
   i64 lse[6], delta[6], attn[6], d_attn[6], rpb[6], d_rpb[6];
   float scale;        // softmax scale (D ** -0.5 unless given), read by the float kernels

@@ -93,6 +93,10 @@ def refuse(op, problem):
         return "the fused backend runs only the fused ops (use tiled or naive for qk/av)"
     if problem.dtype not in DTYPES:
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32)"
+    if problem.v_dim != problem.head_dim:   # every part sizes v's tiles by q's head dim
+        return (f"the fused kernels need the value head dim equal to the query/key head dim, "
+                f"got head dim {problem.head_dim} and value head dim {problem.v_dim} "
+                "(naive and reference run it)")
     if problem.tile == "autotune":  # accepted where the default choice is
         problem = dataclasses.replace(problem, tile=None)
     name = _parts_for(op, problem)

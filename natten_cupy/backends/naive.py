@@ -8,7 +8,8 @@ CUDA's limits, which makes tensors of more than 2**31 elements safe.
 
 Grouped-query attention: query rows read their kv head (``NAParams.heads_per_kv``); the
 kernels that write dk/dv run one thread per kv-side element and loop over the group's query
-heads (deterministic, no atomics).
+heads (deterministic, no atomics). The fused kernels take a value head dim of its own
+(``NAParams.v_dim``: v, out, d_out, dv).
 
 Unfused backward of the relative positional bias runs one warp per (head, bias entry) and is
 deterministic (no atomics). The fused backward allocates one float32 (float64) buffer,
@@ -81,8 +82,10 @@ def _kv_rows(problem):
     return problem.batch * problem.num_tokens * problem.kv_heads
 
 
-def _fused_threads(problem, rows=_rows):
-    return rows(problem) * -(-problem.head_dim // _chunk(problem.dtype))
+def _fused_threads(problem, rows=_rows, dim=None):
+    """Work items of a fused kernel: rows x chunks of the head dim it writes (``dim``)."""
+    dim = problem.head_dim if dim is None else dim
+    return rows(problem) * -(-dim // _chunk(problem.dtype))
 
 
 def rpb_entries(problem):
@@ -94,7 +97,8 @@ def rpb_entries(problem):
 
 def fused_forward(problem, q, k, v, out, lse):
     p = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
-    _run("na_fwd_naive", problem, _fused_threads(problem), (q, k, v, out, lse, p))
+    _run("na_fwd_naive", problem, _fused_threads(problem, dim=problem.v_dim),
+         (q, k, v, out, lse, p))
 
 
 def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
@@ -107,7 +111,8 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     _run("na_bwd_delta_naive", problem, _rows(problem), (out, d_out, delta, p))
     _run("na_bwd_dq_naive", problem, _fused_threads(problem),
          (q, k, v, d_out, lse, delta, dq, p))
-    _run("na_bwd_dkdv_naive", problem, _fused_threads(problem, _kv_rows),
+    _run("na_bwd_dkdv_naive", problem,
+         _fused_threads(problem, _kv_rows, max(problem.head_dim, problem.v_dim)),
          (q, k, v, d_out, lse, delta, dk, dv, p))
 
 

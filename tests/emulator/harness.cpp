@@ -88,7 +88,7 @@ extern "C" int emu_params_layout(long long* out) {
 #define EMU_FIELD(f) out[n++] = (long long)offsetof(NAParams, f);
   EMU_FIELD(extent) EMU_FIELD(kernel) EMU_FIELD(stride) EMU_FIELD(dilation) EMU_FIELD(causal)
   EMU_FIELD(batch) EMU_FIELD(heads) EMU_FIELD(head_dim) EMU_FIELD(num_neighbors)
-  EMU_FIELD(kv_heads) EMU_FIELD(heads_per_kv)
+  EMU_FIELD(kv_heads) EMU_FIELD(heads_per_kv) EMU_FIELD(v_dim)
   EMU_FIELD(q) EMU_FIELD(k) EMU_FIELD(v) EMU_FIELD(o) EMU_FIELD(d_o) EMU_FIELD(dq)
   EMU_FIELD(dk) EMU_FIELD(dv) EMU_FIELD(lse) EMU_FIELD(delta) EMU_FIELD(attn)
   EMU_FIELD(d_attn) EMU_FIELD(rpb) EMU_FIELD(d_rpb) EMU_FIELD(scale) EMU_FIELD(pad_)
