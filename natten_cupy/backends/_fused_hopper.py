@@ -84,6 +84,9 @@ def _compute_capability():
 def refuse(problem):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused forward runs float16 and bfloat16, not {problem.dtype_name}"
+    if problem.v_dim != problem.head_dim:
+        return (f"the Hopper fused forward takes one head dim for q, k and v, got "
+                f"{problem.head_dim} and {problem.v_dim}")
     if problem.head_dim % 8 or problem.head_dim > 128:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to 128"
     if not problem.scale > 0:

@@ -69,6 +69,9 @@ def refuse(problem):
     """None if this part runs ``problem`` on the current device, else the reason."""
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
+    if problem.v_dim != problem.head_dim:
+        return (f"the Hopper fused backward takes one head dim for q, k and v, got "
+                f"{problem.head_dim} and {problem.v_dim}")
     if problem.head_dim % 8 or problem.head_dim > BUCKETS[-1]:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to {BUCKETS[-1]}"
     if not problem.scale > 0:
