@@ -37,7 +37,8 @@ def overhead_table(data):
              f"shape {tuple(p['shape'])} (kernel {p['kernel']}) whose kernels take "
              f"{data['kernel_only_us']['forward']:.0f} us (forward) and "
              f"{data['kernel_only_us']['forward_backward']:.0f} us (forward + backward) from a "
-             "CUDA graph; host microseconds per call, 500 calls then one synchronize, median of "
+             f"CUDA graph; host microseconds per call, {data.get('calls', 500)} calls then one "
+             "synchronize, median of "
              "5 runs. \"general\" is the same call with the fast path switched off "
              "(`NATTEN_CUPY_FAST_PATH=0`).",
              "",
@@ -77,7 +78,15 @@ def models_table(data):
             kk = f"{_ms(o.get('fwd_bwd_kernels'))} / {_ms(f.get('fwd_bwd_kernels'))}"
         else:
             flex, sp, kk = "did not run", "-", f"{_ms(o.get('fwd_bwd_kernels'))} / -"
-        lines.append(f"| {r['workload']} | {r['dtype']} | {ours} | {flex} | {sp} | {kk} | {tf} |")
+        mark = " *" if r.get("commit", data.get("commit")) != data.get("commit") else ""
+        lines.append(f"| {r['workload']} | {r['dtype']}{mark} | {ours} | {flex} | {sp} | {kk} "
+                     f"| {tf} |")
+    older = sorted({(r["commit"], r.get("date", "")) for r in data["results"]
+                    if r.get("commit", data.get("commit")) != data.get("commit")})
+    for commit, date in older:
+        lines.append("")
+        lines.append(f"\\* measured at commit {commit} ({date}), not in the run above"
+                     + (f": {data['carried_over']}." if data.get("carried_over") else "."))
     if data.get("not_run"):
         lines.append("")
         lines.append("Not run in this call's time budget: " + ", ".join(data["not_run"]) + ".")
