@@ -117,6 +117,9 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump({"world_size": world, "device": args.device, "losses": losses}, f)
     if distributed:
+        # every rank past its last collective (and rank 0 past its file) before the group
+        # goes: a rank tearing gloo down while another still talks to it can abort at exit
+        dist.barrier()
         dist.destroy_process_group()
 
 
