@@ -14,10 +14,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH,  # noqa: E402
-                                  bytes_moved, flops, floor_ms)
+                                  bytes_moved, ceiling_key, flops, floor_ms)
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
-           "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "CEILINGS", "COPY_BANDWIDTH",
+           "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "MODEL_VARIANTS",
+           "model_workload", "CEILINGS", "COPY_BANDWIDTH",
            "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
 
 
@@ -33,12 +34,28 @@ class Workload:
     stride: tuple = None
     dilation: tuple = None
     causal: tuple = None
+    # Key/value heads (grouped-query attention: they divide ``heads``; query head h reads kv
+    # head h // (heads / kv_heads)); None means ``heads``.
+    kv_heads: int = None
+    # Additional key/value tokens ``[B, T, kv_heads, D]`` that every query attends besides its
+    # neighborhood (``additional_keys`` / ``additional_values``).
+    extra_tokens: int = 0
 
     def __post_init__(self):
         n = len(self.spatial)
         for name, default in (("stride", 1), ("dilation", 1), ("causal", False)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, (default,) * n)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"{self.id}: kv_heads {self.kv_heads} must divide heads "
+                             f"{self.heads}")
+
+    @property
+    def plain(self):
+        """No GQA and no extra tokens: every tensor has the query's shape."""
+        return self.kv_heads == self.heads and not self.extra_tokens
 
     @property
     def rank(self):
@@ -57,26 +74,62 @@ class Workload:
         """Layout of q, k, v in natten_cupy: [B, *spatial, H, D]."""
         return (self.batch, *self.spatial, self.heads, self.dim)
 
+    @property
+    def kv_shape(self):
+        """Layout of k, v: [B, *spatial, kv_heads, D]."""
+        return (self.batch, *self.spatial, self.kv_heads, self.dim)
+
+    @property
+    def extra_shape(self):
+        """Layout of the additional keys / values: [B, T, kv_heads, D]."""
+        return (self.batch, self.extra_tokens, self.kv_heads, self.dim)
+
     def flops(self, backward=False):
-        return flops(self.batch, self.tokens, self.heads, self.neighbors, self.dim, backward)
+        """Useful FLOPs: every query head attends its K neighbors and the T extra tokens,
+        ``4 * B * N * H * (K + T) * D`` forward (GQA shares k/v, not the work); backward
+        2.5x."""
+        return flops(self.batch, self.tokens, self.heads, self.neighbors + self.extra_tokens,
+                     self.dim, backward)
 
     def bytes_moved(self, dtype, backward=False):
         spec = dtype_spec(dtype)
-        return bytes_moved(self.batch, self.tokens, self.heads, self.dim, spec["itemsize"],
-                           backward, 8 if spec["name"] == "float64" else 4)
+        lse_itemsize = 8 if spec["name"] == "float64" else 4
+        if self.plain:
+            return bytes_moved(self.batch, self.tokens, self.heads, self.dim, spec["itemsize"],
+                               backward, lse_itemsize)
+        # profiler.bytes_moved with k, v (and dk, dv) at kv_heads over N + T tokens: forward
+        # q, k, v, out and lse; backward q, k, v, out, dO, lse, dq, dk, dv.
+        row = self.batch * self.dim * spec["itemsize"]
+        q_side = self.tokens * self.heads * row
+        kv_side = (self.tokens + self.extra_tokens) * self.kv_heads * row
+        lse = self.batch * self.tokens * self.heads * lse_itemsize
+        return (4 if backward else 2) * (q_side + kv_side) + lse
 
     def floor_ms(self, dtype, backward=False):
         spec = dtype_spec(dtype)
-        return floor_ms(self.batch, self.tokens, self.heads, self.neighbors, self.dim,
-                        spec["name"], backward, spec["tf32"])
+        if self.plain:
+            return floor_ms(self.batch, self.tokens, self.heads, self.neighbors, self.dim,
+                            spec["name"], backward, spec["tf32"])
+        t = self.bytes_moved(dtype, backward) / COPY_BANDWIDTH
+        key = ceiling_key(spec["name"], spec["tf32"])
+        if key is not None:
+            t = max(t, self.flops(backward) / CEILINGS[key])
+        return t * 1e3
 
     def describe(self):
         grid = " x ".join(map(str, self.spatial))
         kern = " x ".join(map(str, self.kernel))
-        return f"{grid}, kernel {kern}, H={self.heads}, D={self.dim}"
+        text = f"{grid}, kernel {kern}, H={self.heads}, D={self.dim}"
+        if self.kv_heads != self.heads:
+            text += f", H_kv={self.kv_heads}"
+        if self.extra_tokens:
+            text += f", +{self.extra_tokens} extra kv tokens"
+        return text
 
     def as_dict(self):
         d = dataclasses.asdict(self)
+        if self.plain:   # the keys suite.json has always had
+            del d["kv_heads"], d["extra_tokens"]
         d.update(rank=self.rank, tokens=self.tokens, neighbors=self.neighbors,
                  flops_fwd=self.flops(), flops_bwd=self.flops(True))
         return d
@@ -111,10 +164,28 @@ WORKLOADS = {w.id: w for w in (
     Workload("M7", (12, 32, 32), (6, 9, 9), 8, 64, "autoregressive video", batch=4,
              causal=(True, False, False)),
 )}
-# The model-shaped set with its dtype (BENCH.md), and the extra fp32 runs it asks for.
+# M4 with the features video and multimodal models add (issue 14), timed by bench/models.py
+# only: suite.py and the probes call NA without extra tokens and with k, v at the query's heads,
+# so these stay out of WORKLOADS. Same geometry, batch and head dim as M4.
+MODEL_VARIANTS = {w.id: w for w in (
+    dataclasses.replace(WORKLOADS["M4"], id="M4+kv256", extra_tokens=256,
+                        why="video diffusion layer whose queries also attend 256 text tokens"),
+    dataclasses.replace(WORKLOADS["M4"], id="M4-gqa8/2", heads=8, kv_heads=2,
+                        why="video diffusion layer, grouped-query: 8 query heads, 2 kv heads"),
+)}
+
+
+def model_workload(wid):
+    """A workload of WORKLOADS or MODEL_VARIANTS by id (KeyError if neither has it)."""
+    return WORKLOADS[wid] if wid in WORKLOADS else MODEL_VARIANTS[wid]
+
+
+# The model-shaped set with its dtype (BENCH.md), the extra fp32 runs it asks for, then (last,
+# so that a budgeted run covers the rows above first) M4's variants.
 MODEL_WORKLOADS = (("M1", "fp16"), ("M2", "fp16"), ("M3", "fp16"), ("M4", "bf16"),
                    ("M5", "bf16"), ("M6", "bf16"), ("M7", "bf16"), ("M1", "fp32"),
-                   ("M4", "fp32"), ("M1", "tf32"), ("M4", "tf32"))
+                   ("M4", "fp32"), ("M1", "tf32"), ("M4", "tf32"), ("M4+kv256", "bf16"),
+                   ("M4-gqa8/2", "bf16"))
 DEFAULT_WORKLOADS = ("W2", "W3", "W3b", "W2b", "W1", "SA")
 
 # Names the suite accepts for --dtypes. "tf32" is float32 I/O with TF32 tensor cores allowed.
