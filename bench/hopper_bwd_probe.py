@@ -149,19 +149,9 @@ def compile_all():
 
 
 def _time(fn, reps=20, warm=3):
-    import cupy
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(cupy.cuda.get_elapsed_time(a, b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median ms of ``fn`` by CUDA events (bench/timing.py)."""
+    from timing import event_ms
+    return event_ms(fn, warmup=warm, reps=reps)
 
 
 def _rec(wid, tname, impl, ms, flops):

@@ -63,9 +63,12 @@ def _hopper_serves(problem, name="_fused_hopper"):
     return part is not None and part.refuse(problem) is None
 
 
+def _exact_fp32(problem):
+    return problem.dtype == FLOAT32 and not problem.allow_tf32
+
+
 def _parts_for(op, problem):
-    exact_fp32 = problem.dtype == FLOAT32 and not problem.allow_tf32
-    if exact_fp32:
+    if _exact_fp32(problem):
         return "_fused_fp32"
     if problem.tile == HOPPER:
         return _HOPPER_PART[op]
@@ -153,7 +156,7 @@ def _candidates(op, problem):
     (the mma.sync part's, or the exact-fp32 part's), and HOPPER where that part accepts the
     problem (then MMA stands for an mma.sync part without boxes)."""
     plain = dataclasses.replace(problem, tile=None)
-    exact_fp32 = problem.dtype == FLOAT32 and not problem.allow_tf32
+    exact_fp32 = _exact_fp32(problem)
     part = _part("_fused_fp32" if exact_fp32 else _MMA_PART[op])
     boxes = []
     for cfg in getattr(part, "CONFIGS", {}).get(problem.rank, ()):
