@@ -155,7 +155,13 @@ class Inputs:
                 return torch.from_dlpack(x.view(numpy.int16)).view(torch.bfloat16)
             return torch.from_dlpack(x)
         if self.family == "jax":
+            import jax
             import jax.numpy as jnp
+            if isinstance(x, numpy.ndarray) and x.dtype == BFLOAT16:
+                # NumPy's DLPack has no bfloat16: hand the bits over as uint16 (same device
+                # as any other CPU result), then reinterpret them.
+                bits = jnp.from_dlpack(x.view(numpy.uint16))
+                return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
             return jnp.from_dlpack(x)
         return x
 
@@ -177,6 +183,10 @@ def _as_numpy(x):
         # NumPy's DLPack import knows no bfloat16: share the bits as int16, view as ml_dtypes'.
         import torch
         return numpy.from_dlpack(x.view(torch.int16)).view(BFLOAT16)
+    if _family(x) == "jax" and x.dtype == BFLOAT16:
+        # Same gap: a JAX CPU array shares its buffer (ml_dtypes' bfloat16, read-only)
+        # through the array protocol instead.
+        return numpy.asarray(x)
     return numpy.from_dlpack(x)
 
 
