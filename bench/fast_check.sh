@@ -12,7 +12,7 @@ export NATTEN_CUPY_COMMIT=${NATTEN_CUPY_COMMIT:-unknown}   # pass the commit: th
 models=""; all=""
 for a in "$@"; do case "$a" in --models) models=1 ;; --all) all=1 ;; esac; done
 echo "== fast-path tests"
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast.py -n 4 2>&1 | grep -E "passed|failed|Error|^FAILED" | tail -25
+python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fast.py -n 4 2>&1 | grep -E "passed|failed|Error|^FAILED" | tail -25
 echo "== overhead"
 python3 bench/overhead.py --out "$OUT/overhead.json" 2>&1 | tail -16
 if [ -n "$models" ]; then
@@ -23,7 +23,7 @@ if [ -n "$models" ]; then
 fi
 if [ -n "$all" ]; then
   echo "== all GPU tests"
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests -n 8 --ignore=tests/test_gpu_fast.py \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests -n 8 --ignore=tests/gpu/test_gpu_fast.py \
       --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   echo "   pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30; tail -n 2 "$OUT/tests.log"
 fi

@@ -1,11 +1,24 @@
-"""Shared test fixtures: GPU detection (without touching CUDA on machines that lack it)."""
+"""Shared test fixtures: GPU detection (without touching CUDA on machines that lack it).
 
+The tests live in tests/unit/ (CPU), tests/gpu/ (marked gpu) and tests/bench/ (the bench/
+tools); this file, at tests/, applies to all three. The helpers they share stay here too
+(oracle.py, gpu_cases.py, emulator/, hopper_bwd/): tests/ goes on sys.path below, so
+``import oracle``, ``import gpu_cases`` and ``import emulator`` work from every subfolder
+(whatever pytest's --import-mode)."""
+
+import os
+import re
+import sys
 import zlib
 
 import numpy
 import pytest
 
-from natten_cupy._device import gpu_unavailable_reason
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+from natten_cupy._device import gpu_unavailable_reason  # noqa: E402
 
 
 GPU_REASON = gpu_unavailable_reason()
@@ -26,6 +39,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-    """A fresh generator per test, seeded from the test id so failures reproduce."""
-    seed = zlib.crc32(request.node.nodeid.encode())
+    """A fresh generator per test, seeded from the test id so failures reproduce.
+
+    The id is taken without the tests' subfolder ("tests/unit/test_x.py::t" seeds as
+    "tests/test_x.py::t"), so that a test draws the same inputs in whichever folder it lives.
+    """
+    seed = zlib.crc32(re.sub(r"^tests/[^/]+/(?=test_)", "tests/", request.node.nodeid).encode())
     return numpy.random.default_rng(seed)

@@ -85,8 +85,8 @@ def warm():
 
 def check(part=0, parts=1):
     import cupy as cp
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import test_gpu_fused_fwd as t
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]  # gpu_cases,
+    import test_gpu_fused_fwd as t  # noqa: E402  (the GPU tests' cases, tests/gpu/)
     worst = {}
     cases = [(c, "canonical") for c in t.CASES]
     cases += [(((21, 18), (5, 7), 1, (2, 1), False, 3, 64, t.F16, None), lay)
@@ -232,8 +232,8 @@ def split():
 def small():
     import cupy as cp
     cp.cuda.set_allocator(None)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import test_gpu_fused_fwd as t
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]  # gpu_cases,
+    import test_gpu_fused_fwd as t  # noqa: E402  (the GPU tests' cases, tests/gpu/)
     rng = numpy.random.default_rng(7)
     print(t.check_case(((13, 11), (5, 4), (1, 2), (2, 1), (False, True), 1, 32, t.F16, None), rng))
     print(t.check_case(((700,), 257, 1, 1, False, 1, 64, t.F16, None), rng))

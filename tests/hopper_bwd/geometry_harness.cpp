@@ -1,4 +1,4 @@
-// CPU harness of cuda_src/natten/hopper/bwd_geom.cuh (tests/test_hopper_bwd_geometry.py):
+// CPU harness of cuda_src/natten/hopper/bwd_geom.cuh (tests/unit/test_hopper_bwd_geometry.py):
 // runs the geometry and score masks of the Hopper fused backward for every CTA, thread and
 // tile of a problem exactly as the kernels do (grid decode, owner rows of the accumulator
 // layout, region walk in N-row tiles, needs_mask, mask_scores), and counts every (owner,

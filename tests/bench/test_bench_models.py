@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/bench/ -> repo
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 import models  # noqa: E402
 import peers  # noqa: E402
 import workloads as wl  # noqa: E402
@@ -44,7 +44,7 @@ import json  # noqa: E402
 
 import numpy  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))   # the shared float64 oracle, tests/oracle.py
 import oracle  # noqa: E402
 import calls_report  # noqa: E402
 from natten_cupy import profiler  # noqa: E402

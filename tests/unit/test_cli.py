@@ -13,7 +13,7 @@ from natten_cupy import __main__ as cli
 import natten_cupy.profile as profile
 from natten_cupy import _device, _env
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 
 
 def _run(*args, no_gpu=True, timeout=300):

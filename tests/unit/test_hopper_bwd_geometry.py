@@ -5,7 +5,7 @@ masks must be exactly the SPEC neighborhood (tests/oracle.py), each once; no unm
 may fall past the region or outside a dilation group. This covers the grid decode, the owner
 rows of the wgmma accumulator layout, the region boxes, the flat tile walk, needs_mask and
 mask_scores of the real header; the wgmma layouts and loaders are checked on the GPU
-(tests/test_gpu_hopper_bwd.py).
+(tests/gpu/test_gpu_hopper_bwd.py).
 """
 
 import ctypes
@@ -20,8 +20,8 @@ from natten_cupy import _args
 from natten_cupy._params import PARAMS_DTYPE, make_params
 from natten_cupy.backends import _fused_hopper_bwd as H
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]   # tests/: the emulator and the harness
+ROOT = TESTS.parent
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def lib(tmp_path_factory):
     if cxx is None:
         pytest.skip("no host C++ compiler")
     out = tmp_path_factory.mktemp("hopper_bwd_geom") / "libgeom.so"
-    cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{HERE / 'emulator' / 'include'}",
-           f"-I{ROOT / 'cuda_src'}", str(HERE / "hopper_bwd" / "geometry_harness.cpp"), "-o",
+    cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{TESTS / 'emulator' / 'include'}",
+           f"-I{ROOT / 'cuda_src'}", str(TESTS / "hopper_bwd" / "geometry_harness.cpp"), "-o",
            str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]

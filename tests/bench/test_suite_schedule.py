@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<kind>/
 BENCH = os.path.join(ROOT, "bench")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)

@@ -15,16 +15,25 @@ reproducible fused backward in deterministic mode, non-finite inputs, -inf rows.
   logits give exact zeros through the whole unfused chain (qk -> softmax -> av and back).
 
 The CPU twins (reference backend on NumPy, naive kernels through the emulator) and the shared
-machinery live in ``tests/test_robustness.py``.
+machinery live in ``tests/unit/test_robustness.py``.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import numpy
 import pytest
 
 import gpu_cases
-import test_robustness as robust
+
+# The CPU twins' machinery is in tests/unit/test_robustness.py: one module, whichever file
+# pytest imports first (it imports test modules by basename, its folder on sys.path).
+_UNIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit")
+if _UNIT not in sys.path:
+    sys.path.insert(0, _UNIT)
+import test_robustness as robust  # noqa: E402
 from natten_cupy._dtypes import BFLOAT16, FLOAT16
 from natten_cupy.backends import get_backend
 

@@ -14,7 +14,7 @@ import natten_cupy
 
 import gpu_cases
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 
 
 def _two_gpus():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 BENCH = ROOT / "bench"
 PROBES = BENCH / "probes"
 SCRIPTS = sorted(BENCH.glob("*.py")) + sorted(PROBES.glob("*.py"))

@@ -4,7 +4,7 @@ import json
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 
 import junit_summary  # noqa: E402
 

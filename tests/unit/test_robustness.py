@@ -9,7 +9,7 @@ a row of unfused logits that is all -inf gives probabilities 0, so the rest of t
 and slot table of ``tests/oracle.py`` (independent of ``_window``).
 
 The machinery here (``run_fused``, ``run_unfused``, the expected-position builders) is shared
-with ``tests/test_gpu_precision.py``, which runs the same checks on every CUDA backend.
+with ``tests/gpu/test_gpu_precision.py``, which runs the same checks on every CUDA backend.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from natten_cupy import _args, ops
 from natten_cupy._dtypes import accumulator_dtype
 from natten_cupy.backends import get_backend
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 # NumPy warns about the NaN/Inf arithmetic these tests plant on purpose.
 QUIET = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 SCRIPT = ROOT / "examples" / "ddp_train.py"
 ARGS = ["--device", "cpu", "--steps", "3", "--image", "48", "--batch", "4"]
 

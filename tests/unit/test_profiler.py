@@ -14,7 +14,7 @@ import natten_cupy.profile as profile_cli  # the submodule (``from ... import`` 
 from natten_cupy import profiler
 from natten_cupy._window import forward_table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<kind>/
 BENCH = os.path.join(ROOT, "bench")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)

@@ -5,8 +5,8 @@ The reference backend (NumPy) is checked against a brute force written apart fro
 dense float64 oracle (``tests/oracle.py``) on k and v with every kv head repeated for its
 query group, whose dk and dv are then summed over the group. Validation, the problem and
 its launch struct, and the fast path's signatures are checked here too; the GPU backends
-run the same cases in ``tests/test_gpu_gqa.py`` (and the naive kernels' source in the CPU
-emulator, ``tests/test_naive_emulated.py``).
+run the same cases in ``tests/gpu/test_gpu_gqa.py`` (and the naive kernels' source in the CPU
+emulator, ``tests/unit/test_naive_emulated.py``).
 """
 
 import re

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 RESULTS = ROOT / "bench" / "results"
 # (README block, the script that writes it, the committed results it is made of)
 TABLES = [("performance", "report.py", "suite.json"),

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 README = (ROOT / "README.md").read_text()
 GENERATED = [("<!-- perf-table:start -->", "<!-- perf-table:end -->"),
              ("<!-- unfused-table:start -->", "<!-- unfused-table:end -->")]

@@ -7,7 +7,7 @@ against the float64 reference with NaN-poisoned outputs that must be fully writt
 the same capability table as the main suite (GQA changes no backend's dtype or head-dim
 rules). Fused cases whose values have a head dim of their own (Dv != D) run on naive; the
 fused backend must refuse them by name. The float64 reference of GQA is itself checked against dense attention on repeated
-kv heads in ``tests/test_gqa.py``. Further: the fused backward is bitwise reproducible
+kv heads in ``tests/unit/test_gqa.py``. Further: the fused backward is bitwise reproducible
 (dK/dV sum a group's query heads in a fixed order, no atomics), warm calls of the fast path
 equal the general path and keep separate entries per kv-head count, and the torch layer's
 gradients equal those of repeated kv heads. On a Hopper GPU the fused float16/bfloat16 cases

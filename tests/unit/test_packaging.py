@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
 
 
 @pytest.fixture(scope="module")
