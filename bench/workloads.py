@@ -18,7 +18,7 @@ from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
            "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "MODEL_VARIANTS",
-           "model_workload", "CEILINGS", "COPY_BANDWIDTH",
+           "model_workload", "PROBE_WORKLOADS", "probe_workload", "CEILINGS", "COPY_BANDWIDTH",
            "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
 
 
@@ -178,6 +178,27 @@ MODEL_VARIANTS = {w.id: w for w in (
 def model_workload(wid):
     """A workload of WORKLOADS or MODEL_VARIANTS by id (KeyError if neither has it)."""
     return WORKLOADS[wid] if wid in WORKLOADS else MODEL_VARIANTS[wid]
+
+
+# Shapes the Hopper (wgmma) probes, bench/probes/hopper_probe.py and hopper_bwd_probe.py, time
+# besides WORKLOADS' (head dims 64 / 128 at windows, batches and ranks the set above lacks).
+# Kept out of WORKLOADS: the suite does not time them.
+PROBE_WORKLOADS = {w.id: w for w in (
+    Workload("W1-D128", (32768,), (2047,), 16, 128, "W1 at head dim 128"),
+    Workload("C8K", (8192,), (1023,), 16, 128, "causal 1-D, 8K tokens, head dim 128", batch=2,
+             causal=(True,)),
+    Workload("SA4K", (4096,), (4096,), 16, 128, "dense self-attention, 4K tokens, head dim 128"),
+    Workload("2D-33", (256, 256), (33, 33), 16, 128, "2-D, a large window at head dim 128"),
+    Workload("2D-D64", (96, 96), (15, 15), 8, 64, "2-D at head dim 64", batch=2),
+    Workload("2D-D64-7", (56, 56), (7, 7), 4, 64, "2-D, a small window at head dim 64", batch=8),
+    Workload("3D-D128", (16, 32, 32), (5, 7, 7), 8, 128, "3-D at head dim 128"),
+    Workload("1D-D64-small", (4096,), (255,), 8, 64, "1-D, many short sequences", batch=16),
+)}
+
+
+def probe_workload(wid):
+    """A workload of WORKLOADS or PROBE_WORKLOADS by id (KeyError if neither has it)."""
+    return WORKLOADS[wid] if wid in WORKLOADS else PROBE_WORKLOADS[wid]
 
 
 # The model-shaped set with its dtype (BENCH.md), the extra fp32 runs it asks for, then (last,

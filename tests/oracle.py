@@ -16,7 +16,8 @@ import math
 import numpy
 
 __all__ = ["axis_window", "axis_keys", "neighborhood_mask", "slot_table", "fused_forward",
-           "fused_backward", "qk", "av", "qk_backward", "av_backward", "dense_attention"]
+           "fused_forward_rows", "fused_backward", "qk", "av", "qk_backward", "av_backward",
+           "dense_attention"]
 
 
 # ---- window rules (SPEC section 1), one axis, plain ints --------------------------------
@@ -140,6 +141,37 @@ def fused_forward(q, k, v, kernel, stride=1, dilation=1, causal=False, scale=Non
     """(out, lse) in float64; lse in natural log."""
     mask = neighborhood_mask(q.shape[1:-2], kernel, stride, dilation, causal)
     return _fused(q, k, v, mask, scale)
+
+
+def fused_forward_rows(q, k, v, rows, kernel, stride=1, dilation=1, causal=False, scale=None):
+    """(out, lse) in float64 of the flat queries ``rows`` alone: ``[B, len(rows), H, Dv]`` and
+    ``[B, len(rows), H]``.
+
+    For problems too large for ``fused_forward``'s dense ``[N, N]`` mask (the device probes
+    check full-size problems on their first queries): the same window rules, per query the
+    Cartesian product of ``axis_keys``, and the softmax over the keys those queries see.
+    """
+    spatial = q.shape[1:-2]
+    n = len(spatial)
+    kernel, stride = _per_axis(kernel, n), _per_axis(stride, n)
+    dilation, causal = _per_axis(dilation, n), _per_axis(causal, n)
+    rows = [int(r) for r in rows]
+    seen = []
+    for r in rows:
+        qc = numpy.unravel_index(r, spatial)
+        per_axis = [axis_keys(int(i), L, kk, s, d, c)
+                    for i, L, kk, s, d, c in zip(qc, spatial, kernel, stride, dilation, causal)]
+        grid = numpy.meshgrid(*per_axis, indexing="ij")
+        seen.append(numpy.ravel_multi_index(grid, spatial).ravel())
+    keys = numpy.unique(numpy.concatenate(seen))
+    mask = numpy.zeros((len(rows), len(keys)), dtype=bool)
+    for i, flat_keys in enumerate(seen):
+        mask[i, numpy.searchsorted(keys, flat_keys)] = True
+
+    def tokens(x, index):   # [B, *spatial, H, D] -> float64 [B, len(index), H, D]
+        x = numpy.asarray(x)
+        return x.reshape(x.shape[0], -1, *x.shape[-2:])[:, index].astype(numpy.float64)
+    return _fused(tokens(q, rows), tokens(k, keys), tokens(v, keys), mask, scale)
 
 
 def fused_backward(d_out, q, k, v, kernel, stride=1, dilation=1, causal=False, scale=None):

@@ -14,8 +14,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repo
 BENCH = ROOT / "bench"
 PROBES = BENCH / "probes"
 SCRIPTS = sorted(BENCH.glob("*.py")) + sorted(PROBES.glob("*.py"))
-# Not yet moved into probes/ (in use elsewhere): they still carry their own timer and table.
-NOT_YET_SHARED = {"hopper_probe.py", "hopper_bwd_probe.py"}
 # A machine with a GPU must not see it here either: an import that reaches for the device
 # fails instead of passing by luck.
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")
@@ -55,8 +53,8 @@ def test_readme_lists_every_file():
     assert not missing, f"bench/README.md does not list {missing}"
 
 
-@pytest.mark.parametrize("path", [p for p in SCRIPTS if p.name not in NOT_YET_SHARED
-                                  and p.name not in ("timing.py", "workloads.py")], ids=_id)
+@pytest.mark.parametrize("path", [p for p in SCRIPTS
+                                  if p.name not in ("timing.py", "workloads.py")], ids=_id)
 def test_one_timer_and_one_workload_table(path):
     src = path.read_text()
     assert "Event(" not in src, f"{_id(path)} makes CUDA events: time with bench/timing.py"

@@ -1,7 +1,7 @@
 """Every Hopper fused-forward instantiation compiles for sm_90a without a GPU, with no spills
 and no wgmma serialization (ptxas warns "wgmma.mma_async instructions are serialized" when it
 has to wait after each one). Registers per kernel are printed to the log; the HGMMA count of
-the SASS is checked on the device by bench/hopper_probe.py (CI has no disassembler).
+the SASS is checked on the device by bench/probes/hopper_probe.py (CI has no disassembler).
 """
 
 import numpy

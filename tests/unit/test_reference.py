@@ -246,6 +246,30 @@ def test_kernel_equal_to_extent_is_self_attention(spatial, rng):
         close(g, w)
 
 
+# ---- the oracle on a subset of queries (the device probes' check of full-size problems) ---
+
+@pytest.mark.parametrize("spatial, kernel, stride, dilation, causal", [
+    ((40,), (7,), (1,), (1,), (False,)),
+    ((37,), (5,), (3,), (2,), (True,)),
+    ((24,), (24,), (1,), (1,), (False,)),
+    ((9, 11), (3, 4), (2, 1), (1, 2), (True, False)),
+    ((4, 6, 5), (3, 3, 2), (1, 2, 1), (1, 1, 2), (False, True, False)),
+])
+def test_oracle_rows_are_the_full_oracle_at_those_rows(spatial, kernel, stride, dilation, causal,
+                                                       rng):
+    B, H, D, Dv = 2, 3, 8, 5
+    q, k = (rng.standard_normal((B, *spatial, H, D)) for _ in range(2))
+    v = rng.standard_normal((B, *spatial, H, Dv))
+    N = math.prod(spatial)
+    rows = numpy.concatenate([numpy.arange(min(N, 6)), rng.choice(N, 5, replace=False)])
+    want_out, want_lse = oracle.fused_forward(q, k, v, kernel, stride, dilation, causal, 0.3)
+    out, lse = oracle.fused_forward_rows(q, k, v, rows, kernel, stride, dilation, causal, 0.3)
+    assert out.shape == (B, len(rows), H, Dv) and lse.shape == (B, len(rows), H)
+    flat = lambda x: x.reshape(B, N, *x.shape[len(spatial) + 1:])  # noqa: E731
+    numpy.testing.assert_allclose(out, flat(want_out)[:, rows], rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(lse, flat(want_lse)[:, rows], rtol=1e-12, atol=1e-12)
+
+
 # ---- finite differences ----------------------------------------------------------------
 
 FD_CASES = [

@@ -1,26 +1,28 @@
-"""Device probe of the Hopper fused backward (backends/_fused_hopper_bwd.py, not yet dispatched).
+"""Device probe of the Hopper fused backward (backends/_fused_hopper_bwd.py).
 
 One script for one GPU call (H200), in this order, each step logged as it ends:
 
 1. compile every instantiation through CuPy (seconds each, timed);
 2. SASS of every instantiation (nvcc -cubin for sm_90a, then cuobjdump or nvdisasm): counts of
    HGMMA / HMMA / local memory per kernel (``--sass-only`` runs this step alone, no GPU);
-3. per workload (dense N=16384 H16 D64/D128 fp16 and bf16, BENCH.md's W1, M5, M4, M7): the
-   forward of the Hopper part for out and lse, then the new backward on NaN-poisoned gradients,
-   checked against the current fused backward (mma.sync, tested) and, dense, against torch
-   SDPA's gradients; then timings (CUDA events, medians) of the new backward, the current fused
-   backward (the mma.sync part, ``_fused_bwd.backward``) and, dense, SDPA's backward
+3. per workload (``bench/workloads.py``'s: dense N=16384 H16 D64/D128 fp16 and bf16 (SA,
+   SA128), BENCH.md's W1, M5, M4, M7, and the probes' ``PROBE_WORKLOADS``): the forward of the
+   Hopper part for out and lse, then the Hopper backward on NaN-poisoned gradients, checked
+   against the mma.sync fused backward (tested) and, dense, against torch SDPA's gradients;
+   then timings (``bench/timing.py``'s CUDA-event medians) of the Hopper backward, the
+   mma.sync fused backward (``_fused_bwd.backward``) and, dense, SDPA's backward
    (``torch.autograd.grad`` on a recorded forward).
 
 Backward FLOPs = 2.5 x the forward's 4 B N H K D (K = prod(kernel_size), nominal for causal
-windows). JSON in $OUT/hopper_bwd_probe.json (rewritten after every record); the last lines
-are a short table. Run: ``PYTHONPATH=$PWD python bench/hopper_bwd_probe.py [--quick]
-[--no-sass] [--only ID,...]``; ``--quick`` keeps one dtype per workload and compiles
-kernels on first use only.
+windows; ``Workload.flops(backward=True)``). JSON in $OUT/hopper_bwd_probe.json (rewritten
+after every record); the last lines are a short table. Run: ``python
+bench/probes/hopper_bwd_probe.py [--quick] [--no-sass] [--only ID,...]``; ``--quick`` keeps
+one dtype per workload and compiles kernels on first use only.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -30,23 +32,20 @@ import subprocess
 import sys
 import time
 
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT, BENCH]   # natten_cupy, bench/
+
+import workloads as wl  # noqa: E402
+from timing import event_ms  # noqa: E402
+
 OUT = os.environ.get("OUT", "/tmp/hopper_bwd_probe")
-os.makedirs(OUT, exist_ok=True)
 RESULTS = {"compile": [], "sass": [], "check": [], "time": [], "log": []}
 
-# (id, B, spatial, heads, head dim, kernel, causal, dtypes)
-WORKLOADS = [
-    ("SA16K-D64", 1, (16384,), 16, 64, (16384,), (False,), ("float16", "bfloat16")),
-    ("SA16K-D128", 1, (16384,), 16, 128, (16384,), (False,), ("float16", "bfloat16")),
-    ("W1", 1, (32768,), 16, 64, (2047,), (False,), ("float16",)),
-    ("M5", 1, (128, 128), 16, 128, (21, 21), (False, False), ("bfloat16",)),
-    ("M4", 2, (16, 40, 64), 16, 64, (5, 9, 9), (False, False, False), ("bfloat16",)),
-    ("M7", 4, (12, 32, 32), 8, 64, (6, 9, 9), (True, False, False), ("bfloat16",)),
-    ("2D-D64", 2, (96, 96), 8, 64, (15, 15), (False, False), ("bfloat16",)),
-    ("2D-D64-7", 8, (56, 56), 4, 64, (7, 7), (False, False), ("float16",)),
-    ("3D-D128", 1, (16, 32, 32), 8, 128, (5, 7, 7), (False, False, False), ("bfloat16",)),
-    ("1D-D64-small", 16, (4096,), 8, 64, (255,), (False,), ("float16",)),
-]
+# (workload id of bench/workloads.py, dtypes of workloads.DTYPES) in the order they run
+RUNS = (("SA", ("fp16", "bf16")), ("SA128", ("fp16", "bf16")), ("W1", ("fp16",)),
+        ("M5", ("bf16",)), ("M4", ("bf16",)), ("M7", ("bf16",)), ("2D-D64", ("bf16",)),
+        ("2D-D64-7", ("fp16",)), ("3D-D128", ("bf16",)), ("1D-D64-small", ("fp16",)))
 
 
 def log(*args):
@@ -55,8 +54,13 @@ def log(*args):
     RESULTS["log"].append(line)
 
 
+def _out():
+    os.makedirs(OUT, exist_ok=True)
+    return OUT
+
+
 def _dump():
-    with open(os.path.join(OUT, "hopper_bwd_probe.json"), "w") as f:
+    with open(os.path.join(_out(), "hopper_bwd_probe.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
 
 
@@ -93,7 +97,7 @@ def sass_all():
     from natten_cupy._compile import cuda_src_dir
     from natten_cupy.backends import _fused_hopper_bwd as H
     names = [n for _, n in H.instantiations()]
-    src = os.path.join(OUT, "hopper_bwd_inst.cu")
+    src = os.path.join(_out(), "hopper_bwd_inst.cu")
     with open(src, "w") as f:
         f.write(f'#include "{H.SOURCE}"\n')
         for n in names:
@@ -150,7 +154,6 @@ def compile_all():
 
 def _time(fn, reps=20, warm=3):
     """Median ms of ``fn`` by CUDA events (bench/timing.py)."""
-    from timing import event_ms
     return event_ms(fn, warmup=warm, reps=reps)
 
 
@@ -170,34 +173,35 @@ def _rel(a, b):
 def workloads(only, quick):
     import cupy
     import torch
-    for wid, B, spatial, Hh, D, ks, ca, dtypes in WORKLOADS:
+    for wid, dtypes in RUNS:
         if only and wid not in only:
             continue
-        for tname in dtypes[:1] if quick else dtypes:
-            _workload(wid, B, spatial, Hh, D, ks, ca, tname)
+        for dkey in dtypes[:1] if quick else dtypes:
+            _workload(wl.probe_workload(wid), wl.dtype_spec(dkey)["name"])
             torch.cuda.empty_cache()
             cupy.get_default_memory_pool().free_all_blocks()
 
 
-def _workload(wid, B, spatial, Hh, D, ks, ca, tname):
+def _workload(w, tname):
     import cupy
     import torch
     import torch.nn.functional as F
     from natten_cupy import _args
     from natten_cupy.backends import _fused_hopper, _fused_hopper_bwd as H
+    wid, rank, ca, D = w.id, w.rank, w.causal, w.dim
     tdt = getattr(torch, tname)
-    rank = len(spatial)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, d_out = (torch.randn(B, *spatial, Hh, D, device="cuda", dtype=tdt, generator=g)
+    q, k, v, d_out = (torch.randn(*w.shape, device="cuda", dtype=tdt, generator=g)
                       for _ in range(4))
     cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, d_out))
-    prob = _args.check_fused(rank, cq, ck, cv, ks, 1, 1, ca, None, "fused")
+    prob = _args.check_fused(rank, cq, ck, cv, w.kernel, w.stride, w.dilation, ca, None,
+                             "fused")
     why = H.refuse(prob) or _fused_hopper.refuse(prob)
     if why:
         log(f"{wid} {tname}: refused: {why}")
         return
-    N, K = math.prod(spatial), math.prod(ks)
-    flops = 2.5 * 4 * B * N * Hh * K * D
+    N, K = w.tokens, w.neighbors
+    flops = w.flops(backward=True)
     out = cupy.empty(cq.shape, cq.dtype)
     lse = cupy.empty(cq.shape[:-1], cupy.float32)
     _fused_hopper.forward(prob, cq, ck, cv, out, lse)
@@ -257,24 +261,35 @@ def _workload(wid, B, spatial, Hh, D, ks, ca, tname):
     _rec(wid, tname, "hopper fwd (for the ratio)", ms, flops / 2.5)
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="one dtype per workload; kernels compile on first use")
+    ap.add_argument("--no-sass", action="store_true", help="leave the SASS counts out")
+    ap.add_argument("--sass-only", action="store_true",
+                    help="only the SASS counts (nvcc, cuobjdump or nvdisasm; no GPU)")
+    ap.add_argument("--only", metavar="ID,...", default="",
+                    help="only these workloads (bench/workloads.py ids, comma-separated)")
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    if "--sass-only" in sys.argv:
+    if args.sass_only:
         sass_all()
         return
-    only = set()
-    if "--only" in sys.argv:
-        only = set(sys.argv[sys.argv.index("--only") + 1].split(","))
-    if "--quick" not in sys.argv:  # --quick: kernels compile on first use
+    only = {x for x in args.only.split(",") if x}
+    unknown = sorted(only - {wid for wid, _ in RUNS})
+    if unknown:
+        ap.error(f"--only: not a workload of this probe: {', '.join(unknown)} "
+                 f"(known: {', '.join(wid for wid, _ in RUNS)})")
+    if not args.quick:  # --quick: kernels compile on first use
         compile_all()
-    if "--no-sass" not in sys.argv:
+    if not args.no_sass:
         try:
             sass_all()
         except Exception as e:
             log(f"sass failed: {type(e).__name__}: {e}")
     log(f"[{time.perf_counter() - t0:.0f} s] compiled")
     try:
-        workloads(only, "--quick" in sys.argv)
+        workloads(only, args.quick)
     finally:
         _dump()
         log(f"[{time.perf_counter() - t0:.0f} s] done")

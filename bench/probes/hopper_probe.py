@@ -1,53 +1,63 @@
 """Device probe of the Hopper (wgmma) fused forward: compile, SASS, check, time, in one call.
 
-    CUPY_CACHE_DIR=/tmp/cupy_cache PYTHONUNBUFFERED=1 python3 bench/hopper_probe.py [--no-flex]
-        [--no-sass]      (SASS needs no GPU: `python3 -c "import hopper_probe; hopper_probe.sass_all()"`
-                          from bench/ with nvcc and nvdisasm or cuobjdump on the PATH)
+    CUPY_CACHE_DIR=/tmp/cupy_cache PYTHONUNBUFFERED=1 python3 bench/probes/hopper_probe.py
+        [--no-flex] [--no-sass] [--sass-only]
+        (--sass-only needs no GPU: nvcc and nvdisasm or cuobjdump on the PATH)
 
-1. compile every instantiation (seconds each), dump SASS of each through NVRTC's cubin and
+1. compile every instantiation (seconds each), dump SASS of each through nvcc's cubin and
    cuobjdump, count HGMMA / HMMA / local-memory instructions;
-2. dense problems checked against torch SDPA and against float64 on a slice of queries;
-3. times (CUDA events, 3 warm-ups, median of 20, fresh random inputs) of the Hopper kernel
-   (default and alternative tiles), the current fused kernel (_fused_fwd) and torch SDPA on
-   dense problems, FlexAttention on W1 unless --no-flex; ms and TFLOP/s on useful FLOPs
-   4 B N H K D. Full results in $OUT/hopper_probe.json, SASS in $OUT/.
+2. the problems checked against the mma.sync kernel, and (1-D) on the first queries against
+   the tests' float64 oracle (``tests/oracle.py``, ``fused_forward_rows``) and, dense,
+   against torch SDPA;
+3. times (``bench/timing.py``'s CUDA-event medians: 3 warm-ups, median of 20, fresh random
+   inputs) of the Hopper kernel (default and alternative tiles), the current fused kernel
+   (_fused_fwd) and torch SDPA on dense problems, FlexAttention on W1 unless --no-flex; ms
+   and TFLOP/s on useful FLOPs 4 B N H K D. Workloads are ``bench/workloads.py``'s
+   (``WORKLOADS`` and the probes' ``PROBE_WORKLOADS``). Full results in
+   $OUT/hopper_probe.json, SASS in $OUT/.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import math
 import os
 import re
 import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT, BENCH, os.path.join(ROOT, "tests")]   # natten_cupy, bench/, the oracle
+
+import oracle  # noqa: E402
+import workloads as wl  # noqa: E402
+from timing import event_ms  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/hopper_probe")
-os.makedirs(OUT, exist_ok=True)
 RESULTS = {"compile": [], "sass": [], "check": [], "time": []}
 
-# (id, B, spatial, H, D, kernel, causal, dtypes); stride and dilation 1
-F16, BF16 = ("float16",), ("float16", "bfloat16")
-WORKLOADS = [
-    ("SA64", 1, (16384,), 16, 64, (16384,), (False,), BF16),
-    ("SA128", 1, (16384,), 16, 128, (16384,), (False,), BF16),
-    ("W1", 1, (32768,), 16, 64, (2047,), (False,), BF16),
-    ("W1-D128", 1, (32768,), 16, 128, (2047,), (False,), F16),
-    ("C8K", 2, (8192,), 16, 128, (1023,), (True,), F16),
-    ("SA4K", 1, (4096,), 16, 128, (4096,), (False,), F16),
-    ("W2b", 1, (256, 256), 4, 128, (13, 13), (False, False), F16),
-    ("2D-33", 1, (256, 256), 16, 128, (33, 33), (False, False), F16),
-    ("M5", 1, (128, 128), 16, 128, (21, 21), (False, False), ("bfloat16",)),
-    ("M4", 2, (16, 40, 64), 16, 64, (5, 9, 9), (False,) * 3, ("bfloat16",)),
-    ("M7", 4, (12, 32, 32), 8, 64, (6, 9, 9), (True, False, False), ("bfloat16",)),
-]
+# (workload id of bench/workloads.py, dtypes of workloads.DTYPES) in the order they run
+F16, BF16 = ("fp16",), ("fp16", "bf16")
+RUNS = (("SA", BF16), ("SA128", BF16), ("W1", BF16), ("W1-D128", F16), ("C8K", F16),
+        ("SA4K", F16), ("W2b", F16), ("2D-33", F16), ("M5", ("bf16",)), ("M4", ("bf16",)),
+        ("M7", ("bf16",)))
+FLEX = "W1"          # FlexAttention's workload (fp16), unless --no-flex
+# 1-D: the first queries of batch 0 checked against the float64 oracle, at most 384 and at
+# most 2^20 / K (the oracle's scores are [H, rows, K] on the host: dense 16K, 64 rows)
+ORACLE_ROWS, ORACLE_SCORES = 384, 1 << 20
 
 
 def log(*a):
     print(*a, flush=True)
+
+
+def _out():
+    os.makedirs(OUT, exist_ok=True)
+    return OUT
 
 
 def compile_all():
@@ -73,7 +83,7 @@ def sass_all():
     from natten_cupy._compile import cuda_src_dir
     from natten_cupy.backends import _fused_hopper as H
     names = [n for _, n in H.instantiations()]
-    src = os.path.join(OUT, "hopper_inst.cu")
+    src = os.path.join(_out(), "hopper_inst.cu")
     with open(src, "w") as f:
         f.write(f'#include "{H.SOURCE}"\n')
         for n in names:
@@ -103,31 +113,25 @@ def sass_all():
         log("sass", row)
 
 
-def _inputs(torch, B, spatial, H, D, dtype, seed=0):
+def _inputs(torch, w, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(B, *spatial, H, D, device="cuda", dtype=dtype, generator=g)
-            for _ in range(3)]
+    return [torch.randn(*w.shape, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
 
 
-def _problem(q, ks, ca):
+def _problem(q, w):
     from natten_cupy import _args
-    return _args.check_fused(q.ndim - 3, q, q, q, ks, 1, 1, ca, None, "fused")
+    return _args.check_fused(w.rank, q, q, q, w.kernel, w.stride, w.dilation, w.causal, None,
+                             "fused")
 
 
 def _time(fn, reps=20, warm=3):
-    import cupy
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(cupy.cuda.get_elapsed_time(a, b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median ms of ``fn`` by CUDA events (bench/timing.py)."""
+    return event_ms(fn, warmup=warm, reps=reps)
+
+
+def _host64(x):
+    """A torch tensor (any float dtype, any device) as a float64 NumPy array."""
+    return x.detach().double().cpu().numpy()
 
 
 def workloads(no_flex):
@@ -135,25 +139,27 @@ def workloads(no_flex):
     import torch
     import torch.nn.functional as F
     from natten_cupy.backends import _fused_fwd, _fused_hopper as H
-    for wid, B, spatial, Hh, D, ks, ca, dtypes in WORKLOADS:
-        for tname in dtypes:
+    for wid, dtypes in RUNS:
+        w = wl.probe_workload(wid)
+        for dkey in dtypes:
+            tname = wl.dtype_spec(dkey)["name"]
             tdt = getattr(torch, tname)
-            q, k, v = _inputs(torch, B, spatial, Hh, D, tdt)
+            q, k, v = _inputs(torch, w, tdt)
             cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
-            prob = _problem(cq, ks, ca)
+            prob = _problem(cq, w)
             out = cupy.full(cq.shape, cupy.nan, cq.dtype)
             lse = cupy.full(cq.shape[:-1], cupy.nan, cupy.float32)
-            N, K = math.prod(spatial), math.prod(ks)
-            flops = 4 * B * N * Hh * K * D
+            N, K, D = w.tokens, w.neighbors, w.dim
+            flops = w.flops()
             why = H.refuse(prob)
             if why:
                 log(f"{wid} {tname}: refused: {why}")
                 continue
-            one_d = len(spatial) == 1
+            one_d = w.rank == 1
             tiles = [None] + (list(H.ALTERNATIVES[H._bucket(D)])
                               if tname == "float16" and one_d else [])
             # correctness on the full problem: NaN-free, vs the mma.sync kernel; 1-D also vs
-            # float64 on the first queries (and vs SDPA where dense)
+            # the float64 oracle on the first queries (and vs SDPA where dense)
             H.forward(prob, cq, ck, cv, out, lse)
             cupy.cuda.runtime.deviceSynchronize()
             rec = {"id": wid, "dtype": tname,
@@ -166,15 +172,18 @@ def workloads(no_flex):
                 rec["vs_fused"] = float(cupy.abs(out.astype(cupy.float32) - fout).max())
                 rec["lse_vs_fused"] = float(cupy.abs(lse - flse).max())
             if one_d:
-                ref = _slice_reference(torch, q, k, v, K, ca[0], prob.scale)
-                rows = ref[0].shape[1]
-                rec["err_vs_f64"] = float((ours[:1, :rows].double() - ref[0]).abs().max())
-                rec["lse_err"] = float((torch.from_dlpack(lse)[:1, :rows].double()
-                                        - ref[1]).abs().max())
-                if K == N and not ca[0]:
+                rows = numpy.arange(min(N, ORACLE_ROWS, max(16, ORACLE_SCORES // K)))
+                ref_out, ref_lse = oracle.fused_forward_rows(
+                    *(_host64(x[0]) for x in (q, k, v)), rows, w.kernel, w.stride, w.dilation,
+                    w.causal, prob.scale)
+                n = len(rows)
+                rec["err_vs_f64"] = float(numpy.abs(_host64(ours[0, :n]) - ref_out).max())
+                rec["lse_err"] = float(numpy.abs(_host64(torch.from_dlpack(lse)[0, :n])
+                                                 - ref_lse).max())
+                if K == N and not w.causal[0]:
                     sd = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
                     sd = sd.transpose(1, 2)
-                    rec["sdpa_err_vs_f64"] = float((sd[:1, :rows].double() - ref[0]).abs().max())
+                    rec["sdpa_err_vs_f64"] = float(numpy.abs(_host64(sd[0, :n]) - ref_out).max())
                     rec["vs_sdpa"] = float((ours.float() - sd.float()).abs().max())
             RESULTS["check"].append(rec)
             _dump()
@@ -195,7 +204,7 @@ def workloads(no_flex):
                                                     or wid.startswith("SA")):
                 ms = _time(lambda: _fused_fwd.forward(prob, cq, ck, cv, fout, flse), reps=10)
                 _rec(wid, tname, "fused (mma.sync)", ms, flops)
-            if one_d and K == N and not ca[0]:
+            if one_d and K == N and not w.causal[0]:
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 ms = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt))
                 _rec(wid, tname, "torch SDPA", ms, flops)
@@ -203,31 +212,9 @@ def workloads(no_flex):
             torch.cuda.empty_cache()
             cupy.get_default_memory_pool().free_all_blocks()
     if not no_flex:  # last: its compile takes long
-        wid, B, (N,), Hh, D, (K,) = WORKLOADS[2][:6]
-        _flex(torch, *_inputs(torch, B, (N,), Hh, D, torch.float16), N, K,
-              4 * B * N * Hh * K * D, wid, "float16")
-
-
-def _slice_reference(torch, q, k, v, K, causal, scale):
-    """float64 out and lse of the first 384 queries of batch 0 (1-D, stride 1, dilation 1)."""
-    B, N, Hh, D = q.shape
-    n = min(N, 384)
-    qi = torch.arange(0, n).cuda()
-    kk = torch.arange(N).cuda()
-    lam = K // 2
-    if causal:
-        start = (qi - K + 1).clamp(min=0)
-        end = qi + 1
-    else:
-        start = (qi - lam).clamp(min=0).clamp(max=N - K)
-        end = start + K
-    mask = (kk[None] >= start[:, None]) & (kk[None] < end[:, None])
-    qd, kd, vd = (x[0].double().transpose(0, 1) for x in (q[:, :n], k, v))  # [H, *, D]
-    s = qd @ kd.transpose(1, 2) * scale
-    s = s.masked_fill(~mask[None], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    o = torch.softmax(s, -1) @ vd
-    return o.transpose(0, 1)[None], lse.transpose(0, 1)[None]
+        w = wl.WORKLOADS[FLEX]
+        (N,), (K,) = w.spatial, w.kernel
+        _flex(torch, *_inputs(torch, w, torch.float16), N, K, w.flops(), w.id, "float16")
 
 
 def _label(t):
@@ -236,7 +223,7 @@ def _label(t):
 
 
 def _dump():
-    with open(os.path.join(OUT, "hopper_probe.json"), "w") as f:
+    with open(os.path.join(_out(), "hopper_probe.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
 
 
@@ -268,11 +255,21 @@ def _flex(torch, q, k, v, N, K, flops, wid, tname):
         log(f"flex failed: {type(e).__name__}: {e}")
 
 
-def main():
-    no_flex = "--no-flex" in sys.argv
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention (on W1) out")
+    ap.add_argument("--no-sass", action="store_true", help="leave the SASS counts out")
+    ap.add_argument("--sass-only", action="store_true",
+                    help="only the SASS counts (nvcc, cuobjdump or nvdisasm; no GPU)")
+    args = ap.parse_args(argv)
+    if args.sass_only:
+        sass_all()
+        _dump()
+        return
+    no_flex = args.no_flex
     t0 = time.perf_counter()
     compile_all()
-    if "--no-sass" not in sys.argv:
+    if not args.no_sass:
         try:
             sass_all()
         except Exception as e:
