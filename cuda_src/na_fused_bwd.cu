@@ -16,6 +16,7 @@ namespace {
 
 constexpr int kWarps = 4;  // warps per CTA (the launcher's tiles hold 4 warp patches)
 constexpr int kNB = 32;    // gathered rows per warp step
+constexpr int kTileStride = kNB + 1;  // dS tile row stride (floats): conflict-free columns
 
 // One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
 // queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
@@ -26,7 +27,13 @@ constexpr int kNB = 32;    // gathered rows per warp step
 // [chunk * DC, chunk * DC + DC). Dp: head dim padded to a multiple of 16 (zero columns).
 // Grouped (owners are keys only): loop over the heads_per_kv query heads of the owner kv
 // head; a separate instantiation, so that the kernels without GQA keep their registers.
-template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped>
+// BIAS: add rpb (relative positional bias, [H, 2k-1, ...]) to every score; the dQ pass also
+// sums dS per table entry over its CTA's queries (bwd::BiasGeom's box, one shared-memory copy
+// per warp) and writes the CTA's box to bias_part, which na_bwd_fused_rpb reduces in a fixed
+// order. Per step a warp stores its 16 x 32 dS tile, then each lane adds one gathered row's
+// column into the box, owner row after owner row: in one such add the lanes' rows differ, so
+// their slots do (no atomics, a fixed order, the same bits every run).
+template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped, bool BIAS>
 __device__ __forceinline__ void bwd_pass(
     const T* __restrict__ own0, const T* __restrict__ own1, const T* __restrict__ gat0,
     const T* __restrict__ gat1, const T* __restrict__ o, const float* __restrict__ lse,
@@ -34,7 +41,8 @@ __device__ __forceinline__ void bwd_pass(
     const i64* so1, const i64* sg0, const i64* sg1, const i64* sw0, const i64* sw1,
     const int4* __restrict__ tab, const int (&tab_off)[3], const int (&tile)[3],
     const int (&patch)[3], const int (&lpatch)[3], const int (&ntile)[3], const int slab_rows,
-    const int bh0) {
+    const int bh0, const T* __restrict__ rpb, float* __restrict__ bias_part,
+    const bwd::BiasGeom& bg) {
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
   constexpr int EPP = 16 / (int)sizeof(T);  // elements per 16-byte piece
@@ -91,6 +99,15 @@ __device__ __forceinline__ void bwd_pass(
   bwd::RowDesc* desc = reinterpret_cast<bwd::RowDesc*>(gat_s1 + slab_rows * RS);
   float* lse_s = reinterpret_cast<float*>(desc + kWarps * kNB);  // owners are keys only
   float* dlt_s = lse_s + slab_rows;
+  // BIAS: gathered rows' bias parts, the head's bias table (float, log2 units, row-major),
+  // then (dQ pass) the warps' accumulator boxes.
+  // (lse_s and dlt_s take slab_rows floats each in the dK/dV pass only.)
+  bwd::BiasDesc* bdesc =
+      reinterpret_cast<bwd::BiasDesc*>(lse_s + (OwnerIsKey ? 2 * slab_rows : 0));
+  float* btab = reinterpret_cast<float*>(bdesc + kWarps * kNB);
+  float* bacc = btab + bg.tvol;                       // kWarps boxes + 32 spare words each
+  float* dstile = bacc + kWarps * (bg.vol + 32);      // kWarps x 16 x kTileStride
+  int* own_as = reinterpret_cast<int*>(dstile + kWarps * 16 * kTileStride);  // kWarps x 16
 
   // ---- this warp's patch (tile and patch extents are powers of two: shifts, no divisions) ----
   int wpos[3];
@@ -163,6 +180,55 @@ __device__ __forceinline__ void bwd_pass(
   for (int a = 0; a < 3; ++a) {
     rep[a] = 0u;
     for (int i = 0; i < 16; i += inner[a] * patch[a]) rep[a] |= 1u << i;
+  }
+
+  // Relative positional bias: per axis the table stride rs (of the shared-memory copy), the
+  // key side's part of an index is sum key * rs, the query side's sum (query - kernel + 1) *
+  // rs; with keys as owners both are negated, so that the index is always gathered part -
+  // owner part. The dQ pass's box part of an owner also subtracts the CTA's origin (times
+  // the box strides).
+  int own_t[2] = {0, 0};
+  bwd::BiasDesc* wbdesc = bdesc + warp * kNB;
+  float* wacc = bacc + warp * (bg.vol + 32);
+  float* wtile = dstile + warp * 16 * kTileStride;
+  float* const wtl = wtile + group * kTileStride + quad * 2;  // this lane's tile entries
+  int* wown = own_as + warp * 16;
+  auto rs = [&](int a) { return bg.tst[a]; };
+  // Copies query head hq's table into btab, in log2 units (the caller syncs before use).
+  auto stage_bias = [&](int hq) {
+    for (int i = threadIdx.x; i < bg.tvol; i += kWarps * 32) {
+      const int o0 = i / bg.tst[0], r = i - o0 * bg.tst[0], o1 = r / bg.tst[1], o2 = r - o1 * bg.tst[1];
+      btab[i] = to_float(rpb[hq * p.rpb[0] + o0 * p.rpb[1] + o1 * p.rpb[2] + o2 * p.rpb[3]]) *
+                bwd::kLog2e;
+    }
+  };
+  if constexpr (BIAS) {
+    int origin[3];
+#pragma unroll
+    for (int a = 0; a < 3; ++a)
+      origin[a] = ax[a].at(tab, last[a]).x - last[a] + (int)p.kernel[a] - 1;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      int c[3];
+      owner_coords(group + 8 * hh, c);
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        if (OwnerIsKey) own_t[hh] -= c[a] * rs(a);
+        else own_t[hh] += (c[a] - (int)p.kernel[a] + 1) * rs(a);
+      }
+    }
+    if (!OwnerIsKey) {
+      for (int i = threadIdx.x; i < kWarps * (bg.vol + 32); i += kWarps * 32) bacc[i] = 0.f;
+      // Box parts of the warp's 16 owner rows, for the column adds (lane r: row r).
+      if (lane < 16) {
+        int c[3], a_part = 0;
+        owner_coords(lane, c);
+#pragma unroll
+        for (int a = 0; a < 3; ++a)
+          a_part += (c[a] - (int)p.kernel[a] + 1 + origin[a]) * bg.bst[a];
+        wown[lane] = a_part;
+      }
+    }
   }
 
   // Rows this warp's patch reaches (empty if the patch lies past the group's end) and the
@@ -249,6 +315,13 @@ __device__ __forceinline__ void bwd_pass(
     const T* gat1_bh = gat1 + (b * sg1[0] + hg * sg1[4]);
     const float* lse_bh = lse + (b * p.lse[0] + hg * p.lse[4]);
     const float* dlt_bh = delta + (b * p.delta[0] + hg * p.delta[4]);
+    // The bias table of this query head (the gathered one when owners are keys); the slab
+    // loop's first barrier orders the copy before its use, and (next head) its last reads
+    // before the copy is overwritten.
+    if constexpr (BIAS) {
+      if (gi > 0) __syncthreads();
+      stage_bias(OwnerIsKey ? hg : h);
+    }
     for (int s0 = clo[0]; s0 < chi[0]; s0 += n[0])
     for (int s1 = clo[1]; s1 < chi[1]; s1 += n[1])
     for (int s2 = clo[2]; s2 < chi[2]; s2 += n[2]) {
@@ -323,6 +396,19 @@ __device__ __forceinline__ void bwd_pass(
               d.l2 = lse_s[d.row] * bwd::kLog2e;
               d.dl = dlt_s[d.row];
             }
+            if constexpr (BIAS) {
+              bwd::BiasDesc bd{0, 0};
+#pragma unroll
+              for (int a = 0; a < 3; ++a) {
+                if (OwnerIsKey) {
+                  bd.t -= (c[a] - (int)p.kernel[a] + 1) * rs(a);
+                } else {
+                  bd.t += c[a] * rs(a);
+                  bd.a += c[a] * bg.bst[a];
+                }
+              }
+              wbdesc[lane] = bd;
+            }
           }
           wdesc[lane] = d;
         }
@@ -339,23 +425,55 @@ __device__ __forceinline__ void bwd_pass(
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
+            int bt = 0;  // the gathered row's part of the table index
+            if constexpr (BIAS) bt = wbdesc[nt * 8 + quad * 2 + c].t;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
               const float dl = OwnerIsKey ? d.dl : row_dl[hh];
               const int e = hh * 2 + c;
-              const float pv = (d.mask >> (group + 8 * hh)) & 1u
-                                   ? fast_exp2(s[nt][e] * sl2 - l2) : 0.f;
+              const bool on = (d.mask >> (group + 8 * hh)) & 1u;
+              float x = s[nt][e] * sl2;
+              if (BIAS && on) x += btab[bt - own_t[hh]];
+              const float pv = on ? fast_exp2(x - l2) : 0.f;
               s[nt][e] = pv;
               dp[nt][e] = pv * (dp[nt][e] - dl);
+              if (BIAS && !OwnerIsKey) wtl[hh * 8 * kTileStride + nt * 8 + c] = dp[nt][e];
             }
           }
         St::template ab<DC>(acc0, dp, r0, RB);
         if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
+        if constexpr (BIAS && !OwnerIsKey) {
+          if (col0 == 0) {   // lane: gathered row `lane` of the step, owner rows in order
+            __syncwarp();
+            const unsigned m = wdesc[lane].mask;
+            const int ga = wbdesc[lane].a;
+#pragma unroll 4
+            for (int r = 0; r < 16; ++r) {
+              float* slot = (m >> r) & 1u ? wacc + (ga - wown[r]) : wacc + bg.vol + lane;
+              *slot += wtile[r * kTileStride + lane];
+              __syncwarp();
+            }
+          }
+        }
         __syncwarp();  // descriptors are rewritten next step
       }
     }
   }  // gathered heads
+
+  // dQ pass with bias: this CTA's box, the warps' copies summed in warp order.
+  if constexpr (BIAS && !OwnerIsKey) {
+    __syncthreads();
+    if (col0 == 0) {
+      float* dst = bias_part + ((i64)bh * bg.ctas + blockIdx.x) * bg.vol;
+      for (int i = threadIdx.x; i < bg.vol; i += kWarps * 32) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += bacc[w * (bg.vol + 32) + i];
+        dst[i] = v;
+      }
+    }
+  }
 
   // ---- write this lane's rows once (last dims contiguous, rows 16-byte aligned: the
   // launcher guarantees it), two adjacent columns per store ----
@@ -382,8 +500,10 @@ __device__ __forceinline__ void bwd_pass(
 // room than sm_90's for the head-dim-32 dQ pass, and so does CUDA 13.0's sm_90 allocator for
 // the head-dim-32 f16/bf16 dK/dV pass (136 spill bytes at 3 CTAs; none from 13.1 on).
 // The grouped-query dK/dV pass (Grouped) holds a few registers more for its loop over the
-// group's query heads; where that spills at 3 CTAs (sm_80, head dim 32) it keeps 2.
-template <typename T, int Dp, bool OwnerIsKey, bool Grouped = false> struct MinBlocks {
+// group's query heads, and so does the pass with a bias (Bias); where that spills at 3 CTAs
+// (sm_80, head dim 32) it keeps 2.
+template <typename T, int Dp, bool OwnerIsKey, bool Grouped = false, bool Bias = false>
+struct MinBlocks {
 #if __CUDA_ARCH__ >= 900
   static constexpr int q32 = 4;
 #else
@@ -392,11 +512,13 @@ template <typename T, int Dp, bool OwnerIsKey, bool Grouped = false> struct MinB
 #if __CUDA_ARCH__ >= 900 && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1301
   static constexpr int kv32 = sizeof(T) == 2 ? 2 : 3;
 #elif __CUDA_ARCH__ < 900
-  static constexpr int kv32 = Grouped ? 2 : 3;
+  static constexpr int kv32 = Grouped || Bias ? 2 : 3;
 #else
   static constexpr int kv32 = 3;
 #endif
-  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? kv32 : 2) : (Dp <= 32 ? q32 : Dp <= 64 ? 3 : 2);
+  // The dQ pass with a bias also keeps its dS tile's stores in flight: one CTA fewer.
+  static constexpr int value = OwnerIsKey ? (Dp <= 32 ? kv32 : 2)
+                                          : (Dp <= 32 ? q32 - Bias : Dp <= 64 ? 3 - Bias : 2);
 };
 
 }  // namespace
@@ -405,11 +527,12 @@ template <typename T, int Dp, bool OwnerIsKey, bool Grouped = false> struct MinB
 // from bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA
 // tile t and warp patch p (powers of two), log2 l of p, tiles per dilation group n. Grouped:
 // grouped-query attention (heads_per_kv > 1), each CTA walks its kv head's query heads.
-template <typename T, int Dp, int DC, bool Grouped>
-__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true, Grouped>::value)
+template <typename T, int Dp, int DC, bool Grouped, bool BIAS>
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true, Grouped, BIAS>::value)
 na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
                 float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                const T* __restrict__ rpb, const bwd::BiasGeom bg,
                 const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                 const int t0, const int t1, const int t2, const int p0, const int p1,
                 const int p2, const int l0, const int l1, const int l2, const int n0,
@@ -417,18 +540,20 @@ na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
   const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
-  bwd_pass<T, Dp, DC, true, Grouped>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k, p.v,
-                                     p.q, p.d_o, p.dk, p.dv, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
-                            bh0);
+  bwd_pass<T, Dp, DC, true, Grouped, BIAS>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k,
+                                           p.v, p.q, p.d_o, p.dk, p.dv, tab, tab_off, tile,
+                                           patch, lpatch, ntile, slab_rows, bh0, rpb, nullptr,
+                                           bg);
 }
 
 // dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o; runs
 // first (the dK/dV pass reads the delta it writes).
-template <typename T, int Dp, int DC>
-__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, false>::value)
+template <typename T, int Dp, int DC, bool BIAS>
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, false, false, BIAS>::value)
 na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const T* __restrict__ d_o, const T* __restrict__ o, const float* __restrict__ lse,
-               float* __restrict__ delta, T* __restrict__ dq,
+               float* __restrict__ delta, T* __restrict__ dq, const T* __restrict__ rpb,
+               float* __restrict__ bias_part, const bwd::BiasGeom bg,
                const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                const int t0, const int t1, const int t2, const int p0, const int p1,
                const int p2, const int l0, const int l1, const int l2, const int n0,
@@ -436,7 +561,66 @@ na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
   const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
-  bwd_pass<T, Dp, DC, false, false>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq,
-                             p.dq, tab, tab_off, tile, patch, lpatch, ntile, slab_rows,
-                            bh0);
+  bwd_pass<T, Dp, DC, false, false, BIAS>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o,
+                                          p.k, p.v, p.dq, p.dq, tab, tab_off, tile, patch,
+                                          lpatch, ntile, slab_rows, bh0, rpb, bias_part, bg);
+}
+
+// d_rpb from the dQ pass's CTA boxes (bias_part, [batch * heads, bg.ctas, bg.vol]): one CTA
+// per table entry (grid x) and head (grid y); its threads take the dQ CTAs in turn (thread i:
+// CTAs i, i + 128, ...; each over the batch in order) and sum those whose box holds the
+// entry, then the CTA adds the threads' sums in a fixed tree. Writes every entry of d_rpb
+// [H, 2k-1, ...] (zero where no query reaches it), the same bits every run.
+template <typename T>
+__global__ void __launch_bounds__(128)
+na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
+                 const int4* __restrict__ tab, const NAParams p, const bwd::BiasGeom bg) {
+  __shared__ float part[128];
+  int n[3], o[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) n[a] = 2 * (int)p.kernel[a] - 1;
+  const int e = blockIdx.x, h = blockIdx.y;
+  o[2] = e % n[2];
+  o[1] = (e / n[2]) % n[1];
+  o[0] = e / (n[1] * n[2]);
+  const int heads = (int)p.heads, batch = (int)p.batch;
+  float sum = 0.f;
+  for (int t = threadIdx.x; t < bg.ctas; t += blockDim.x) {
+    // The CTA's tile and dilation group per axis, decomposed as na_bwd_fused_q does.
+    unsigned bx = (unsigned)t;
+    int tix[3], local = 0;
+    bool inside = true;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      tix[a] = (int)(bx % (unsigned)bg.ntile[a]);
+      bx /= (unsigned)bg.ntile[a];
+    }
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      const int L = (int)p.extent[a], d = (int)p.dilation[a];
+      const int g = (int)(bx % (unsigned)d);
+      bx /= (unsigned)d;
+      const int glen = (L - g + d - 1) / d, org = tix[a] * bg.tile[a];
+      const int last = min(org + bg.tile[a] - 1, glen - 1);
+      const int origin = org < glen ? tab[bg.tab_off[a] + g + d * last].x - last +
+                                          (int)p.kernel[a] - 1 : 0;
+      const int l = o[a] - origin;
+      inside &= org < glen && l >= 0 && l < bg.dim[a];  // no such dQ CTA, or not in its box
+      local += l * bg.bst[a];
+    }
+    if (!inside) continue;
+    const float* src = bias_part + ((i64)h * bg.ctas + t) * bg.vol + local;
+    const i64 per_batch = (i64)heads * bg.ctas * bg.vol;
+    for (int b = 0; b < batch; ++b) sum += src[b * per_batch];
+  }
+  part[threadIdx.x] = sum;
+  __syncthreads();
+#pragma unroll
+  for (int w = 64; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0)
+    d_rpb[h * p.d_rpb[0] + o[0] * p.d_rpb[1] + o[1] * p.d_rpb[2] + o[2] * p.d_rpb[3]] =
+        store_as<T>(part[0]);
 }

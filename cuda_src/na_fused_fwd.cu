@@ -1,6 +1,6 @@
 // Fused neighborhood-attention forward on tensor cores: out = softmax(scale * q k^T) v over each query's window, and lse (natural log), flash-style (online softmax, nothing in memory).
 // One CTA = a box of queries of one dilation group, head and batch; each warp owns a compact 16-query patch (the m16 rows of its mma) and walks only its patch's key halo, line by line in 8-key groups (2-D, 3-D) or flat 16 keys at a time, gathering key rows from shared memory (ldmatrix or per-lane loads take any row).
-// Reads q, k, v (k, v of the head's kv head under GQA; last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit); writes out and lse (float32).
+// Reads q, k, v (k, v of the head's kv head under GQA; last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit) and, with BIAS, the relative positional bias rpb [H, 2k-1, ...] (any strides); writes out and lse (float32).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/fused_tile.cuh"
@@ -16,9 +16,9 @@ template <> struct Elem<float> { enum { tf32 = 1, per_chunk = 4 }; };
 
 // CTAs per SM the compiler must fit (caps registers at 64K / (threads * ctas)): head dim 32
 // with up to 32 keys per iteration fits 128 registers (4 CTAs of 128 threads) without
-// spilling; wider iterations and larger head dims need more.
-__host__ __device__ constexpr int min_ctas(int threads, int dp, int kb) {
-  return dp <= 32 && kb <= 2 ? 512 / threads : 1;
+// spilling, 170 (3 CTAs) with a bias; wider iterations and larger head dims need more.
+__host__ __device__ constexpr int min_ctas(int threads, int dp, int kb, bool bias) {
+  return dp <= 32 && kb <= 2 ? (bias ? 384 : 512) / threads : 1;
 }
 
 // Coordinates (a0, a1, a2) of flat index t of a warp's row-major halo box of dims n; axes
@@ -53,13 +53,14 @@ using namespace natten::fused_fwd;
 // W*: warps per CTA along each axis (the CTA's query box is (W0 P0, W1 P1, W2 P2)); KB: 16-key
 // sub-blocks a warp takes per iteration (independent mma chains, one softmax reduction); LINES
 // (2-D, 3-D): walk the warp halo line by line in 8-key groups (LineWalk), else in flat row-major
-// order.
+// order; BIAS: add rpb[head, key - query + kernel - 1] (in-group offsets per axis) to each
+// score (stride 1 only: the launcher refuses others).
 template <typename T, int RANK, int DP, int P0, int P1, int P2, int W0, int W1, int W2, int KB,
-          bool LINES>
-__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP, KB))
+          bool LINES, bool BIAS>
+__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP, KB, BIAS))
 na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-             T* __restrict__ out, float* __restrict__ lse, const NAParams p, int chunk_keys,
-             int stages) {
+             T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ rpb,
+             const NAParams p, int chunk_keys, int stages) {
   static_assert(P0 * P1 * P2 == 16, "a warp patch holds 16 queries");
   static_assert(!LINES || RANK >= 2, "the line walk is for 2-D and 3-D");
   constexpr int NW = W0 * W1 * W2, NT = 32 * NW;
@@ -181,6 +182,36 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       else { wlo8 = lo; wsz8 = e - s; qc8 = c; }
     }
   }
+
+  // Relative positional bias: the head's table [2k-1, ...] is copied into shared memory after
+  // the key buffers, in log2 units (row-major, strides ts); the entry of row ri and the key at
+  // warp-halo coordinates (a0, a1, a2) is brow[ri] + sum over axes of a * ts, brow holding the
+  // warp halo's origin and the row's (query - kernel + 1) terms.
+  int brow[2] = {0, 0};
+  float* const btab = reinterpret_cast<float*>(kv_s + stages * 2 * chunk_keys * DP);
+  const int tn1 = RANK > 1 ? 2 * ax[1].kernel - 1 : 1, tn2 = RANK > 2 ? 2 * ax[2].kernel - 1 : 1;
+  auto rs = [&](int a) { return a == 0 ? tn1 * tn2 : a == 1 ? tn2 : 1; };
+  if constexpr (BIAS) {
+    const int tvol = (2 * ax[0].kernel - 1) * tn1 * tn2;
+    for (int i = tid; i < tvol; i += NT) {
+      const int o0 = i / (tn1 * tn2), r = i - o0 * tn1 * tn2, o1 = r / tn2, o2 = r - o1 * tn2;
+      btab[i] = to_float(rpb[head * p.rpb[0] + o0 * p.rpb[1] + o1 * p.rpb[2] + o2 * p.rpb[3]]) *
+                1.4426950408889634f;
+    }
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int r = group + 8 * ri;
+      const int rc[3] = {r / (P1 * P2), (r / P2) % P1, r % P2};
+#pragma unroll
+      for (int a = 0; a < RANK; ++a)
+        brow[ri] += (hs[a] + wo[a] - min(pq[a] + rc[a], glen[a] - 1) + ax[a].kernel - 1) * rs(a);
+    }
+  }
+  // Adds that bias to score x (log2 units; the first chunk's barrier orders the copy before
+  // any use); masked scores stay -inf (their table index may lie outside the table).
+  auto add_bias = [&](float& x, int ri, int a0, int a1, int a2) {
+    if (x != NEG_INF) x += btab[brow[ri] + a0 * rs(0) + a1 * rs(1) + a2 * rs(2)];
+  };
 
   const i64 hd = p.head_dim;
   // Grouped-query attention: this head's keys and values are those of kv head
@@ -443,6 +474,33 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             if (!(sh1 && (unsigned)(c[AX8] - wlo[AX8]) < (unsigned)wsz[AX8])) s[j][1] = NEG_INF;
             if (!(sh0 && (unsigned)(b[AX8] - wlo8) < (unsigned)wsz8)) s[j][2] = NEG_INF;
             if (!(sh1 && (unsigned)(c[AX8] - wlo8) < (unsigned)wsz8)) s[j][3] = NEG_INF;
+          }
+        }
+
+        // ---- relative positional bias ----
+        if constexpr (BIAS) {
+#pragma unroll
+          for (int j = 0; j < 2 * KB; ++j) {
+            int b[3], c[3];  // warp-halo coordinates of keys 2 quad and 2 quad + 1 of group j
+            if constexpr (LINES) {
+              b[0] = gl0[j];
+              b[1] = RANK == 3 ? gl1[j] : gcol[j] + 2 * quad;
+              b[2] = RANK == 3 ? gcol[j] + 2 * quad : 0;
+              c[0] = b[0]; c[1] = b[1]; c[2] = b[2];
+              ++c[CA];
+            } else {
+              const int t = t0 + 8 * j + 2 * quad;
+              split(min(t, t_hi - 1), b[0], b[1], b[2]);
+              c[0] = b[0]; c[1] = b[1]; c[2] = b[2] + 1;
+              if (c[2] == wn[2]) {
+                c[2] = 0;
+                if (++c[1] == wn[1]) { c[1] = 0; ++c[0]; }
+              }
+            }
+            add_bias(s[j][0], 0, b[0], b[1], b[2]);
+            add_bias(s[j][1], 0, c[0], c[1], c[2]);
+            add_bias(s[j][2], 1, b[0], b[1], b[2]);
+            add_bias(s[j][3], 1, c[0], c[1], c[2]);
           }
         }
 

@@ -325,12 +325,13 @@ __global__ void na_qk_bwd_dk_naive(const T* d_attn, const T* q, T* dk, NAParams 
   inverse_weighted_sum<T, RANK>(p, d_attn, p.d_attn, q, p.q, dk, p.dk);
 }
 
-// d_rpb[h, r] += sum of d_attn over every (batch, query) whose window holds the key at
-// offset r. One warp per (head, rpb entry): lanes stride over the queries and the warp sums
-// with shuffles, so the result is deterministic and needs neither atomics nor scratch.
-template <typename T, int RANK>
-__global__ void na_qk_bwd_rpb_naive(const T* d_attn, typename Acc<T>::type* d_rpb,
-                                    NAParams p) {
+// d_rpb[h, r] += sum over every (batch, query) whose window holds the key at offset r of
+// value(row, slot t, key coordinates y). One warp per (head, rpb entry): lanes stride over
+// the queries and the warp sums with shuffles, so the result is deterministic and needs
+// neither atomics nor scratch.
+template <typename T, int RANK, typename F>
+__device__ __forceinline__ void rpb_sums(const NAParams& p, typename Acc<T>::type* d_rpb,
+                                         F&& value) {
   typedef typename Acc<T>::type A;
   int span[3];  // 2k - 1 offsets per axis (1 on inert axes)
 #pragma unroll
@@ -367,6 +368,7 @@ __global__ void na_qk_bwd_rpb_naive(const T* d_attn, typename Acc<T>::type* d_rp
       row.b = rest;
       bool valid = true;
       i64 t = 0;
+      int y[3] = {0, 0, 0};
 #pragma unroll
       for (int a = 0; a < RANK; ++a) {
         const Axis ax = axis_of(p, a);
@@ -376,8 +378,9 @@ __global__ void na_qk_bwd_rpb_naive(const T* d_attn, typename Acc<T>::type* d_rp
         ax.window(row.x[a] / ax.dilation, ax.group_len(g), start, end);
         valid = valid && jg >= start && jg < end;
         t = t * ax.kernel + (jg - start);
+        y[a] = g + ax.dilation * jg;
       }
-      if (valid) sum += to_float(d_attn[at(p.d_attn, row, row.x, t)]);
+      if (valid) sum += value(row, t, y);
     }
 #pragma unroll
     for (int width = 16; width > 0; width >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, width);
@@ -388,6 +391,15 @@ __global__ void na_qk_bwd_rpb_naive(const T* d_attn, typename Acc<T>::type* d_rp
       d_rpb[o] += sum;
     }
   }
+}
+
+// d_rpb[h, r] += sum of d_attn over every (batch, query) whose window holds offset r.
+template <typename T, int RANK>
+__global__ void na_qk_bwd_rpb_naive(const T* d_attn, typename Acc<T>::type* d_rpb,
+                                    NAParams p) {
+  rpb_sums<T, RANK>(p, d_rpb, [&](const Row& row, i64 t, const int (&)[3]) {
+    return (typename Acc<T>::type)to_float(d_attn[at(p.d_attn, row, row.x, t)]);
+  });
 }
 
 // d_attn = d_out v^T over each window; 0 at empty causal slots.
@@ -404,6 +416,19 @@ __global__ void na_av_bwd_dv_naive(const T* attn, const T* d_out, T* dv, NAParam
 
 // ---- fused kernels ----------------------------------------------------------------------
 
+// Relative positional bias of query x and key y (full coordinates, one dilation group) for
+// query head h: rpb[h, (y - x) / d + k - 1, ...]; 0 without a bias (rpb null).
+template <typename T, typename A, int RANK>
+__device__ __forceinline__ A rpb_at(const NAParams& p, const T* rpb, int h, const int (&x)[3],
+                                    const int (&y)[3]) {
+  if (rpb == nullptr) return (A)0;
+  i64 o = h * p.rpb[0];
+#pragma unroll
+  for (int a = 0; a < RANK; ++a)
+    o += ((y[a] - x[a]) / (int)p.dilation[a] + (int)p.kernel[a] - 1) * p.rpb[1 + a];
+  return to_float(rpb[o]);
+}
+
 // Chunks of a head dim of `dim` elements per row; rows times chunks are the work items of the
 // fused kernels (dim: the head dim of what a kernel writes: out has v_dim, dq head_dim, and
 // dk, dv together the larger of the two).
@@ -414,10 +439,11 @@ __device__ __forceinline__ int num_chunks(i64 dim) {
 
 // out = softmax(scale q k^T) v over each window, online (one pass over the keys), and
 // lse = log sum exp (natural log). Scores are kept in log2 units (scale * log2(e) folded in)
-// so that exp2 serves; one thread per (row, chunk), chunk 0 also writes lse.
+// so that exp2 serves; one thread per (row, chunk), chunk 0 also writes lse. rpb: relative
+// positional bias added to the scores (null: none).
 template <typename T, int RANK>
 __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
-                             typename Acc<T>::type* lse, NAParams p) {
+                             typename Acc<T>::type* lse, const T* rpb, NAParams p) {
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
   const int chunks = num_chunks<kChunk>(p.v_dim);  // out's columns
@@ -435,7 +461,8 @@ __global__ void na_fwd_naive(const T* q, const T* k, const T* v, T* out,
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc[j] = 0;
     for_each_key(w, [&](const int (&y)[3], i64) {
-      const A s = dot(q_row, p.q[5], k + at(p.k, kv, y, 0), p.k[5], p.head_dim) * scale_log2;
+      const A s = dot(q_row, p.q[5], k + at(p.k, kv, y, 0), p.k[5], p.head_dim) * scale_log2 +
+                  rpb_at<T, A, RANK>(p, rpb, row.h, row.x, y) * (A)kLog2e;
       const A m_new = max_of(m, s);
       const A correction = exp2_of(m - m_new);  // 0 on the first key (m = -inf)
       const A prob = exp2_of(s - m_new);
@@ -473,7 +500,8 @@ __global__ void na_bwd_delta_naive(const T* out, const T* d_out, typename Acc<T>
 template <typename T, int RANK>
 __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_out,
                                 const typename Acc<T>::type* lse,
-                                const typename Acc<T>::type* delta, T* dq, NAParams p) {
+                                const typename Acc<T>::type* delta, T* dq, const T* rpb,
+                                NAParams p) {
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
   const int chunks = num_chunks<kChunk>(p.head_dim);
@@ -496,7 +524,8 @@ __global__ void na_bwd_dq_naive(const T* q, const T* k, const T* v, const T* d_o
     for_each_key(w, [&](const int (&y)[3], i64) {
       const T* k_row = k + at(p.k, kv, y, 0);
       const A prob =
-          exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 - lse_log2);
+          exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 +
+                  rpb_at<T, A, RANK>(p, rpb, row.h, row.x, y) * (A)kLog2e - lse_log2);
       const A d_score =
           prob * (dot(do_row, p.d_o[5], v + at(p.v, kv, y, 0), p.v[5], p.v_dim) - delta_i);
       const T* k_chunk = k_row + e0 * p.k[5];
@@ -518,7 +547,7 @@ template <typename T, int RANK>
 __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d_out,
                                   const typename Acc<T>::type* lse,
                                   const typename Acc<T>::type* delta, T* dk, T* dv,
-                                  NAParams p) {
+                                  const T* rpb, NAParams p) {
   typedef typename Acc<T>::type A;
   constexpr int kChunk = Chunk<A>::size;
   // dk has head_dim columns, dv v_dim: chunks cover the larger, each side stops at its own.
@@ -537,8 +566,15 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) acc_k[j] = acc_v[j] = 0;
     int x[3];
+    // The bias of query (i0, i1, i2) (in-group indices) and this key: rpb[bias0 - sum i * s]
+    // with bias0 = head * s_h + sum (key's in-group index + k - 1) * s.
+    i64 key_part = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a)
+      key_part += (row.x[a] / (int)p.dilation[a] + p.kernel[a] - 1) * p.rpb[1 + a];
     for (int g = 0; g < (int)p.heads_per_kv; ++g) {
       const Row qr = group_row(p, row, g);
+      const i64 bias0 = key_part + qr.h * p.rpb[0];
       for (int i0 = iw.lo[0]; i0 < iw.hi[0]; ++i0) {
         x[0] = iw.group[0] + iw.step[0] * i0;
         for (int i1 = iw.lo[1]; i1 < iw.hi[1]; ++i1) {
@@ -547,8 +583,10 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
             x[2] = iw.group[2] + iw.step[2] * i2;
             const T* q_row = q + at(p.q, qr, x, 0);
             const T* do_row = d_out + at(p.d_o, qr, x, 0);
-            const A prob = exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 -
-                                   lse[at(p.lse, qr, x, 0)] * (A)kLog2e);
+            const A bias = rpb == nullptr ? (A)0 : (A)to_float(
+                rpb[bias0 - i0 * p.rpb[1] - i1 * p.rpb[2] - i2 * p.rpb[3]]);
+            const A prob = exp2_of(dot(q_row, p.q[5], k_row, p.k[5], p.head_dim) * scale_log2 +
+                                   bias * (A)kLog2e - lse[at(p.lse, qr, x, 0)] * (A)kLog2e);
             const A d_score = prob * (dot(do_row, p.d_o[5], v_row, p.v[5], p.v_dim) -
                                       delta[at(p.delta, qr, x, 0)]);
             const T* q_chunk = q_row + e0 * p.q[5];
@@ -572,6 +610,26 @@ __global__ void na_bwd_dkdv_naive(const T* q, const T* k, const T* v, const T* d
   }
 }
 
+// Fused backward's d_rpb[h, r] += sum of dS_ij over the (query i, key j) pairs at offset r
+// (dS recomputed as in na_bwd_dq_naive); d_rpb zeroed by the caller.
+template <typename T, int RANK>
+__global__ void na_bwd_rpb_naive(const T* q, const T* k, const T* v, const T* d_out,
+                                 const typename Acc<T>::type* lse,
+                                 const typename Acc<T>::type* delta, const T* rpb,
+                                 typename Acc<T>::type* d_rpb, NAParams p) {
+  typedef typename Acc<T>::type A;
+  const A scale_log2 = scale_of<A>(p) * (A)kLog2e;
+  rpb_sums<T, RANK>(p, d_rpb, [&](const Row& row, i64, const int (&y)[3]) {
+    const Row kv = kv_row(p, row);
+    const A prob = exp2_of(dot(q + at(p.q, row, row.x, 0), p.q[5], k + at(p.k, kv, y, 0),
+                               p.k[5], p.head_dim) * scale_log2 +
+                           rpb_at<T, A, RANK>(p, rpb, row.h, row.x, y) * (A)kLog2e -
+                           lse[at(p.lse, row, row.x, 0)] * (A)kLog2e);
+    return prob * (dot(d_out + at(p.d_o, row, row.x, 0), p.d_o[5], v + at(p.v, kv, y, 0),
+                       p.v[5], p.v_dim) - delta[at(p.delta, row, row.x, 0)]);
+  });
+}
+
 }  // namespace naive
 }  // namespace natten
 
@@ -588,3 +646,4 @@ using natten::naive::na_fwd_naive;
 using natten::naive::na_bwd_delta_naive;
 using natten::naive::na_bwd_dq_naive;
 using natten::naive::na_bwd_dkdv_naive;
+using natten::naive::na_bwd_rpb_naive;

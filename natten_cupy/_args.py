@@ -47,6 +47,9 @@ class NAProblem:
     # Head dim of v, out and their gradients (fused ops); None (the default) means head_dim.
     # The unfused ops see only one head dim each (qk: q/k's, av: v's), in head_dim.
     v_dim: int | None = None
+    # Whether the fused ops add a relative positional bias rpb [H, 2k-1, ...] to the scores
+    # (and the backward returns its gradient).
+    has_rpb: bool = False
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -290,18 +293,29 @@ class _Shaped:
         self.shape, self.dtype = tuple(shape), dtype
 
 
+def _with_rpb(problem, rpb):
+    """``problem`` with its relative positional bias checked and recorded (or as it is)."""
+    if rpb is None:
+        return problem
+    _check_rpb(rpb, problem)
+    if any(s != 1 for s in problem.stride):
+        raise ValueError(f"rpb needs stride 1 on every axis, got stride {problem.stride} (a "
+                         "strided window's offsets do not fit the [H, 2k-1, ...] table)")
+    return dataclasses.replace(problem, has_rpb=True)
+
+
 def check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
-                allow_tf32=False, deterministic=False, tile=None):
+                allow_tf32=False, deterministic=False, tile=None, rpb=None):
     """Validate a fused forward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
     kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)], free_dim=("v",))
-    return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
-                 deterministic, tile, kv, int(v.shape[-1]))
+    return _with_rpb(_make(rank, q, kernel_size, stride, dilation, is_causal, scale,
+                           allow_tf32, deterministic, tile, kv, int(v.shape[-1])), rpb)
 
 
 def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
                          is_causal, scale, backend, allow_tf32=False, deterministic=False,
-                         tile=None):
+                         tile=None, rpb=None):
     """Validate a fused backward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
     kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)], free_dim=("v",))
@@ -321,8 +335,8 @@ def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, di
                              else numpy.float32)
     if lse_dtype != want_dtype:
         raise ValueError(f"lse dtype must be {want_dtype} for {q.dtype} inputs, got {lse.dtype}")
-    return _make(rank, q, kernel_size, stride, dilation, is_causal, scale, allow_tf32,
-                 deterministic, tile, kv, int(v.shape[-1]))
+    return _with_rpb(_make(rank, q, kernel_size, stride, dilation, is_causal, scale,
+                           allow_tf32, deterministic, tile, kv, int(v.shape[-1])), rpb)
 
 
 def _check_attn(name, attn, rank, q_like, num_neighbors):

@@ -102,26 +102,29 @@ def _workspaces(plan):
     return tuple(cupy.empty(shape, dtype) for shape, dtype in plan.workspaces)
 
 
-def run_forward(plan_forward, problem, q, k, v, out, lse):
+def run_forward(plan_forward, problem, q, k, v, out, lse, rpb=None):
     """A fused forward on CuPy arrays through a part's ``plan_forward``: stand-ins for q, k, v,
-    out where they are not ``rows_ready``, the plan with its workspaces, then the copy back."""
+    out where they are not ``rows_ready``, the plan with its workspaces, then the copy back
+    (rpb, read element by element, goes as it is)."""
     from ._launch import run_plan_on
     q, k, v = ready_inputs((q, k, v))
     (dst,) = writable_outputs((out,))
-    arrays = (q, k, v, dst, lse)
+    arrays = (q, k, v, dst, lse) + (() if rpb is None else (rpb,))
     plan = plan_forward(problem, *map(layout_of, arrays))
     run_plan_on(plan, arrays + _workspaces(plan))
     copy_back((out,), (dst,))
 
 
-def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv):
+def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None,
+                 d_rpb=None):
     """A fused backward on CuPy arrays through a part's ``plan_backward`` (operands d_out, q,
-    k, v, out, lse, dq, dk, dv, then the plan's workspaces)."""
+    k, v, out, lse, dq, dk, dv [, rpb, d_rpb: element by element, as they are], then the
+    plan's workspaces)."""
     from ._launch import run_plan_on
     q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
     grads = (dq, dk, dv)
     written = writable_outputs(grads)
-    arrays = (d_out, q, k, v, out, lse, *written)
+    arrays = (d_out, q, k, v, out, lse, *written) + (() if rpb is None else (rpb, d_rpb))
     plan = plan_backward(problem, *map(layout_of, arrays))
     run_plan_on(plan, arrays + _workspaces(plan))
     copy_back(grads, written)

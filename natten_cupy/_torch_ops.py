@@ -675,3 +675,143 @@ _LIB.impl("na_av", _av_autograd, "Autograd")
 _refuse_double_backward("na_av_backward")
 
 
+
+
+# ---- fused NA with a relative positional bias ---------------------------------------------
+#
+# Ops of their own (the plain fused ops' schemas stay as they are): rpb [H, 2k-1, ...] is an
+# input of both, the backward returns its gradient too. No warm-call entries yet: every call
+# validates (``_rpb_problem``).
+
+_LIB.define("na_fused_forward_rpb(Tensor q, Tensor k, Tensor v, Tensor rpb, SymInt[] kernel_size, "
+            "SymInt[] stride, SymInt[] dilation, bool[] is_causal, float? scale, str backend, "
+            "bool allow_tf32, bool deterministic, bool lse_grad=False, str tile=\"\") "
+            "-> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("na_fused_backward_rpb(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+            "Tensor lse, Tensor rpb, SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, "
+            "bool[] is_causal, float? scale, str backend, bool allow_tf32, bool deterministic, "
+            "str tile=\"\") -> (Tensor, Tensor, Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _rpb_problem(op, tensors, rpb, opts):
+    """(problem, backend) of a biased fused op from the ops' option arguments."""
+    ks, st, dl, ca, scale, backend, tf32, det, tile = opts
+    rank, tile = len(ks), _tile_value(tile)
+    if op == "fused_forward":
+        q, k, v = tensors
+        problem = _args.check_fused(rank, q, k, v, ks, st, dl, ca, scale, backend, tf32, det,
+                                    tile, rpb)
+        names = ("q", "k", "v")
+    else:
+        d_out, q, k, v, out, lse = tensors
+        problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, ks, st, dl, ca,
+                                             scale, backend, tf32, det, tile, rpb)
+        names = ("d_out", "q", "k", "v", "out", "lse")
+    _check_tensors(list(zip(names, tensors)) + [("rpb", rpb)])
+    return problem, ops.select_backend(op, problem, _xp(q.device), backend)
+
+
+@_impl("na_fused_forward_rpb")
+def _fused_forward_rpb_impl(q: Tensor, k: Tensor, v: Tensor, rpb: Tensor,
+                            kernel_size: list[int], stride: list[int], dilation: list[int],
+                            is_causal: list[bool], scale: Optional[float], backend: str,
+                            allow_tf32: bool, deterministic: bool, lse_grad: bool = False,
+                            tile: str = "") -> tuple[Tensor, Tensor]:
+    opts = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+            deterministic, tile)
+    problem, be = _rpb_problem("fused_forward", (q, k, v), rpb, opts)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
+    with _on_torch_stream(q.device):
+        ops.run_fused_forward(problem, be, *map(_view, (q, k, v, out, lse, rpb)))
+    return out, lse
+
+
+@_fake("na_fused_forward_rpb")
+def _(q, k, v, rpb, kernel_size, *options):
+    return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+            q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype)))
+
+
+@_impl("na_fused_backward_rpb")
+def _fused_backward_rpb_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                             lse: Tensor, rpb: Tensor, kernel_size: list[int],
+                             stride: list[int], dilation: list[int], is_causal: list[bool],
+                             scale: Optional[float], backend: str, allow_tf32: bool,
+                             deterministic: bool, tile: str = ""
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    opts = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+            deterministic, tile)
+    tensors = (d_out, q, k, v, out, lse)
+    problem, be = _rpb_problem("fused_backward", tensors, rpb, opts)
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, rpb)]
+    with _on_torch_stream(q.device):
+        ops.run_fused_backward(problem, be, *map(_view, (*tensors, *grads[:3], rpb, grads[3])))
+    return tuple(grads)
+
+
+@_fake("na_fused_backward_rpb")
+def _(d_out, q, k, v, out, lse, rpb, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), rpb.new_empty(
+        rpb.shape)
+
+
+_fused_forward_rpb = _op("na_fused_forward_rpb")
+_fused_backward_rpb = _op("na_fused_backward_rpb")
+
+
+def lse_grads_rpb(q, k, v, out, lse, rpb, d_lse, opts):
+    """The gradients (dq, dk, dv, d_rpb) that flow from ``d_lse``, from one backward call:
+    with values 0 (so dP = 0) and (out, d_out) = (e_0, -d_lse e_0) per row (so delta = -d_lse),
+    its dS_ij = P_ij d_lse_i, which is d lse_i / d score_ij times d_lse_i."""
+    d_out = torch.zeros_like(out)
+    one = torch.zeros_like(out)
+    d_out[..., 0] = -d_lse.to(out.dtype)
+    one[..., 0] = 1
+    dq, dk, _, d_rpb = _backward_ops_call(_fused_backward_rpb, (d_out, q, k, torch.zeros_like(v),
+                                                                one, lse, rpb, *opts))
+    return dq, dk, torch.zeros_like(v), d_rpb
+
+
+class _FusedRpbOp(torch.autograd.Function):
+    """Autograd of ``na_fused_forward_rpb``: gradients for q, k, v and rpb, from out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rpb, options, lse_grad):
+        with _BELOW():
+            out, lse = _fused_forward_rpb(q, k, v, rpb, *options[:8], lse_grad, options[8])
+        ctx.save_for_backward(q, k, v, rpb, out, lse)
+        ctx.options = options
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, rpb, out, lse = ctx.saved_tensors
+        opts = ctx.options
+        grads = None
+        if d_out is not None:
+            grads = _backward_ops_call(_fused_backward_rpb, (d_out, q, k, v, out, lse, rpb, *opts))
+        if d_lse is not None:
+            extra = lse_grads_rpb(q, k, v, out, lse, rpb, d_lse, opts)
+            grads = extra if grads is None else tuple(a + b for a, b in zip(grads, extra))
+        if grads is None:
+            grads = (None,) * 4
+        return (*grads, None, None)
+
+
+def _fused_forward_rpb_autograd(q, k, v, rpb, kernel_size, stride, dilation, is_causal, scale,
+                                backend, allow_tf32, deterministic, lse_grad=False, tile=""):
+    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+               deterministic, tile)
+    if _grad_enabled() and _any_requires_grad(q, k, v, rpb):
+        return _FusedRpbOp.apply(q, k, v, rpb, options, lse_grad)
+    with _BELOW():
+        return _fused_forward_rpb(q, k, v, rpb, *options[:8], lse_grad, tile)
+
+
+_LIB.impl("na_fused_forward_rpb", _fused_forward_rpb_autograd, "Autograd")
+_refuse_double_backward("na_fused_backward_rpb")

@@ -60,14 +60,27 @@ def _empty(xp, shape, dtype):
 
 # ---- runs on gathered arrays, outputs given --------------------------------------------
 
-def run_fused_forward(problem, backend, q, k, v, out, lse):
-    if not problem.is_empty:
+def run_fused_forward(problem, backend, q, k, v, out, lse, rpb=None):
+    if problem.is_empty:
+        return
+    if rpb is None:
         backend.fused_forward(problem, q, k, v, out, lse)
+    else:
+        backend.fused_forward(problem, q, k, v, out, lse, rpb=rpb)
 
 
-def run_fused_backward(problem, backend, d_out, q, k, v, out, lse, dq, dk, dv):
-    if not problem.is_empty:
+def run_fused_backward(problem, backend, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None,
+                       d_rpb=None):
+    """With ``rpb``, ``d_rpb`` (rpb's shape and dtype) receives its gradient."""
+    if d_rpb is not None and (problem.is_empty or problem.num_tokens == 0):
+        d_rpb[...] = 0
+    if problem.is_empty:
+        return
+    if rpb is None:
         backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv)
+    else:
+        backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=rpb,
+                               d_rpb=d_rpb)
 
 
 def run_qk(problem, backend, q, k, rpb, attn):
@@ -96,22 +109,23 @@ def run_av_backward(problem, backend, d_out, attn, v, d_attn, dv):
 
 def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False,
                   scale=None, backend="auto", return_lse=False, allow_tf32=False,
-                  deterministic=False, tile=None):
-    hit = _fast.fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
-                              backend, return_lse, allow_tf32, deterministic, tile)
-    if hit is not None:
-        return hit
+                  deterministic=False, tile=None, rpb=None):
+    if rpb is None:
+        hit = _fast.fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal,
+                                  scale, backend, return_lse, allow_tf32, deterministic, tile)
+        if hit is not None:
+            return hit
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
-                                backend, allow_tf32, deterministic, tile)
-    named = [("q", q), ("k", k), ("v", v)]
+                                backend, allow_tf32, deterministic, tile, rpb)
+    named = [("q", q), ("k", k), ("v", v), ("rpb", rpb)]
     be = select_backend("fused_forward", problem, array_module(named), backend)
     ins = Inputs.gather(named)
     xp = ins.xp
     with ins.on_device():
-        qa, ka, va = ins.arrays
+        qa, ka, va, ra = ins.arrays
         out = _empty(xp, tuple(qa.shape[:-1]) + (va.shape[-1],), qa.dtype)  # v's head dim
         lse = _empty(xp, qa.shape[:-1], accumulator_dtype(qa.dtype))
-        run_fused_forward(problem, be, qa, ka, va, out, lse)
+        run_fused_forward(problem, be, qa, ka, va, out, lse, ra)
     if return_lse:
         return ins.give_back(out), ins.give_back(lse)
     return ins.give_back(out)
@@ -119,22 +133,28 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
 
 def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
                    is_causal=False, scale=None, backend="auto", allow_tf32=False,
-                   deterministic=False, tile=None):
-    hit = _fast.fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
-                               is_causal, scale, backend, allow_tf32, deterministic, tile)
-    if hit is not None:
-        return hit
+                   deterministic=False, tile=None, rpb=None):
+    if rpb is None:
+        hit = _fast.fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
+                                   dilation, is_causal, scale, backend, allow_tf32,
+                                   deterministic, tile)
+        if hit is not None:
+            return hit
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                          dilation, is_causal, scale, backend, allow_tf32,
-                                         deterministic, tile)
-    named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)]
+                                         deterministic, tile, rpb)
+    named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
+             ("rpb", rpb)]
     be = select_backend("fused_backward", problem, array_module(named), backend)
     ins = Inputs.gather(named)
     xp = ins.xp
     with ins.on_device():
-        do_a, qa, ka, va, oa, la = ins.arrays
+        do_a, qa, ka, va, oa, la, ra = ins.arrays
         grads = [_empty(xp, x.shape, qa.dtype) for x in (qa, ka, va)]  # dk, dv: H_kv heads
-        run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads)
+        if ra is not None:
+            grads.append(_empty(xp, ra.shape, ra.dtype))
+        run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads[:3], ra,
+                           grads[3] if ra is not None else None)
     return tuple(ins.give_back(g) for g in grads)
 
 

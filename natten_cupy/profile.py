@@ -375,7 +375,7 @@ def main(argv=None):
     hint = "`--dry-run` lists the backends that can run the problem without one."
     try:
         # Asked before any CUDA call (a driverless machine can hang on some). A stand-in for
-        # CuPy that is not a module (tests/test_profiler.py runs the flow on NumPy) is
+        # CuPy that is not a module (tests/unit/test_profiler.py runs the flow on NumPy) is
         # taken at its word.
         if isinstance(sys.modules.get("cupy", sys), types.ModuleType):
             _env.require_gpu("profiling (kernels are timed on the GPU, the reference "

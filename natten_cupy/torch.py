@@ -23,7 +23,7 @@ from torch import nn
 
 from . import _AXES, _args
 from ._torch_ops import (AV, QK, FusedNA, _av, _check_tensors, _forward_entry, _fused_forward,
-                         _qk, _unfused_entry, per_axis, tile_text)
+                         _fused_forward_rpb, _qk, _unfused_entry, per_axis, tile_text)
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",
@@ -116,9 +116,16 @@ def _additional_attention(q, keys, values, scale):
 # ---- public functions ---------------------------------------------------------------------
 
 def _na(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-        deterministic, lse_grad=False, tile=None):
+        deterministic, lse_grad=False, tile=None, rpb=None):
     """(out, lse) with autograd through out, and through lse where ``lse_grad`` (eager calls
-    always carry it: an unused lse costs nothing there)."""
+    always carry it: an unused lse costs nothing there); ``rpb``: a relative positional
+    bias, with its gradient."""
+    if rpb is not None:
+        ks, st, dl, ca = per_axis(rank, kernel_size, dilation, is_causal, stride)
+        return _fused_forward_rpb(q, k, v, rpb, ks, st, dl, ca,
+                                  None if scale is None else float(scale), backend,
+                                  bool(allow_tf32), bool(deterministic), bool(lse_grad),
+                                  tile_text(tile))
     if _validating():
         options = (rank, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
                    deterministic, tile)
@@ -139,7 +146,7 @@ def na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fal
        backend=None, q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
        backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
        run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-       return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
+       return_lse=False, *, allow_tf32=False, deterministic=False, tile=None, rpb=None):
     """Fused neighborhood attention with autograd (``rank`` spatial axes)."""
     if tile is not None:   # checked here: the ops carry it as text
         tile = _args.check_tile(tile)
@@ -148,7 +155,7 @@ def na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fal
     is_causal = False if is_causal is None else is_causal
     extra = additional_keys is not None or additional_values is not None
     out, lse = _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-                   _backend(backend), allow_tf32, deterministic, return_lse or extra, tile)
+                   _backend(backend), allow_tf32, deterministic, return_lse or extra, tile, rpb)
     if extra:
         if additional_keys is None or additional_values is None:
             raise ValueError("additional_keys and additional_values must be given together, "
@@ -203,7 +210,9 @@ _NA_DOC = """{n}-D fused neighborhood attention with autograd (NATTEN's calling 
     inputs use TF32 tensor cores; ``deterministic`` is accepted (every fused-op kernel is
     deterministic already); ``tile``: the fused forward's CTA query box (a tuple) or
     "autotune" (the fastest kernel and tile for the problem, forward and backward, timed once
-    and remembered), as in the array API.
+    and remembered), as in the array API; ``rpb``: a relative positional bias ``[H, 2k_0-1,
+    ...]`` (stride 1) added to the scores, ``rpb[h, (j - i) / dilation + k - 1]`` per axis,
+    which receives a gradient.
     """
 
 _UNFUSED_OPTIONS = """
@@ -231,10 +240,10 @@ def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
+         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None, rpb=None):
     return na(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
               additional_keys, additional_values, backend=backend, return_lse=return_lse,
-              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile)
+              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile, rpb=rpb)
 
 
 def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -242,10 +251,10 @@ def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
+         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None, rpb=None):
     return na(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
               additional_keys, additional_values, backend=backend, return_lse=return_lse,
-              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile)
+              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile, rpb=rpb)
 
 
 def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -253,10 +262,10 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None):
+         return_lse=False, *, allow_tf32=False, deterministic=False, tile=None, rpb=None):
     return na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
               additional_keys, additional_values, backend=backend, return_lse=return_lse,
-              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile)
+              allow_tf32=allow_tf32, deterministic=deterministic, tile=tile, rpb=rpb)
 
 
 def na1d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
@@ -309,9 +318,11 @@ class NeighborhoodAttention(nn.Module):
     qkv linear projection, split into ``num_heads`` heads of ``embed_dim // num_heads``, NA,
     merge heads, output projection. Constructor arguments are NATTEN's (``embed_dim`` may
     also be given as ``dim``; ``qk_scale`` as ``scale``); ``rel_pos_bias=True`` adds a learned
-    relative positional bias ``rpb`` [H, 2k_0-1, ...], and ``attn_drop > 0`` drops attention
-    weights in training: both run the unfused chain (qk, softmax, av), everything else the
-    fused op. Use the rank-specific subclasses ``NeighborhoodAttention1D/2D/3D``.
+    relative positional bias ``rpb`` [H, 2k_0-1, ...] (the fused op takes it, but in exact
+    float32 on the GPU, where the unfused chain's tensor-core kernels are faster than the
+    only fused kernel with a bias, the naive one), and ``attn_drop > 0`` drops attention
+    weights in training, which runs the unfused chain (qk, softmax, av). Use the rank-specific
+    subclasses ``NeighborhoodAttention1D/2D/3D``.
     """
 
     rank = None
@@ -352,8 +363,8 @@ class NeighborhoodAttention(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj_drop = nn.Dropout(proj_drop)
         if (rel_pos_bias or attn_drop > 0) and any(s != 1 for s in st):
-            raise ValueError(f"rel_pos_bias and attn_drop run the unfused chain, which takes "
-                             f"stride 1, got stride={tuple(st)}")
+            raise ValueError(f"rel_pos_bias and attn_drop take stride 1 (a bias table and the "
+                             f"unfused chain), got stride={tuple(st)}")
         if rel_pos_bias:
             self.rpb = nn.Parameter(torch.zeros(num_heads, *(2 * k - 1 for k in ks)))
             nn.init.trunc_normal_(self.rpb, std=0.02, a=-2.0, b=2.0)
@@ -377,11 +388,13 @@ class NeighborhoodAttention(nn.Module):
                              f"got shape {tuple(x.shape)}")
         qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
         q, k, v = qkv.unbind(-3)
-        if self.rpb is not None or (self.training and self.attn_drop_p > 0):
+        exact_fp32_gpu = x.is_cuda and q.dtype == torch.float32
+        if (self.training and self.attn_drop_p > 0) or (self.rpb is not None and exact_fp32_gpu):
             out = self._unfused(q, k, v)
         else:
+            rpb = None if self.rpb is None else self.rpb.to(q.dtype)
             out, _ = _na(self.rank, q, k, v, self.kernel_size, self.stride, self.dilation,
-                         self.is_causal, self.scale, self.backend, False, False)
+                         self.is_causal, self.scale, self.backend, False, False, rpb=rpb)
         return self.proj_drop(self.proj(out.flatten(-2)))
 
     def extra_repr(self):

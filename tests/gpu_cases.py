@@ -32,7 +32,8 @@ from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, accumulator
 from natten_cupy.backends import get_backend
 
 BACKENDS = ("naive", "tiled", "fused")
-KINDS = ("fused", "qk", "qk_rpb", "av", "qk_backward", "qk_backward_rpb", "av_backward")
+KINDS = ("fused", "fused_rpb", "qk", "qk_rpb", "av", "qk_backward", "qk_backward_rpb",
+         "av_backward")
 DTYPES = {"float64": FLOAT64, "float32": FLOAT32, "float16": FLOAT16, "bfloat16": BFLOAT16}
 
 # Absolute floor per dtype, relative to the largest true value (or 1). float64 kernels carry
@@ -109,7 +110,7 @@ class Case:
 
     @property
     def fused(self):
-        return self.kind == "fused"
+        return self.kind.startswith("fused")
 
     @property
     def rpb(self):
@@ -130,11 +131,11 @@ def make_cases():
     for kind in KINDS:
         per = 3 if kind == "fused" else 2
         for rank in (1, 2, 3):
-            geoms = GEOMETRIES[rank] if kind == "fused" else GEOMETRIES[rank][:4]
+            geoms = GEOMETRIES[rank] if kind.startswith("fused") else GEOMETRIES[rank][:4]
             for di, dtype in enumerate(DTYPES):
                 for j in range(per):
                     spatial, kernel, stride, dilation, causal = geoms[(di * per + j) % len(geoms)]
-                    if kind != "fused":
+                    if kind != "fused":   # unfused ops and rpb: stride 1
                         stride = (1,) * rank
                     cases.append(Case(kind, rank, dtype, spatial, kernel, stride, dilation,
                                       causal, HEAD_DIMS[n % len(HEAD_DIMS)],
@@ -163,7 +164,7 @@ def gqa_cases():
     n = 0
     for kind in KINDS:
         for rank in (1, 2, 3):
-            geoms = GEOMETRIES[rank] if kind == "fused" else GEOMETRIES[rank][:4]
+            geoms = GEOMETRIES[rank] if kind.startswith("fused") else GEOMETRIES[rank][:4]
             for di, dtype in enumerate(list(DTYPES) + ["float32"]):
                 spatial, kernel, stride, dilation, causal = geoms[(n + di) % len(geoms)]
                 if kind != "fused":
@@ -323,7 +324,7 @@ def problems(case, x, backend_name="reference"):
     ks, dl, ca = case.kernel, case.dilation, case.causal
     if case.fused:
         fwd = _args.check_fused(r, x["q"], x["k"], x["v"], ks, case.stride, dl, ca, None,
-                                backend_name, **kw)
+                                backend_name, rpb=x.get("rpb"), **kw)
         # The backward problem has the forward's geometry; out and lse do not exist yet.
         return {"fused_forward": fwd, "fused_backward": fwd}
     if case.kind.startswith("qk_backward"):
@@ -371,10 +372,13 @@ def run(case, backend, x, xp):
     if case.fused:
         y["out"], y["lse"] = out(of), out(rows, acc)
         ops.run_fused_forward(probs["fused_forward"], backend, x["q"], x["k"], x["v"],
-                              y["out"], y["lse"])
+                              y["out"], y["lse"], x.get("rpb"))
         y["dq"], y["dk"], y["dv"] = out(full), out(kv), out(vf)
+        if case.rpb:   # the bias gradient comes back in the bias's dtype
+            y["d_rpb"] = xp.full(x["rpb"].shape, numpy.nan, dtype=dt)
         ops.run_fused_backward(probs["fused_backward"], backend, x["d_out"], x["q"], x["k"],
-                               x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"])
+                               x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"],
+                               x.get("rpb"), y.get("d_rpb"))
     elif case.kind.startswith("qk_backward"):
         y["dq"], y["dk"] = out(full), out(kv)
         y["d_rpb"] = None
@@ -463,7 +467,7 @@ def expected_refusal(case, backend_name):
     if backend_name == "naive":
         return None
     if backend_name == "tiled":
-        if case.kind == "fused":
+        if case.fused:
             return "runs only the unfused ops"
         if case.dtype == "float64":
             return "dtype float64 is not supported"
@@ -471,12 +475,14 @@ def expected_refusal(case, backend_name):
             return "is not a multiple of 8"
         return None
     if backend_name == "fused":
-        if case.kind != "fused":
+        if not case.fused:
             return "runs only the fused ops"
         if case.dtype == "float64":
             return "dtype float64 is not supported"
         if case.dv != case.head_dim:
             return "need the value head dim equal to the query/key head dim"
+        if case.rpb and case.dtype == "float32" and not case.tf32:
+            return "exact-float32 kernels take no relative positional bias"
         if tensor_cores and (case.head_dim % 8 or case.head_dim > 256):
             return "multiple of 8"
         if not tensor_cores and (case.head_dim % 4 or case.head_dim > 256):

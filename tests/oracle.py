@@ -190,6 +190,50 @@ def fused_backward(d_out, q, k, v, kernel, stride=1, dilation=1, causal=False, s
     return _back(dq, q.shape), _back(dk, k.shape), _back(dv, v.shape)
 
 
+def _dense_bias(spatial, kernel, dilation, causal, rpb):
+    """[H, N, N] float64: rpb's entry for every (query, key) pair of a window, 0 elsewhere,
+    and the ``(key, rel)`` slot tables it came from."""
+    key, rel = slot_table(spatial, kernel, dilation, causal)
+    r = numpy.asarray(rpb, dtype=numpy.float64).reshape(rpb.shape[0], -1)
+    N = key.shape[0]
+    dense = numpy.zeros((r.shape[0], N, N))
+    rows, slots = numpy.nonzero(key >= 0)
+    dense[:, rows, key[rows, slots]] = r[:, rel[rows, slots]]
+    return dense, key, rel
+
+
+def fused_forward_rpb(q, k, v, rpb, kernel, dilation=1, causal=False, scale=None):
+    """(out, lse) in float64 with a relative positional bias (stride 1)."""
+    spatial = q.shape[1:-2]
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    mask = neighborhood_mask(spatial, kernel, 1, dilation, causal)
+    bias, _, _ = _dense_bias(spatial, kernel, dilation, causal, rpb)
+    qh, kh, vh = _bnhd(q), _bnhd(k), _bnhd(v)
+    p, lse = _softmax(scale * qh @ kh.transpose(0, 1, 3, 2) + bias, mask)
+    return (_back(p @ vh, q.shape[:-1] + v.shape[-1:]),
+            lse.transpose(0, 2, 1).reshape(q.shape[:-1]))
+
+
+def fused_backward_rpb(d_out, q, k, v, rpb, kernel, dilation=1, causal=False, scale=None):
+    """(dq, dk, dv, d_rpb) in float64 with a relative positional bias (stride 1); d_rpb
+    sums dS over every (batch, query, key) pair at each offset."""
+    spatial = q.shape[1:-2]
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    mask = neighborhood_mask(spatial, kernel, 1, dilation, causal)
+    bias, key, rel = _dense_bias(spatial, kernel, dilation, causal, rpb)
+    qh, kh, vh, doh = _bnhd(q), _bnhd(k), _bnhd(v), _bnhd(d_out)
+    p, _ = _softmax(scale * qh @ kh.transpose(0, 1, 3, 2) + bias, mask)
+    out = p @ vh
+    ds = p * (doh @ vh.transpose(0, 1, 3, 2) - (doh * out).sum(axis=-1, keepdims=True))
+    d_rpb = numpy.zeros((rpb.shape[0], math.prod(rpb.shape[1:])))
+    rows, slots = numpy.nonzero(key >= 0)
+    numpy.add.at(d_rpb.T, rel[rows, slots], ds.sum(axis=0)[:, rows, key[rows, slots]].T)
+    return (_back(scale * ds @ kh, q.shape), _back(scale * ds.transpose(0, 1, 3, 2) @ qh, k.shape),
+            _back(p.transpose(0, 1, 3, 2) @ doh, v.shape), d_rpb.reshape(rpb.shape))
+
+
 # ---- unfused ops -----------------------------------------------------------------------
 
 def _dense_from_slots(attn, key, N):

@@ -20,6 +20,27 @@ struct RowDesc {
   float l2, dl;
 };
 
+// Relative positional bias (the BIAS instantiations). Each CTA copies its query head's table
+// into shared memory; a score's index there is the gathered row's part minus the owner row's
+// part (BiasDesc.t - owner t), and in the dQ pass its slot in
+// the CTA's accumulator box the same difference of the box parts (.a). Box: per axis the
+// offsets key - query + kernel - 1 that one dQ CTA's queries reach, min(2k - 1, k + tile - 1)
+// of them from the CTA's origin (the offset of its last query's first key, the smallest).
+struct BiasDesc {
+  int t, a;
+};
+struct BiasGeom {
+  int dim[3];      // accumulator box extents per axis (1 on inert axes)
+  int bst[3];      // its row-major strides
+  int tile[3];     // dQ CTA tile per axis (TILES in the launcher)
+  int ntile[3];    // tiles per dilation group per axis
+  int tab_off[3];  // axis offsets into the window table
+  int vol;         // dim[0] * dim[1] * dim[2]
+  int ctas;        // dQ CTAs of head-dim chunk 0 per (batch, head): tiles x dilation groups
+  int tst[3];      // row-major strides of one head's table [2k-1, ...] (its shared-memory copy)
+  int tvol;        // entries of one head's table
+};
+
 // Owner rows of a 16-row patch whose position on one axis lies in [x, y): the patch is
 // row-major with `inner` rows per step on this axis and the pattern repeats every
 // `inner * extent` rows, `rep` = sum of 1 << (i * inner * extent) over the repeats.

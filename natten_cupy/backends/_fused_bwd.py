@@ -16,6 +16,12 @@ device. Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; t
 accumulated columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to
 bound registers. ``problem.tile`` is not used: the tiles are fixed per rank (``TILES``).
 TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
+
+With a relative positional bias (``problem.has_rpb``) both passes add it to the scores, and
+the dQ pass also sums dS per bias-table entry over each CTA's queries: one shared-memory box
+per warp (the offsets the CTA's queries reach, ``_bias_geometry``), summed in warp order into
+a float32 workspace of one box per CTA; a third launch, ``na_bwd_fused_rpb``, adds the boxes
+of each entry in a fixed order into d_rpb. So d_rpb is reproducible run to run as well.
 Measurements and predictions: ``bench/results/NOTES-fused-bwd.md``.
 """
 
@@ -49,9 +55,48 @@ TILES = {
 }
 
 
+# Shared memory a pass may give the bias: the head's table (float) and, in the dQ pass, the
+# per-warp bias-gradient boxes (4 warps x box x 4 bytes).
+BIAS_SMEM_BUDGET = 64 * 1024
+KWARPS, KNB = 4, 32   # kWarps, kNB of na_fused_bwd.cu
+
+# bwd::BiasGeom of fused_bwd_tile.cuh, field for field.
+BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
+                         ("tile", numpy.int32, (3,)), ("ntile", numpy.int32, (3,)),
+                         ("tab_off", numpy.int32, (3,)), ("vol", numpy.int32),
+                         ("ctas", numpy.int32), ("tst", numpy.int32, (3,)),
+                         ("tvol", numpy.int32)], align=True)
+
+
+def _bias_table_dims(problem):
+    """[2k-1, ...] per padded axis (1 on inert axes)."""
+    return tuple(2 * k - 1 for k in problem.kernel_size) + (1,) * (3 - problem.rank)
+
+
+def _bias_smem(problem):
+    """Shared memory of the bias parts per pass: {owners are keys: bytes}."""
+    table = 4 * math.prod(_bias_table_dims(problem)) + KWARPS * KNB * 8
+    # dQ pass: per warp a box (+ 32 spare words), a 16 x 33 dS tile and 16 owner-row parts.
+    boxes = KWARPS * 4 * (math.prod(_bias_box(problem)) + 32 + 16 * (KNB + 1) + 16)
+    return {True: table, False: table + boxes}
+
+
+def _bias_box(problem):
+    """Per padded axis the offsets one dQ CTA's queries reach: min(2k - 1, k + tile - 1)."""
+    tile = TILES[problem.rank][0]
+    ks = tuple(problem.kernel_size) + (1,) * (3 - problem.rank)
+    return tuple(min(2 * k - 1, k + t - 1) for k, t in zip(ks, tile))
+
+
 def refuse(problem):
     if problem.dtype == FLOAT32 and not problem.allow_tf32:
         return "exact float32 runs in _fused_fp32"
+    if problem.has_rpb and _bias_smem(problem)[False] > BIAS_SMEM_BUDGET:
+        return (f"the bias table and bias-gradient boxes of kernel {problem.kernel_size} "
+                f"exceed {BIAS_SMEM_BUDGET // 1024} KB of shared memory (backend 'naive' "
+                "runs it)")
+    if problem.has_rpb and problem.heads > MAX_GRID_Y:
+        return f"a bias needs at most {MAX_GRID_Y} heads, got {problem.heads}"
     if problem.dtype not in HALF_TYPES + (FLOAT32,):
         return f"dtype {problem.dtype_name} is not supported (float16, bfloat16, float32 as TF32)"
     if problem.batch * problem.heads >= 2 ** 31:
@@ -65,22 +110,33 @@ def _bucket(head_dim):
     return next(d for d in D_BUCKETS if d >= head_dim)
 
 
-def _names(ctype, dp, grouped=False):
+def _q_chunk(dp, bias=False):
+    """Columns of dQ per CTA: up to Q_CHUNK; with a bias 64 at head dim 128 (the dS tile's
+    stores cost registers: 92 bytes of spill at 64 columns, 228 at 128; at 256 64 columns
+    spill more than 128, 440 bytes against 228)."""
+    return 64 if bias and dp == 128 else min(dp, Q_CHUNK)
+
+
+def _names(ctype, dp, grouped=False, bias=False):
     """Kernel names of the dK/dV and dQ passes; ``grouped``: the dK/dV pass that loops over a
     kv head's query heads (grouped-query attention), its own instantiation so that the
-    kernels without GQA keep their register budget."""
+    kernels without GQA keep their register budget; ``bias``: with a relative positional
+    bias (and the dQ pass's bias-gradient boxes)."""
+    b = "true" if bias else "false"
     return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}, "
-            f"{'true' if grouped else 'false'}>",
-            f"na_bwd_fused_q<{ctype}, {dp}, {min(dp, Q_CHUNK)}>")
+            f"{'true' if grouped else 'false'}, {b}>",
+            f"na_bwd_fused_q<{ctype}, {dp}, {_q_chunk(dp, bias)}, {b}>")
 
 
 def instantiations():
     out = []
     for dt in HALF_TYPES + (FLOAT32,):
         ct = c_type(dt)
-        for dp in D_BUCKETS:
-            out += [(SOURCE, name) for name in _names(ct, dp)]
-            out.append((SOURCE, _names(ct, dp, grouped=True)[0]))
+        for bias in (False, True):
+            for dp in D_BUCKETS:
+                out += [(SOURCE, name) for name in _names(ct, dp, bias=bias)]
+                out.append((SOURCE, _names(ct, dp, grouped=True, bias=bias)[0]))
+        out.append((SOURCE, f"na_bwd_fused_rpb<{ct}>"))
     return out
 
 
@@ -151,29 +207,56 @@ def _resident(dp, owner_is_key):
     return 4 if dp <= 32 else 3 if dp <= 64 else 2
 
 
-def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key):
+def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key, extra=0):
     """Rows of one gathered slab (the whole reach when it fits) and the bytes of dynamic
-    shared memory: owner rows, two gathered tensors, step descriptors, lse/delta. The budget
-    leaves room for as many CTAs per SM as the registers allow."""
+    shared memory: owner rows, two gathered tensors, step descriptors, lse/delta, and
+    ``extra`` bytes after them (the bias parts). The budget leaves room for as many CTAs per
+    SM as the registers allow."""
     budget = min(96 * 1024, SMEM_PER_SM // _resident(dp, owner_is_key) - 1024)
     row = (dp + 8) * itemsize * 2 + (8 if owner_is_key else 0)
-    fixed = nwarps * 16 * (dp + 8) * itemsize * 2 + nwarps * 32 * 16
+    fixed = nwarps * 16 * (dp + 8) * itemsize * 2 + nwarps * 32 * 16 + extra
     cap = max((budget - fixed) // row, 16)
     rows = max(min(cap, reach_volume), 1)
     return int(rows), int(fixed + rows * row)
 
 
-def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
+def _bias_geometry(problem, tab_off, per_axis):
+    """The BiasGeom scalar of a problem with a bias: the dQ CTA's box (``_bias_box``), its
+    strides, the dQ tile and tiles per axis, the window tables' axis offsets, and the dQ
+    CTAs per (batch, head) of head-dim chunk 0."""
+    g = numpy.zeros((), dtype=BIAS_GEOM)
+    dim = _bias_box(problem)
+    g["dim"] = dim
+    g["bst"] = (dim[1] * dim[2], dim[2], 1)
+    g["tile"] = TILES[problem.rank][0]
+    g["ntile"] = per_axis
+    g["tab_off"] = tab_off
+    g["vol"] = math.prod(dim)
+    g["ctas"] = math.prod(per_axis) * math.prod(problem.dilation)
+    n = _bias_table_dims(problem)
+    g["tst"] = (n[1] * n[2], n[2], 1)
+    g["tvol"] = math.prod(n)
+    return g[()]
+
+
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
-    then one workspace, delta), or None if an operand other than lse is not ``rows_ready``."""
+    with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
+    workspaces: delta, and with a bias the dQ CTAs' bias-gradient boxes), or None if an
+    operand other than lse, rpb, d_rpb is not ``rows_ready``."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
     ct = c_type(problem.dtype)
     dp = _bucket(problem.head_dim)
+    bias = problem.has_rpb
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
-                    delta=delta)
-    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
+                    delta=delta, rpb=rpb, d_rpb=d_rpb)
+    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
+    if bias:
+        RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
+    else:
+        RPB, DELTA, PART = numpy.uint64(0), Operand(9), numpy.uint64(0)
 
     tile, patch = TILES[problem.rank]
     nwarps = math.prod(t // w for t, w in zip(tile, patch))
@@ -187,12 +270,17 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
     lpatch = tuple(int(x).bit_length() - 1 for x in patch)
     geo = [numpy.int32(x) for x in tile + patch + lpatch + tuple(per_axis)]
     tab, tab_off, reach = _geometry(problem, tile)
-    name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1)
+    bg = _bias_geometry(problem, tab_off, per_axis) if bias else numpy.zeros((), BIAS_GEOM)[()]
+    name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1, bias=bias)
+    # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
+    extra = _bias_smem(problem) if bias else {True: 0, False: 0}
     calls = []
     for name, chunk, owner_is_key, ptrs in (
-            (name_q, min(dp, Q_CHUNK), False, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ)),
-            (name_kv, min(dp, KV_CHUNK), True, (Q, K, V, D_OUT, LSE, DELTA, DK, DV))):
-        slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key)
+            (name_q, _q_chunk(dp, bias), False, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, RPB, PART,
+                                               bg)),
+            (name_kv, min(dp, KV_CHUNK), True, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, RPB, bg))):
+        slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key,
+                                extra[owner_is_key])
         fn = get_kernel(SOURCE, name)
         gx = ntiles * groups * (dp // chunk)
         # Grid y: (batch, owner head): query heads for dQ, kv heads for dK/dV (each of those
@@ -204,8 +292,16 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
                 (*ptrs, tab, p, numpy.int32(tab_off[1]), numpy.int32(tab_off[2]), *geo,
                  numpy.int32(slab), numpy.int32(bh0)),
                 shared_mem=smem, name=name.split("<")[0], backend="fused", tile=tile))
-    return Plan(tuple(calls), workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+    workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
+    if bias:
+        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+        calls.append(KernelCall(
+            get_kernel(SOURCE, f"na_bwd_fused_rpb<{ct}>"), (entries, problem.heads, 1),
+            (128, 1, 1), (PART, D_RPB, tab, p, bg), name="na_bwd_fused_rpb", backend="fused"))
+        workspaces.append(((problem.batch * problem.heads * int(bg["ctas"]) * int(bg["vol"]),),
+                           numpy.dtype(numpy.float32)))
+    return Plan(tuple(calls), workspaces=tuple(workspaces))
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
-    run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv)
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None):
+    run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb, d_rpb)

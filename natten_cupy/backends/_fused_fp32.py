@@ -55,6 +55,9 @@ PLAN_DTYPE = numpy.dtype([("cta", numpy.int32, (3,)), ("slab", numpy.int32, (3,)
 def refuse(problem):
     if problem.dtype != FLOAT32:
         return f"exact-float32 kernels take float32 only, got {problem.dtype_name}"
+    if problem.has_rpb:
+        return ("the exact-float32 kernels take no relative positional bias (rpb); "
+                "allow_tf32=True runs it on tensor cores, backend 'naive' in exact float32")
     D = problem.head_dim
     if D % 4 or D > 256:
         return f"head dim must be a multiple of 4 up to 256 for exact float32, got {D}"

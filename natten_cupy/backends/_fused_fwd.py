@@ -70,6 +70,11 @@ DEFAULT.update({(3, dp): TileConfig((1, 4, 4), (2, 2, 1), 2, False) for dp in (1
 SINGLE_BUDGET = 80 * 1024
 STREAM_BUDGET = 80 * 1024
 MAX_HALO = 1 << 22   # warp-halo flat indices are split with float reciprocals (exact below)
+BIAS_TABLE_BUDGET = 32 * 1024   # a bias table [2k-1, ...] of floats, in shared memory
+
+
+def _bias_table_bytes(problem):
+    return 4 * math.prod(2 * k - 1 for k in problem.kernel_size) if problem.has_rpb else 0
 
 
 def _bucket(head_dim):
@@ -79,10 +84,11 @@ def _bucket(head_dim):
     return None
 
 
-def _compiled_for(cfg, rank, dtype, dp):
-    """Whether ``cfg`` is among the instantiations for this rank, dtype and head-dim bucket."""
+def _compiled_for(cfg, rank, dtype, dp, bias=False):
+    """Whether ``cfg`` is among the instantiations for this rank, dtype and head-dim bucket
+    (with a relative positional bias: the default configurations only)."""
     return (cfg == DEFAULT[(rank, dp)]
-            or (cfg in CONFIGS[rank] and dtype in HALF_TYPES and dp <= 64))
+            or (not bias and cfg in CONFIGS[rank] and dtype in HALF_TYPES and dp <= 64))
 
 
 def _config(problem):
@@ -95,8 +101,11 @@ def _config(problem):
         return DEFAULT[(problem.rank, dp)]
     for cfg in CONFIGS[problem.rank]:
         if cfg.box == want:
-            if _compiled_for(cfg, problem.rank, problem.dtype, dp):
+            if _compiled_for(cfg, problem.rank, problem.dtype, dp, problem.has_rpb):
                 return cfg
+            if problem.has_rpb:
+                return (f"tile {problem.tile} is not built with a relative positional bias "
+                        "(rpb): the default tile is")
             return (f"tile {problem.tile} is built only for float16/bfloat16 with head dim "
                     f"<= 64")
     have = ", ".join(str(c.box[:problem.rank]) for c in CONFIGS[problem.rank])
@@ -113,6 +122,9 @@ def refuse(problem):
         return cfg
     if math.prod(_halo_max(problem, cfg)) >= MAX_HALO:
         return "key halo of one query tile exceeds 2^22 keys"
+    if _bias_table_bytes(problem) > BIAS_TABLE_BUDGET:
+        return (f"the bias table of kernel {problem.kernel_size} exceeds "
+                f"{BIAS_TABLE_BUDGET // 1024} KB of shared memory (backend 'naive' runs it)")
     return None
 
 
@@ -135,10 +147,11 @@ def _halo_max(problem, cfg):
     return tuple(out) + (1,) * (3 - problem.rank)
 
 
-def _name(dtype, rank, dp, cfg):
+def _name(dtype, rank, dp, cfg, bias=False):
     p, w = cfg.patch, cfg.warps
     return (f"na_fwd_fused<{c_type(dtype)}, {rank}, {dp}, {p[0]}, {p[1]}, {p[2]}, "
-            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}, {'true' if cfg.lines else 'false'}>")
+            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}, {'true' if cfg.lines else 'false'}, "
+            f"{'true' if bias else 'false'}>")
 
 
 def instantiations():
@@ -147,8 +160,9 @@ def instantiations():
         for rank, cfgs in CONFIGS.items():
             for cfg in cfgs + tuple(DEFAULT[(rank, dp)] for dp in BUCKETS):
                 for dp in BUCKETS:
-                    if _compiled_for(cfg, rank, dtype, dp):
-                        out.append((SOURCE, _name(dtype, rank, dp, cfg)))
+                    for bias in (False, True):
+                        if _compiled_for(cfg, rank, dtype, dp, bias):
+                            out.append((SOURCE, _name(dtype, rank, dp, cfg, bias)))
     return sorted(set(out))
 
 
@@ -168,7 +182,7 @@ def _tiling(problem):
     cfg = _config(problem)
     dp = _bucket(problem.head_dim)
     es = numpy.dtype(problem.dtype).itemsize
-    q_bytes = cfg.num_warps * 16 * dp * es
+    q_bytes = cfg.num_warps * 16 * dp * es + _bias_table_bytes(problem)   # and the bias
     row_bytes = 2 * dp * es
     hmax = _halo_max(problem, cfg)
     halo = math.prod(hmax)
@@ -187,7 +201,7 @@ def _tiling(problem):
     for a in range(problem.rank):
         glen = -(-problem.spatial[a] // problem.dilation[a])
         ctas *= problem.dilation[a] * -(-glen // cfg.box[a])
-    return Tiling(_name(problem.dtype, problem.rank, dp, cfg), cfg, chunk, stages,
+    return Tiling(_name(problem.dtype, problem.rank, dp, cfg, problem.has_rpb), cfg, chunk, stages,
                   q_bytes + stages * chunk * row_bytes, ctas)
 
 
@@ -197,9 +211,10 @@ def _smem_limit(device_id):
     return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-def plan_forward(problem, q, k, v, out, lse):
-    """The Plan of one forward on the current device for operand layouts (q, k, v, out, lse),
-    or None if one of q, k, v, out cannot be read as it is (``rows_ready``)."""
+def plan_forward(problem, q, k, v, out, lse, rpb=None):
+    """The Plan of one forward on the current device for operand layouts (q, k, v, out, lse
+    [, rpb: with ``problem.has_rpb``, read element by element at any strides]), or None if
+    one of q, k, v, out cannot be read as it is (``rows_ready``)."""
     import cupy
     if not all(rows_ready(x) for x in (q, k, v, out)):
         return None
@@ -211,15 +226,16 @@ def plan_forward(problem, q, k, v, out, lse):
     if t.ctas >= 2 ** 31 or problem.batch > 65535:
         raise ValueError(f"problem too large for one fused-forward launch ({t.ctas} CTAs, "
                          f"batch {problem.batch})")
-    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
+    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb)
+    bias = Operand(5) if problem.has_rpb else numpy.uint64(0)   # a null pointer without
     call = KernelCall(get_kernel(SOURCE, t.name), (t.ctas, 1, problem.batch),
                       (32 * t.cfg.num_warps, 1, 1),
-                      (*map(Operand, range(5)), params, numpy.int32(t.chunk),
+                      (*map(Operand, range(5)), bias, params, numpy.int32(t.chunk),
                        numpy.int32(t.stages)),
                       shared_mem=t.smem, name="na_fwd_fused", backend="fused",
                       tile=t.cfg.box[:problem.rank])
     return Plan((call,))
 
 
-def forward(problem, q, k, v, out, lse):
-    run_forward(plan_forward, problem, q, k, v, out, lse)
+def forward(problem, q, k, v, out, lse, rpb=None):
+    run_forward(plan_forward, problem, q, k, v, out, lse, rpb)

@@ -69,6 +69,8 @@ def refuse(problem):
     """None if this part runs ``problem`` on the current device, else the reason."""
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
+    if problem.has_rpb:
+        return "the Hopper fused backward takes no relative positional bias (rpb)"
     if problem.v_dim != problem.head_dim:
         return (f"the Hopper fused backward takes one head dim for q, k and v, got "
                 f"{problem.head_dim} and {problem.v_dim}")

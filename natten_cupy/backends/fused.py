@@ -57,7 +57,8 @@ def _hopper_serves(problem, name="_fused_hopper"):
     """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
     a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
     and the part accepts the problem on this device."""
-    if problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32:
+    if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32
+            or problem.has_rpb):   # the Hopper parts have no bias
         return False
     part = _part(name)
     return part is not None and part.refuse(problem) is None
@@ -81,7 +82,7 @@ def _parts_for(op, problem):
 
 def _hopper_bwd_pays(problem):
     """Whether the backward goes to the Hopper part: where it accepts the problem and was
-    measured faster than the mma.sync backward (H200, bench/hopper_bwd_probe.py): head dims
+    measured faster than the mma.sync backward (H200, bench/probes/hopper_bwd_probe.py): head dims
     above 64 at every rank (16K dense 14.1 vs 64.8 ms, 2-D 21x21 2.42 vs 2.61, 3-D 5x7x7
     1.41 vs 1.52), and at head dim 64 1-D windows from 1024 (2047: 2.92 vs 5.89 ms). At 64
     the 128-key owner boxes waste too much of each tile on smaller windows and on 2-D/3-D
@@ -134,15 +135,20 @@ def tuned(op, problem):
     return None if box is None else dataclasses.replace(problem, tile=box)
 
 
-def fused_forward(problem, q, k, v, out, lse):
+def fused_forward(problem, q, k, v, out, lse, rpb=None):
+    bias = {} if rpb is None else {"rpb": rpb}
+
     def run(p):
-        _part(_parts_for("fused_forward", p)).forward(p, q, k, v, out, lse)
+        _part(_parts_for("fused_forward", p)).forward(p, q, k, v, out, lse, **bias)
     run(_tuned("fused_forward", problem, run))
 
 
-def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None):
+    bias = {} if rpb is None else {"rpb": rpb, "d_rpb": d_rpb}
+
     def run(p):
-        _part(_parts_for("fused_backward", p)).backward(p, q, k, v, out, lse, d_out, dq, dk, dv)
+        _part(_parts_for("fused_backward", p)).backward(p, q, k, v, out, lse, d_out, dq, dk, dv,
+                                                        **bias)
     run(_tuned("fused_backward", problem, run))
 
 

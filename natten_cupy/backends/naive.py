@@ -34,7 +34,8 @@ DTYPES = tuple(d for d in (FLOAT64, FLOAT32, FLOAT16, BFLOAT16) if d is not None
 SOURCE = "na_naive.cu"
 KERNELS = ("na_qk_naive", "na_av_naive", "na_qk_bwd_dq_naive", "na_qk_bwd_dk_naive",
            "na_qk_bwd_rpb_naive", "na_av_bwd_dattn_naive", "na_av_bwd_dv_naive",
-           "na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive", "na_bwd_dkdv_naive")
+           "na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive", "na_bwd_dkdv_naive",
+           "na_bwd_rpb_naive")
 
 BLOCK = 256
 # 2**20 blocks of 256 threads keep every SM busy; larger problems loop (grid stride).
@@ -95,25 +96,34 @@ def rpb_entries(problem):
 
 # ---- fused ------------------------------------------------------------------------------
 
-def fused_forward(problem, q, k, v, out, lse):
-    p = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
+def fused_forward(problem, q, k, v, out, lse, rpb=None):
+    p = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb)
     _run("na_fwd_naive", problem, _fused_threads(problem, dim=problem.v_dim),
-         (q, k, v, out, lse, p))
+         (q, k, v, out, lse, _NULL if rpb is None else rpb, p))
 
 
-def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None):
+    """With ``rpb``, ``d_rpb`` (rpb's shape and dtype) receives its gradient, summed in a
+    float32 (float64) buffer by ``na_bwd_rpb_naive``."""
     import cupy
     # Allocated by lse's array module: CuPy here, NumPy under the CPU kernel emulator.
     xp = cupy.get_array_module(lse)
-    delta = xp.empty(lse.shape, dtype=accumulator_dtype(problem.dtype))
+    acc = accumulator_dtype(problem.dtype)
+    delta = xp.empty(lse.shape, dtype=acc)
+    g_rpb = None if rpb is None else xp.zeros(rpb.shape, dtype=acc)
     p = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, d_o=d_out, dq=dq, dk=dk, dv=dv,
-                    delta=delta)
+                    delta=delta, rpb=rpb, d_rpb=g_rpb)
+    bias = _NULL if rpb is None else rpb
     _run("na_bwd_delta_naive", problem, _rows(problem), (out, d_out, delta, p))
     _run("na_bwd_dq_naive", problem, _fused_threads(problem),
-         (q, k, v, d_out, lse, delta, dq, p))
+         (q, k, v, d_out, lse, delta, dq, bias, p))
     _run("na_bwd_dkdv_naive", problem,
          _fused_threads(problem, _kv_rows, max(problem.head_dim, problem.v_dim)),
-         (q, k, v, d_out, lse, delta, dk, dv, p))
+         (q, k, v, d_out, lse, delta, dk, dv, bias, p))
+    if rpb is not None:
+        _run("na_bwd_rpb_naive", problem, rpb_entries(problem) * WARP,
+             (q, k, v, d_out, lse, delta, rpb, g_rpb, p))
+        d_rpb[...] = g_rpb.astype(d_rpb.dtype)
 
 
 # ---- unfused ----------------------------------------------------------------------------

@@ -54,11 +54,11 @@ def instantiations():
 def _recorded(op):
     """On CuPy arrays, the op's array operations count as one profiler entry."""
     @functools.wraps(op)
-    def run(problem, *arrays):
+    def run(problem, *arrays, **named):
         if cupy is None or not any(isinstance(a, cupy.ndarray) for a in arrays):
-            return op(problem, *arrays)
+            return op(problem, *arrays, **named)
         with region(f"reference.{op.__name__} (CuPy array ops)", NAME):
-            return op(problem, *arrays)
+            return op(problem, *arrays, **named)
     return run
 
 
@@ -226,20 +226,45 @@ def _masked(xp, valid, x, fill):
     return xp.where(valid[:, None, :], x, fill)
 
 
+def _rel(xp, problem, queries, keys):
+    """Flat rpb index (SPEC: per axis (key - query) / dilation + kernel - 1, row-major over
+    [2k-1, ...]) of flat query and key indices (broadcast); meaningful where the key lies in
+    the query's window, clipped into the table elsewhere (those entries are masked)."""
+    qc = xp.unravel_index(queries, problem.spatial)
+    kc = xp.unravel_index(keys, problem.spatial)
+    flat = 0
+    for a, (k, d) in enumerate(zip(problem.kernel_size, problem.dilation)):
+        r = xp.clip((kc[a] - qc[a]) // d + k - 1, 0, 2 * k - 2)
+        flat = flat * (2 * k - 1) + r
+    return flat
+
+
+def _bias_table(xp, rpb, problem, dtype):
+    """rpb as ``[H, prod(2k-1)]`` in the working dtype, or None."""
+    return None if rpb is None else xp.asarray(rpb).astype(dtype).reshape(problem.heads, -1)
+
+
 # ---- fused -----------------------------------------------------------------------------
 
 @_recorded
-def fused_forward(problem, q, k, v, out, lse):
+def fused_forward(problem, q, k, v, out, lse, rpb=None):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
     qf = _work(xp, q, problem)
     kf, vf = (_kv_work(xp, x, problem) for x in (k, v))
     o, m_out = _buffer(xp, out, problem), _buffer(xp, lse, problem)
+    bias = _bias_table(xp, rpb, problem, qf.dtype)
     tables = _Tables(problem, xp)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, _ = tables.forward(lo, hi)
+        # [n, H, K]: the bias of each query's slots (the tables' rel assumes stride 1).
+        cb = None if bias is None else bias[:, _rel(xp, problem, xp.arange(lo, hi)[:, None],
+                                                    keys)].transpose(1, 0, 2)
         for b in range(B):
-            s = _masked(xp, valid, problem.scale * _dots(kf[b][keys], qf[b, lo:hi]), -xp.inf)
+            s = problem.scale * _dots(kf[b][keys], qf[b, lo:hi])
+            if cb is not None:
+                s = s + cb
+            s = _masked(xp, valid, s, -xp.inf)
             m = s.max(axis=-1, keepdims=True)
             p = xp.exp(s - m)
             denom = p.sum(axis=-1, keepdims=True)
@@ -250,7 +275,7 @@ def fused_forward(problem, q, k, v, out, lse):
 
 
 @_recorded
-def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
+def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None):
     xp = _xp(q)
     B, H, D, K = problem.batch, problem.heads, problem.head_dim, problem.num_neighbors
     scale = problem.scale
@@ -260,19 +285,29 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
     delta = xp.einsum("bnhd,bnhd->bnh", dof, of)
     del of
     tables = _Tables(problem, xp, inverse=True)
+    bias = _bias_table(xp, rpb, problem, qf.dtype)
+    g_rpb = None if bias is None else xp.zeros_like(bias)
 
-    # dq: gather each query's keys and values.
+    # dq (and d_rpb, summed over queries): gather each query's keys and values.
     g = _buffer(xp, dq, problem)
     for lo, hi in _chunks(xp, problem, K, 1):
         keys, valid, _ = tables.forward(lo, hi)
+        rel = None if bias is None else _rel(xp, problem, xp.arange(lo, hi)[:, None], keys)
         for b in range(B):
             dp = _dots(vf[b][keys], dof[b, lo:hi])
             kg = kf[b][keys]
             x = scale * _dots(kg, qf[b, lo:hi]) - lf[b, lo:hi, :, None]
+            if rel is not None:
+                x = x + bias[:, rel].transpose(1, 0, 2)
             p = xp.exp(_masked(xp, valid, x, -xp.inf))
             ds = p * (dp - delta[b, lo:hi, :, None])
             g[b, lo:hi] = scale * _weighted(ds, kg)
+            if rel is not None:   # ds is 0 outside each window
+                for h in range(H):
+                    _add_at(xp, g_rpb[h], rel.ravel(), ds[:, h, :].ravel())
     _store(dq, g)
+    if d_rpb is not None:
+        d_rpb[...] = g_rpb.reshape(d_rpb.shape).astype(d_rpb.dtype)
 
     # dk, dv: gather each key's queries through the inverse table.
     gk, gv = _kv_buffer(xp, dk, problem), _kv_buffer(xp, dv, problem)
@@ -282,12 +317,25 @@ def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv):
             qg = qf[b][qidx]
             dog = dof[b][qidx]
             x = scale * _dots(qg, kf[b, lo:hi]) - lf[b][qidx].transpose(0, 2, 1)
+            if bias is not None:
+                x = x + bias[:, _rel(xp, problem, qidx, xp.arange(lo, hi)[:, None])
+                             ].transpose(1, 0, 2)
             p = xp.exp(_masked(xp, valid, x, -xp.inf))
             ds = p * (_dots(dog, vf[b, lo:hi]) - delta[b][qidx].transpose(0, 2, 1))
             gv[b, lo:hi] = _weighted(p, dog)
             gk[b, lo:hi] = scale * _weighted(ds, qg)
     _kv_store(xp, dk, gk, problem)
     _kv_store(xp, dv, gv, problem)
+
+
+def _add_at(xp, dst, index, values):
+    """dst[index] += values with repeated indices summed (NumPy's ufunc.at; CuPy's
+    scatter_add)."""
+    if xp is numpy:
+        numpy.add.at(dst, index, values)
+    else:
+        import cupyx
+        cupyx.scatter_add(dst, index, values)
 
 
 # ---- unfused ---------------------------------------------------------------------------

@@ -121,7 +121,8 @@ extern "C" int emu_params_layout(long long* out) {
   EMU_KERNEL(na_fwd_naive, T, TN)               \
   EMU_KERNEL(na_bwd_delta_naive, T, TN)         \
   EMU_KERNEL(na_bwd_dq_naive, T, TN)            \
-  EMU_KERNEL(na_bwd_dkdv_naive, T, TN)
+  EMU_KERNEL(na_bwd_dkdv_naive, T, TN)           \
+  EMU_WARP_KERNEL(na_bwd_rpb_naive, T, TN)
 
 #if EMU_TYPES == 0
 EMU_ALL(double, double)

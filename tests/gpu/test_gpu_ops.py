@@ -310,6 +310,8 @@ def test_naive_launch_plan(monkeypatch):
         names = [fn.split("<")[0] for fn, *_ in launched]
         want = {"fused": ["na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive",
                           "na_bwd_dkdv_naive"],
+                "fused_rpb": ["na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive",
+                              "na_bwd_dkdv_naive", "na_bwd_rpb_naive"],
                 "qk": ["na_qk_naive"], "qk_rpb": ["na_qk_naive"], "av": ["na_av_naive"],
                 "qk_backward": ["na_qk_bwd_dq_naive", "na_qk_bwd_dk_naive"],
                 "qk_backward_rpb": ["na_qk_bwd_dq_naive", "na_qk_bwd_dk_naive",

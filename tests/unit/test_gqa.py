@@ -319,10 +319,10 @@ def test_fused_backward_names_the_grouped_kernel():
     query heads), listed for the compile test; without GQA the original kernel runs."""
     from natten_cupy.backends import _fused_bwd
     grouped = _fused_bwd._names("__half", 64, grouped=True)[0]
-    assert grouped == "na_bwd_fused_kv<__half, 64, 64, true>"
+    assert grouped == "na_bwd_fused_kv<__half, 64, 64, true, false>"
     listed = {name for _, name in _fused_bwd.instantiations()}
-    assert {"na_bwd_fused_kv<__half, 64, 64, true>",
-            "na_bwd_fused_kv<__half, 64, 64, false>"} <= listed
+    assert {"na_bwd_fused_kv<__half, 64, 64, true, false>",
+            "na_bwd_fused_kv<__half, 64, 64, false, false>"} <= listed
 
 
 def test_gpu_gqa_capability_table_matches_the_backends_refusals():

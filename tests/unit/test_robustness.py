@@ -467,7 +467,7 @@ def test_reach_predictions_are_not_trivial():
 # ---- float64 exactness ---------------------------------------------------------------------
 
 PRECISION_HEAD_DIMS = (8, 24, 32)     # D ** -0.5 is not a power of two
-PRECISION_KINDS = ("fused", "qk", "qk_rpb", "av", "qk_backward_rpb", "av_backward")
+PRECISION_KINDS = ("fused", "fused_rpb", "qk", "qk_rpb", "av", "qk_backward_rpb", "av_backward")
 FLOAT64_RTOL = 1e-12
 
 

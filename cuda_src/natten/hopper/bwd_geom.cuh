@@ -1,5 +1,5 @@
 // Geometry and score masks of the Hopper (sm_90a) fused NA backward: plain integer code (no
-// PTX), so tests/test_hopper_bwd_geometry.py compiles it for the CPU and checks every pair it
+// PTX), so tests/unit/test_hopper_bwd_geometry.py compiles it for the CPU and checks every pair it
 // lets through against the SPEC's neighborhoods. No kernels.
 // A CTA owns a box of in-group coordinates of one dilation group per axis (the owner tile:
 // queries in the dQ pass, keys in the dK/dV pass) and walks the box of per-axis ranges that

@@ -1,0 +1,265 @@
+"""Relative positional bias (rpb) in the fused ops, without a GPU.
+
+The reference backend against the float64 oracle (``oracle.fused_forward_rpb`` /
+``fused_backward_rpb``: dense attention with the bias of each window pair, written apart from
+the backend), every rank, causal mixes, dilation, GQA; the errors owed to a bad rpb (before
+any work, naming the argument); which kernels take a bias and which refuse it by name; the
+torch layer on CPU tensors (gradients through out and lse by gradcheck, opcheck of the biased
+ops, torch.compile, the module on the fused op agreeing with its unfused chain). The naive
+kernels with a bias run on the CPU emulator (``test_naive_emulated``, kind ``fused_rpb``);
+the fused ones on the GPU (``tests/gpu/test_gpu_rpb.py``).
+"""
+
+import dataclasses
+
+import numpy
+import pytest
+
+import natten_cupy
+import oracle
+from natten_cupy import _args
+
+GEOMS = [
+    (1, (13,), (5,), (2,), (True,)),
+    (1, (16,), (16,), (1,), (False,)),
+    (2, (7, 11), (3, 4), (1, 2), (True, False)),
+    (3, (4, 5, 6), (3, 2, 5), (1, 2, 1), (False, True, False)),
+]
+
+
+def _inputs(rng, rank, spatial, kernel, heads=3, kv_heads=3, d=4, dtype=numpy.float64):
+    q, d_out = (rng.standard_normal((2, *spatial, heads, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((2, *spatial, kv_heads, d)).astype(dtype) for _ in range(2))
+    rpb = rng.standard_normal((heads, *(2 * x - 1 for x in kernel))).astype(dtype)
+    return q, k, v, d_out, rpb
+
+
+def _repeat_kv(x, heads):
+    return numpy.repeat(x, heads // x.shape[-2], axis=-2)
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: f"{g[0]}d-k{g[2]}")
+@pytest.mark.parametrize("kv_heads", (3, 1))
+def test_reference_matches_the_oracle(rng, geom, kv_heads):
+    rank, spatial, kernel, dilation, causal = geom
+    q, k, v, d_out, rpb = _inputs(rng, rank, spatial, kernel, kv_heads=kv_heads)
+    before = [x.copy() for x in (q, k, v, d_out, rpb)]
+    fwd = getattr(natten_cupy, f"na{rank}d")
+    bwd = getattr(natten_cupy, f"na{rank}d_backward")
+    out, lse = fwd(q, k, v, kernel, dilation=dilation, is_causal=causal, rpb=rpb,
+                   return_lse=True)
+    kr, vr = _repeat_kv(k, 3), _repeat_kv(v, 3)
+    want_out, want_lse = oracle.fused_forward_rpb(q, kr, vr, rpb, kernel, dilation, causal)
+    numpy.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    grads = bwd(d_out, q, k, v, out, lse, kernel, dilation=dilation, is_causal=causal, rpb=rpb)
+    assert len(grads) == 4
+    dq, dk, dv, d_rpb = oracle.fused_backward_rpb(d_out, q, kr, vr, rpb, kernel, dilation,
+                                                  causal)
+    group = 3 // kv_heads   # dk, dv of a kv head sum its query heads
+    dk = dk.reshape(*dk.shape[:-2], kv_heads, group, dk.shape[-1]).sum(-2)
+    dv = dv.reshape(*dv.shape[:-2], kv_heads, group, dv.shape[-1]).sum(-2)
+    for name, g, w in zip(("dq", "dk", "dv", "d_rpb"), grads, (dq, dk, dv, d_rpb)):
+        assert g.shape == w.shape, name
+        numpy.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11, err_msg=name)
+    for x, y in zip(before, (q, k, v, d_out, rpb)):
+        assert numpy.array_equal(x, y)   # nothing of the caller's is overwritten
+
+
+def test_bias_changes_the_result_and_zero_bias_does_not(rng):
+    q, k, v, d_out, rpb = _inputs(rng, 2, (7, 9), (3, 5))
+    plain = natten_cupy.na2d(q, k, v, (3, 5))
+    assert numpy.abs(natten_cupy.na2d(q, k, v, (3, 5), rpb=rpb) - plain).max() > 1e-3
+    numpy.testing.assert_allclose(natten_cupy.na2d(q, k, v, (3, 5), rpb=0 * rpb), plain,
+                                  rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", (numpy.float32, numpy.float16))
+def test_reference_low_precision(rng, dtype):
+    q, k, v, d_out, rpb = _inputs(rng, 2, (9, 8), (5, 3), dtype=dtype, d=8)
+    out, lse = natten_cupy.na2d(q, k, v, (5, 3), rpb=rpb, return_lse=True)
+    want, _ = oracle.fused_forward_rpb(q, k, v, rpb, (5, 3))
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == numpy.float32 else 1e-2
+    assert numpy.abs(out - want).max() < tol
+    g = natten_cupy.na2d_backward(d_out, q, k, v, out, lse, (5, 3), rpb=rpb)
+    assert g[3].dtype == dtype and g[3].shape == rpb.shape
+    want_rpb = oracle.fused_backward_rpb(d_out, q, k, v, rpb, (5, 3))[3]
+    assert numpy.abs(g[3] - want_rpb).max() < 30 * tol * max(1.0, numpy.abs(want_rpb).max())
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def test_bad_rpb_is_refused_by_name(rng):
+    q, k, v, d_out, rpb = _inputs(rng, 2, (7, 9), (3, 5))
+    with pytest.raises(ValueError, match=r"rpb shape \(3, 5, 8\) must be \[H, 2k-1, \.\.\.\]"):
+        natten_cupy.na2d(q, k, v, (3, 5), rpb=rpb[:, :, :8])
+    with pytest.raises(ValueError, match="rpb dtype float32 does not match q dtype"):
+        natten_cupy.na2d(q, k, v, (3, 5), rpb=rpb.astype(numpy.float32))
+    with pytest.raises(TypeError, match="rpb"):
+        natten_cupy.na2d(q, k, v, (3, 5), rpb=rpb.tolist())
+    with pytest.raises(ValueError, match=r"rpb needs stride 1 on every axis, got stride \(1, 2\)"):
+        natten_cupy.na2d(q, k, v, (3, 5), stride=(1, 2), rpb=rpb)
+    out, lse = natten_cupy.na2d(q, k, v, (3, 5), return_lse=True)
+    with pytest.raises(ValueError, match="rpb shape"):
+        natten_cupy.na2d_backward(d_out, q, k, v, out, lse, (3, 5), rpb=rpb[:2])
+
+
+# ---- which kernels take a bias ------------------------------------------------------------
+
+def _problem(dtype=numpy.float16, kernel=(7, 7), spatial=(40, 40), tf32=False, **kw):
+    q = numpy.zeros((1, *spatial, 4, 64), dtype)
+    rpb = numpy.zeros((4, *(2 * x - 1 for x in kernel)), dtype)
+    return _args.check_fused(len(spatial), q, q, q, kernel, 1, 1, False, None, "auto", tf32,
+                             rpb=rpb, **kw)
+
+
+def test_the_problem_records_the_bias():
+    p = _problem()
+    assert p.has_rpb
+    q = numpy.zeros((1, 40, 40, 4, 64), numpy.float16)
+    assert not _args.check_fused(2, q, q, q, 7, 1, 1, False, None, "auto").has_rpb
+
+
+def test_parts_that_take_a_bias_and_parts_that_refuse_it():
+    from natten_cupy.backends import (_fused_bwd, _fused_fp32, _fused_fwd, _fused_hopper,
+                                      _fused_hopper_bwd, fused, naive, reference, tiled)
+    half, tf32, exact = _problem(), _problem(numpy.float32, tf32=True), _problem(numpy.float32)
+    for p in (half, tf32):
+        assert _fused_fwd.refuse(p) is None and _fused_bwd.refuse(p) is None
+        assert fused.refuse("fused_forward", p) is None
+        assert fused.refuse("fused_backward", p) is None
+        # The Hopper parts have no bias: the dispatch never sends a biased problem there.
+        assert fused._parts_for("fused_forward", p) == "_fused_fwd"
+        assert fused._parts_for("fused_backward", p) == "_fused_bwd"
+    assert "relative positional bias" in _fused_hopper.refuse(half)
+    assert "relative positional bias" in _fused_hopper_bwd.refuse(half)
+    assert "exact-float32 kernels take no relative positional bias" in _fused_fp32.refuse(exact)
+    assert "exact-float32" in fused.refuse("fused_forward", exact)
+    for p in (half, tf32, exact):
+        assert naive.refuse("fused_backward", p) is None
+        assert reference.refuse("fused_backward", p) is None
+    assert "unfused" in tiled.refuse("fused_forward", half)
+    # Non-default forward tiles are not built with a bias.
+    other = _fused_fwd.CONFIGS[2][1].box[:2]
+    assert "not built with a relative positional bias" in _fused_fwd.refuse(
+        dataclasses.replace(half, tile=other))
+
+
+def test_a_bias_too_large_for_the_fused_backward_is_refused_by_size():
+    from natten_cupy.backends import _fused_bwd, _fused_fwd
+    big = _problem(kernel=(3001,), spatial=(3100,))
+    assert "shared memory" in _fused_bwd.refuse(big)
+    assert _fused_fwd.refuse(big) is None   # the forward reads the table from global memory
+    assert _fused_bwd.refuse(_problem(kernel=(2047,), spatial=(4096,))) is None
+
+
+def test_bias_geometry_matches_the_c_struct():
+    """bwd::BiasGeom: 21 int32s in these fields, in this order (fused_bwd_tile.cuh)."""
+    from natten_cupy.backends import _fused_bwd
+    g = _fused_bwd.BIAS_GEOM
+    assert g.itemsize == 21 * 4
+    assert list(g.names) == ["dim", "bst", "tile", "ntile", "tab_off", "vol", "ctas", "tst",
+                             "tvol"]
+    # The box of a 2-D 7x7 window over 8x8 dQ tiles: min(13, 7 + 8 - 1) = 13 per axis.
+    assert _fused_bwd._bias_box(_problem()) == (13, 13, 1)
+    assert _fused_bwd._bias_box(_problem(kernel=(255,), spatial=(1000,))) == (255 + 63, 1, 1)
+
+
+def test_kernel_instantiations_with_a_bias_are_listed():
+    from natten_cupy.backends import _fused_bwd, _fused_fwd
+    fwd = {n for _, n in _fused_fwd.instantiations()}
+    bwd = {n for _, n in _fused_bwd.instantiations()}
+    assert sum(n.endswith(", true>") for n in fwd) == 3 * 3 * 4   # dtype x rank x head dim
+    assert "na_bwd_fused_rpb<__half>" in bwd
+    assert "na_bwd_fused_q<__nv_bfloat16, 64, 64, true>" in bwd
+    assert "na_bwd_fused_kv<float, 128, 64, true, true>" in bwd
+
+
+# ---- the torch layer on CPU tensors -------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+import natten_cupy.torch as nt  # noqa: E402
+
+
+@pytest.mark.parametrize("geom", GEOMS[::2] + GEOMS[3:], ids=lambda g: f"{g[0]}d")
+def test_torch_gradcheck_through_out_and_lse(geom):
+    rank, spatial, kernel, dilation, causal = geom
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, *spatial, 2, 4, generator=gen, dtype=torch.float64,
+                           requires_grad=True) for _ in range(3))
+    rpb = torch.randn(2, *(2 * x - 1 for x in kernel), generator=gen, dtype=torch.float64,
+                      requires_grad=True)
+
+    def f(q, k, v, rpb):
+        return getattr(nt, f"na{rank}d")(q, k, v, kernel, dilation=dilation, is_causal=causal,
+                                         rpb=rpb, return_lse=True)
+    assert torch.autograd.gradcheck(f, (q, k, v, rpb), eps=1e-6, atol=1e-6)
+
+
+def test_torch_matches_the_oracle_and_opcheck():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, d_out = (torch.randn(2, 6, 7, 3, 8, generator=gen, dtype=torch.float64)
+                      for _ in range(4))
+    rpb = torch.randn(3, 5, 3, generator=gen, dtype=torch.float64)
+    args = ([3, 2], [1, 1], [1, 2], [True, False], None, "auto", False, False)
+    out, lse = torch.ops.natten_cupy.na_fused_forward_rpb(q, k, v, rpb, *args)
+    want, want_lse = oracle.fused_forward_rpb(q.numpy(), k.numpy(), v.numpy(), rpb.numpy(),
+                                              (3, 2), (1, 2), (True, False))
+    numpy.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(torch.ops.natten_cupy.na_fused_forward_rpb.default,
+                          (q, k, v, rpb, *args))
+    torch.library.opcheck(torch.ops.natten_cupy.na_fused_backward_rpb.default,
+                          (d_out, q, k, v, out, lse, rpb, *args))
+
+
+def test_torch_compile_fullgraph_with_a_bias():
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        pytest.skip(f"torch.compile unavailable: {e}")
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 6, 7, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+    rpb = torch.randn(2, 5, 5, generator=gen, requires_grad=True)
+
+    def f(q, k, v, rpb):
+        return nt.na2d(q, k, v, 3, dilation=(1, 2), rpb=rpb) * 2
+
+    eager = f(q, k, v, rpb)
+    want = torch.autograd.grad(eager.square().sum(), (q, k, v, rpb))
+    out = torch.compile(f, fullgraph=True)(q, k, v, rpb)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v, rpb))
+    torch.testing.assert_close(out, eager)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch._dynamo.reset()
+
+
+def test_module_with_rel_pos_bias_uses_the_fused_op_and_matches_its_chain():
+    torch.manual_seed(0)
+    m = nt.NeighborhoodAttention2D(dim=24, num_heads=3, kernel_size=3, dilation=2,
+                                   rel_pos_bias=True).double().eval()
+    with torch.no_grad():
+        m.rpb.normal_(0, 0.5)
+    x = torch.randn(2, 9, 8, 24, dtype=torch.float64)
+    calls = []
+    real = nt._fused_forward_rpb
+
+    def spy(*a):
+        calls.append(a)
+        return real(*a)
+    nt._fused_forward_rpb = spy
+    try:
+        y = m(x)
+    finally:
+        nt._fused_forward_rpb = real
+    assert len(calls) == 1
+    q, k, v = m.qkv(x).unflatten(-1, (3, 3, 8)).unbind(-3)
+    logits = nt.na2d_qk(q * 8 ** -0.5, k, 3, dilation=2, rpb=m.rpb)
+    attn = torch.softmax(logits, -1)
+    ref = m.proj(nt.na2d_av(attn, v, 3, dilation=2).flatten(-2))
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
+    y.square().sum().backward()
+    assert m.rpb.grad is not None and float(m.rpb.grad.abs().max()) > 0
