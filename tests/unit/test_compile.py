@@ -26,8 +26,9 @@ ALLOWED_SPILLS = {
     ("natten::tiled::na_tiled_weighted<float, 4, true, false, 2>", "sm_90"): 16,
     ("natten::tiled::na_tiled_weighted<__nv_bfloat16, 4, false, false, 2>", "sm_90"): 16,
     # TF32 at head dim 256 with grouped-query attention and a bias: the dK/dV pass is at the
-    # 255-register ceiling (2 CTAs an SM) and keeps 24 bytes on the stack.
-    ("na_bwd_fused_kv<float, 256, 64, true, true>", "sm_90"): 24,
+    # 255-register ceiling (2 CTAs an SM) and keeps 24 bytes on the stack (NVRTC 13.5; 40
+    # with 13.0.88, the one CUDA torch pins).
+    ("na_bwd_fused_kv<float, 256, 64, true, true>", "sm_90"): 40,
     # The dQ pass with a bias at head dims 128 and 256 (2 CTAs an SM, the 255-register
     # ceiling): the owner rows' fragments, the dS tile's stores and the bias-table reads.
     ("na_bwd_fused_q<__half, 128, 64, true>", "sm_90"): 92,
