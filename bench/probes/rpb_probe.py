@@ -45,11 +45,10 @@ class _Recorder:
         self.events.append((name, start, stop))
 
 
-def kernel_split(fn):
-    """{kernel name: ms} of one call of ``fn`` (after a warm-up)."""
+def _launches(fn):
+    """(name, ms) of every launch of one call of ``fn``, by the library's profiler hook."""
     import cupy
     from natten_cupy._launch import add_recorder, remove_recorder
-    fn()
     rec = _Recorder()
     add_recorder(rec)
     try:
@@ -57,29 +56,22 @@ def kernel_split(fn):
     finally:
         remove_recorder(rec)
     cupy.cuda.Device().synchronize()
+    return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in rec.events]
+
+
+def kernel_split(fn):
+    """{kernel name: ms} of one call of ``fn`` (after a warm-up)."""
+    fn()
     out = {}
-    for name, a, b in rec.events:
-        out[name] = round(out.get(name, 0.0) + cupy.cuda.get_elapsed_time(a, b), 4)
+    for name, ms in _launches(fn):
+        out[name] = round(out.get(name, 0.0) + ms, 4)
     return out
 
 
 def kernel_ms(fn, reps):
     """Median over ``reps`` calls of the summed kernel times of one call of ``fn``."""
-    import cupy
-    from natten_cupy._launch import add_recorder, remove_recorder
     fn()
-    cupy.cuda.Device().synchronize()
-    totals = []
-    for _ in range(reps):
-        rec = _Recorder()
-        add_recorder(rec)
-        try:
-            fn()
-        finally:
-            remove_recorder(rec)
-        cupy.cuda.Device().synchronize()
-        totals.append(sum(cupy.cuda.get_elapsed_time(a, b) for _, a, b in rec.events))
-    return statistics.median(totals)
+    return statistics.median(sum(ms for _, ms in _launches(fn)) for _ in range(reps))
 
 
 def _rel(a, b):
