@@ -1,9 +1,9 @@
 """Warm calls: one dictionary lookup from a call's signature to what its first call worked out.
 
-A call's signature is its op, rank, option values (with their types, so that a later call
-with a bad-typed option is validated anew) and, per array, its framework, shape, strides,
-dtype, device and whether its first element is 16-byte aligned. The first call with a
-signature validates (``_args``), selects the backend, and asks it for a ``Plan``
+A call's signature is its op, rank, framework, option values (with their types, so that a
+later call with a bad-typed option is validated anew) and, per array, its type, shape,
+strides, dtype, device and whether its first element is 16-byte aligned. The first call with
+a signature validates (``_args``), selects the backend, and asks it for a ``Plan``
 (``_launch``): the kernels with their grids and packed arguments, and the workspaces they
 need. Later calls with the same signature only allocate their outputs and workspaces in the
 caller's framework (CuPy or PyTorch), read the data pointers and the caller's current stream,
@@ -24,7 +24,7 @@ import sys
 
 from . import _args
 from ._dtypes import accumulator_dtype, canonical_dtype
-from ._launch import Plan, _recorders, profiling, run_plan
+from ._launch import Plan, _recorders, profiling
 from ._operands import Layout, rows_ready
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
@@ -67,16 +67,23 @@ def _family(x):
     return fam
 
 
-def _cupy_sig(x):
-    return (x.shape, x.strides, x.dtype, x.data.ptr & 15, x.data.device_id)
+# Each array's type is part of its signature, so a warm call needs no framework check: the
+# first call of a signature finds mixed frameworks and caches _SLOW for it.
+
+def _cupy_sigs(arrays):
+    return [None if x is None else
+            (type(x), x.shape, x.strides, x.dtype, x.data.ptr & 15, x.data.device_id)
+            for x in arrays]
 
 
-def _torch_sig(x):   # (torch_entry writes the same tuple out inline)
-    return (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(), x.requires_grad,
-            x.is_neg())
+def _torch_sigs(arrays):   # (torch_entry writes the same tuple out, without the type)
+    return [None if x is None else
+            (type(x), x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
+             x.requires_grad, x.is_neg())
+            for x in arrays]
 
 
-_SIGNATURE = {"cupy": _cupy_sig, "torch": _torch_sig}
+_SIGNATURES = {"cupy": _cupy_sigs, "torch": _torch_sigs}
 
 
 def _opt(v):
@@ -97,23 +104,17 @@ def _options_key(options):
 
 
 def _signature(tag, rank, arrays, options):
-    """(family, key) of a call, or (None, None) if the fast path cannot key it: arrays of
-    another framework than CuPy or torch, of mixed frameworks, or unhashable options."""
-    fams = _families
-    fam = fams.get(type(arrays[0])) or _family(arrays[0])
-    if not fam:
+    """(family, key) of a call, or (None, None) if the fast path cannot key it: the first
+    array of another framework than CuPy or torch, or an array its framework's signature
+    cannot read. The key may be unhashable (an unhashable option): the lookup finds that."""
+    fam = _families.get(type(arrays[0])) or _family(arrays[0])
+    sigs = _SIGNATURES.get(fam)
+    if sigs is None:
         return None, None
-    for x in arrays:
-        if x is not None and (fams.get(type(x)) or _family(x)) != fam:
-            return None, None
-    sig = _SIGNATURE[fam]
     try:
-        key = (tag, rank, fam, *[None if x is None else sig(x) for x in arrays],
-               _options_key(options))
-        hash(key)
-    except Exception:  # an unhashable option, or an array the fast path cannot read
+        return fam, (tag, rank, fam, *sigs(arrays), _options_key(options))
+    except Exception:  # an array the fast path cannot read (another framework's)
         return None, None
-    return fam, key
 
 
 def _remember(key, entry):
@@ -126,18 +127,30 @@ def _remember(key, entry):
 # ---- entries ----------------------------------------------------------------------------
 
 class Entry:
-    """What a warm call needs: the plan, the arrays to copy first, outputs and workspaces."""
+    """What a warm call needs: the plan's launches, the arrays to copy first, outputs and
+    workspaces."""
 
-    __slots__ = ("problem", "plan", "device", "copies", "outputs", "workspaces", "torch_out")
+    __slots__ = ("problem", "plan", "calls", "device", "copies", "outputs", "workspaces",
+                 "workspace_bytes", "torch_out", "torch_device")
 
     def __init__(self, problem, plan, device, copies, outputs, workspaces):
         self.problem = problem
         self.plan = plan
+        self.calls = tuple(c for c in plan.calls if not c.empty)   # launched in this order
         self.device = device
         self.copies = copies          # input indices that need contiguous copies
         self.outputs = outputs        # (shape, numpy dtype) per output
         self.workspaces = workspaces  # (shape, numpy dtype) per workspace
-        self.torch_out = None         # (shape, torch dtype) per output, for torch callers
+        self.workspace_bytes = tuple(_nbytes(s, d) for s, d in workspaces)
+        self.torch_out = None         # (shape, torch dtype) per output and per workspace
+        self.torch_device = None      # their torch.device
+
+
+def _nbytes(shape, dtype):
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
 
 
 def _layout(fam, x):
@@ -168,7 +181,7 @@ def _build(op, problem, backend, fam, inputs, outputs):
         problem = fused.tuned(op, problem)
         if problem is None:  # the general path times the candidates first
             return None
-    import cupy
+    _bind(fam)
     device = _device(fam, present[0])
     layouts = [None if x is None else _layout(fam, x) for x in inputs]
     copies = tuple(i for i in backend.ROW_INPUTS[op] if not rows_ready(layouts[i]))
@@ -176,32 +189,88 @@ def _build(op, problem, backend, fam, inputs, outputs):
                for i, lay in enumerate(layouts)]
     layouts += [Layout.contiguous(s, d) for s, d in outputs]
     if problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
-        return Entry(problem, Plan(()), device, (), tuple(outputs), ())
-    with cupy.cuda.Device(device):
-        plan = planner(op, problem, layouts)
-        if plan is None:
-            return _SLOW
-        plan.prepare()
-    return Entry(problem, plan, device, copies, tuple(outputs), plan.workspaces)
+        e = Entry(problem, Plan(()), device, (), tuple(outputs), ())
+    else:
+        import cupy
+        with cupy.cuda.Device(device):
+            plan = planner(op, problem, layouts)
+            if plan is None:
+                return _SLOW
+            plan.prepare()
+        e = Entry(problem, plan, device, copies, tuple(outputs), plan.workspaces)
+    if fam == "torch":
+        e.torch_out = _torch_specs(e.outputs + e.workspaces)
+        e.torch_device = present[0].device
+    return e
+
+
+# ---- running an entry -------------------------------------------------------------------
+#
+# The framework calls a warm call makes are bound once, by the first build (CuPy and torch
+# are imported lazily): outputs are made without going through cupy.ndarray's Python-level
+# constructor where this CuPy allows it, and workspaces are plain pool allocations (they
+# need no array object; the pool hands their memory out again only on the same stream).
+
+_one_gpu = None          # whether the machine has one GPU (then it is the current device)
+_new_cupy_array = None   # (shape, numpy dtype) -> uninitialized C-contiguous cupy.ndarray
+_cupy_alloc = None       # nbytes -> cupy MemoryPointer from the current allocator
+_cupy_stream = None      # device id -> its current CuPy stream
+_torch_empty = None
+_torch_stream = None     # device index -> raw handle of torch's current stream
+
+
+def _bind(fam):
+    global _one_gpu, _new_cupy_array, _cupy_alloc, _cupy_stream, _torch_empty, _torch_stream
+    import cupy
+    if _one_gpu is None:
+        _one_gpu = cupy.cuda.runtime.getDeviceCount() == 1
+    if fam == "cupy" and _new_cupy_array is None:
+        _cupy_alloc = cupy.cuda.memory.alloc
+        _cupy_stream = cupy.cuda.get_current_stream
+        _new_cupy_array = _array_maker(cupy)
+    if fam == "torch" and _torch_empty is None:
+        import torch
+        _torch_empty = torch.empty
+        _torch_stream = torch._C._cuda_getCurrentRawStream
+
+
+def _array_maker(cupy):
+    """``cupy.ndarray(shape, dtype)`` without its Python-level ``__new__`` and ``__init__``:
+    for ndarray itself (not a subclass) they only call ``_init``, after the extension type's
+    own ``__new__``. Plain ``cupy.ndarray`` where this CuPy lacks either."""
+    ndarray = cupy.ndarray
+    base = getattr(getattr(cupy, "_core", None), "core", None)
+    base = getattr(base, "_ndarray_base", None)
+    if base is None or not isinstance(ndarray, type) or not issubclass(ndarray, base) \
+            or not hasattr(ndarray, "_init"):
+        return ndarray
+    new = base.__new__
+
+    def new_array(shape, dtype):
+        a = new(ndarray)
+        a._init(shape, dtype)
+        return a
+    return new_array
 
 
 def _run_cupy(e, inputs):
-    import cupy
     if e.copies:
         inputs = list(inputs)
         for i in e.copies:
             inputs[i] = inputs[i].copy(order="C")
-    new = cupy.ndarray
+    new = _new_cupy_array
     outs = [new(s, d) for s, d in e.outputs]
-    ws = [new(s, d) for s, d in e.workspaces]
-    ptrs = [0 if x is None else x.data.ptr for x in inputs]
-    ptrs += [x.data.ptr for x in outs]
-    ptrs += [x.data.ptr for x in ws]
-    run_plan(e.plan, ptrs, cupy.cuda.get_current_stream().ptr)
+    ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
+    if e.workspace_bytes:   # (kept alive until the kernels are queued)
+        ws = [_cupy_alloc(n) for n in e.workspace_bytes]
+        ptrs += [m.ptr for m in ws]
+    stream = _cupy_stream(e.device).ptr
+    for c in e.calls:
+        c(ptrs, stream)
     return outs
 
 
-def _torch_dtypes(specs):
+def _torch_specs(specs):
     import torch
     by_name = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                "bfloat16": torch.bfloat16}
@@ -211,41 +280,33 @@ def _torch_dtypes(specs):
 def run_torch(e, inputs):
     """Run entry ``e`` on CUDA torch tensors (outputs allocated by torch, torch's current
     stream of their device); returns the outputs."""
-    import torch
-    dev = inputs[0].device
     if e.copies:
+        import torch
         inputs = list(inputs)
         for i in e.copies:
             inputs[i] = inputs[i].clone(memory_format=torch.contiguous_format)
-    if e.torch_out is None:
-        e.torch_out = (_torch_dtypes(e.outputs), _torch_dtypes(e.workspaces))
-    out_specs, ws_specs = e.torch_out
-    empty = torch.empty
-    outs = [empty(s, dtype=d, device=dev) for s, d in out_specs]
-    # one pass over operands, outputs and workspaces (the workspaces live until return)
-    ws = [empty(s, dtype=d, device=dev) for s, d in ws_specs] if ws_specs else ()
-    ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *outs, *ws)]
-    run_plan(e.plan, ptrs, torch._C._cuda_getCurrentRawStream(e.device))
-    return outs
+    empty, dev = _torch_empty, e.torch_device
+    # outputs then workspaces, in one pass (the workspaces live until return)
+    made = [empty(s, dtype=d, device=dev) for s, d in e.torch_out]
+    ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *made)]
+    stream = _torch_stream(e.device)
+    for c in e.calls:
+        c(ptrs, stream)
+    n = len(e.outputs)
+    return made[:n] if len(made) > n else made
 
 
-_ONE_GPU = []
-
-
-def _current_device_differs(device):
-    """Whether ``device`` is not CUDA's current device (never, on a machine with one GPU)."""
-    import cupy
-    if not _ONE_GPU:
-        _ONE_GPU.append(cupy.cuda.runtime.getDeviceCount() == 1)
-    return not _ONE_GPU[0] and cupy.cuda.runtime.getDevice() != device
+_RUN = {"cupy": _run_cupy, "torch": run_torch}
 
 
 def _run(fam, e, inputs):
-    if _current_device_differs(e.device):
+    """Run ``e`` on its device (made current for the call where another one is)."""
+    if not _one_gpu:
         import cupy
-        with cupy.cuda.Device(e.device):
-            return _run(fam, e, inputs)
-    return _run_cupy(e, inputs) if fam == "cupy" else run_torch(e, inputs)
+        if cupy.cuda.runtime.getDevice() != e.device:
+            with cupy.cuda.Device(e.device):
+                return _RUN[fam](e, inputs)
+    return _RUN[fam](e, inputs)
 
 
 # ---- array-level calls ------------------------------------------------------------------
@@ -256,43 +317,92 @@ def _select(op, problem, named, backend):
     return ops.select_backend(op, problem, array_module(named), backend)
 
 
-def _call(op, rank, names, arrays, options, backend, check, outputs_of):
+def _call(op, rank, names, arrays, options, backend, first):
     """One array-level call through the fast path: the outputs (a list), or None where the
-    general path must run it. ``check()`` validates (raising what the general path raises)
-    and returns the problem; ``outputs_of(problem)``: the outputs' (shape, dtype)."""
+    general path must run it. ``first(rank, arrays, options)``, on a signature's first
+    call, validates (raising what the general path raises) and returns the problem and the
+    outputs' (shape, numpy dtype)."""
     if not enabled:
         return None
     fam, key = _signature(op, rank, arrays, options)
     if key is None:
         return None
-    e = _entries.get(key)
+    try:
+        e = _entries.get(key)
+    except TypeError:   # an unhashable option
+        return None
     if e is None:
-        problem = check()
-        be = _select(op, problem, list(zip(names, arrays)), backend)
-        e = _build(op, problem, be, fam, arrays, outputs_of(problem))
+        e = _first_call(op, rank, fam, names, arrays, options, backend, first)
         if e is None:
             return None
         _remember(key, e)
-    if e is _SLOW or profiling():
+    if e is _SLOW or _recorders:   # (``profiling()``, without the call)
         return None
+    if _one_gpu:   # the current device is the entry's
+        return _RUN[fam](e, arrays)
     return _run(fam, e, arrays)
+
+
+def _first_call(op, rank, fam, names, arrays, options, backend, first):
+    """The Entry for a signature's first call (_SLOW for mixed frameworks), or None."""
+    if any(x is not None and _family(x) != fam for x in arrays):
+        return _SLOW
+    problem, outputs = first(rank, arrays, options)
+    be = _select(op, problem, list(zip(names, arrays)), backend)
+    return _build(op, problem, be, fam, arrays, outputs)
 
 
 def _same(x, dt=None):
     return (tuple(x.shape), canonical_dtype(x.dtype) if dt is None else dt)
 
 
+def _first_fused_forward(rank, arrays, options):
+    q, k, v = arrays
+    problem = _args.check_fused(rank, q, k, v, *options)
+    return problem, [(tuple(q.shape[:-1]) + (v.shape[-1],), problem.dtype),
+                     (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))]
+
+
+def _first_fused_backward(rank, arrays, options):
+    problem = _args.check_fused_backward(rank, *arrays, *options)
+    q, k, v = arrays[1:4]
+    return problem, [_same(q), _same(k), _same(v)]
+
+
+def _first_qk(rank, arrays, options):
+    q, k, rpb = arrays
+    kernel_size, dilation, is_causal, backend, allow_tf32 = options
+    problem = _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend,
+                             allow_tf32)
+    return problem, [(tuple(q.shape[:-1]) + (problem.num_neighbors,), problem.dtype)]
+
+
+def _first_av(rank, arrays, options):
+    attn, v = arrays
+    problem = _args.check_av(rank, attn, v, *options)
+    return problem, [(tuple(attn.shape[:-1]) + (v.shape[-1],), problem.dtype)]
+
+
+def _first_qk_backward(rank, arrays, options):
+    d_attn, q, k = arrays
+    kernel_size, dilation, is_causal, backend, allow_tf32 = options
+    problem = _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal,
+                                      None, backend, allow_tf32)
+    return problem, [_same(q), _same(k)]
+
+
+def _first_av_backward(rank, arrays, options):
+    d_out, attn, v = arrays
+    problem = _args.check_av_backward(rank, d_out, attn, v, *options)
+    return problem, [_same(attn), _same(v)]
+
+
 def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
                   return_lse, allow_tf32, deterministic, tile):
     """``ops.fused_forward`` for a signature the fast path serves, else None."""
-    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-               deterministic, tile)
-    res = _call("fused_forward", rank, ("q", "k", "v"), (q, k, v), options, backend,
-                lambda: _args.check_fused(rank, q, k, v, kernel_size, stride, dilation,
-                                          is_causal, scale, backend, allow_tf32,
-                                          deterministic, tile),
-                lambda p: [(tuple(q.shape[:-1]) + (v.shape[-1],), p.dtype),
-                           (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))])
+    res = _call("fused_forward", rank, ("q", "k", "v"), (q, k, v),
+                (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+                 deterministic, tile), backend, _first_fused_forward)
     if res is None:
         return None
     return tuple(res) if return_lse else res[0]
@@ -301,34 +411,24 @@ def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale
 def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation, is_causal,
                    scale, backend, allow_tf32, deterministic, tile):
     """``ops.fused_backward`` for a signature the fast path serves, else None."""
-    options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-               deterministic, tile)
     res = _call("fused_backward", rank, ("d_out", "q", "k", "v", "out", "lse"),
-                (d_out, q, k, v, out, lse), options, backend,
-                lambda: _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size,
-                                                   stride, dilation, is_causal, scale, backend,
-                                                   allow_tf32, deterministic, tile),
-                lambda p: [_same(q), _same(k), _same(v)])
+                (d_out, q, k, v, out, lse),
+                (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+                 deterministic, tile), backend, _first_fused_backward)
     return None if res is None else tuple(res)
 
 
 def qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32):
     """``ops.qk`` for a signature the fast path serves, else None."""
     res = _call("qk", rank, ("q", "k", "rpb"), (q, k, rpb),
-                (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
-                lambda: _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb,
-                                       backend, allow_tf32),
-                lambda p: [(tuple(q.shape[:-1]) + (p.num_neighbors,), p.dtype)])
+                (kernel_size, dilation, is_causal, backend, allow_tf32), backend, _first_qk)
     return None if res is None else res[0]
 
 
 def av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32):
     """``ops.av`` for a signature the fast path serves, else None."""
     res = _call("av", rank, ("attn", "v"), (attn, v),
-                (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
-                lambda: _args.check_av(rank, attn, v, kernel_size, dilation, is_causal,
-                                       backend, allow_tf32),
-                lambda p: [(tuple(attn.shape[:-1]) + (v.shape[-1],), p.dtype)])
+                (kernel_size, dilation, is_causal, backend, allow_tf32), backend, _first_av)
     return None if res is None else res[0]
 
 
@@ -336,9 +436,7 @@ def qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal, backend, a
     """``ops.qk_backward`` without rpb for a signature the fast path serves, else None."""
     res = _call("qk_backward", rank, ("d_attn", "q", "k"), (d_attn, q, k),
                 (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
-                lambda: _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation,
-                                                is_causal, None, backend, allow_tf32),
-                lambda p: [_same(q), _same(k)])
+                _first_qk_backward)
     return None if res is None else tuple(res)
 
 
@@ -346,9 +444,7 @@ def av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend,
     """``ops.av_backward`` for a signature the fast path serves, else None."""
     res = _call("av_backward", rank, ("d_out", "attn", "v"), (d_out, attn, v),
                 (kernel_size, dilation, is_causal, backend, allow_tf32), backend,
-                lambda: _args.check_av_backward(rank, d_out, attn, v, kernel_size, dilation,
-                                                is_causal, backend, allow_tf32),
-                lambda p: [_same(attn), _same(v)])
+                _first_av_backward)
     return None if res is None else tuple(res)
 
 
@@ -360,7 +456,7 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
     gives the outputs' (shape, numpy dtype)), or None."""
     if not enabled or _recorders:   # (``profiling()``, without the call)
         return None
-    try:   # (``_torch_sig`` of each tensor, written out: one Python call fewer a tensor)
+    try:   # (``_torch_sigs``' tuples, written out: one Python call fewer)
         key = (op, rank, *[None if x is None else
                            (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
                             x.requires_grad, x.is_neg()) for x in tensors],
@@ -379,6 +475,6 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
 
 def run_torch_call(e, tensors):
     """``run_torch`` on the entry's device."""
-    if _ONE_GPU and _ONE_GPU[0]:   # one GPU: it is the current device (no query)
+    if _one_gpu:   # one GPU: it is the current device (no query)
         return run_torch(e, tensors)
     return _run("torch", e, tensors)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import operator
 import struct
 import threading
 
@@ -110,6 +111,17 @@ def _arg_bytes(a):
                     "array or an Operand (Python ints have no C type: use numpy.int32/int64)")
 
 
+def _getter(indices):
+    """A callable giving the tuple ``(seq[i] for i in indices)`` of a sequence (itemgetter
+    returns a bare item for one index, hence the other cases)."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    if indices:
+        (i,) = indices
+        return lambda seq: (seq[i],)
+    return lambda seq: ()
+
+
 class KernelCall:
     """One launch, prepared: function handle, grid, block, shared memory, and the argument
     bytes in one buffer whose operand slots are filled per call.
@@ -149,12 +161,14 @@ class KernelCall:
         for at, data in consts:
             ctypes.memmove(base + at, data, len(data))
         self._slots = tuple(slots)
+        self._gather = _getter(self._slots)
         self._pack = struct.Struct(f"<{len(slots)}Q").pack_into
         self._head = head
         self._params = base
         self._lock = threading.Lock()
         self._func = None
         self._launch = None
+        self._fixed = None   # launchKernel's arguments before the stream, once prepared
 
     def prepare(self):
         """Load the function on the current device and raise its shared-memory limit
@@ -165,17 +179,16 @@ class KernelCall:
                 self.fn.max_dynamic_shared_size_bytes = self.shared_mem
             self._func = self.fn.kernel.ptr
             self._launch = driver.launchKernel
+            self._fixed = (self._func, *self.grid, *self.block, self.shared_mem)
         return self
 
     def __call__(self, ptrs, stream):
         """Launch on ``stream`` (a raw CUDA stream handle) with the call's pointers."""
         if self.empty:
             return
-        g, b = self.grid, self.block
         with self._lock:
-            self._pack(self._buf, self._head, *[ptrs[i] for i in self._slots])
-            self._launch(self._func, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
-                         stream, self._params, 0)
+            self._pack(self._buf, self._head, *self._gather(ptrs))
+            self._launch(*self._fixed, stream, self._params, 0)
 
 
 @dataclasses.dataclass(frozen=True)
