@@ -215,12 +215,14 @@ _one_gpu = None          # whether the machine has one GPU (then it is the curre
 _new_cupy_array = None   # (shape, numpy dtype) -> uninitialized C-contiguous cupy.ndarray
 _cupy_alloc = None       # nbytes -> cupy MemoryPointer from the current allocator
 _cupy_stream = None      # device id -> its current CuPy stream
+_torch_tensor = None
 _torch_empty = None
 _torch_stream = None     # device index -> raw handle of torch's current stream
 
 
 def _bind(fam):
-    global _one_gpu, _new_cupy_array, _cupy_alloc, _cupy_stream, _torch_empty, _torch_stream
+    global _one_gpu, _new_cupy_array, _cupy_alloc, _cupy_stream
+    global _torch_tensor, _torch_empty, _torch_stream
     import cupy
     if _one_gpu is None:
         _one_gpu = cupy.cuda.runtime.getDeviceCount() == 1
@@ -230,6 +232,7 @@ def _bind(fam):
         _new_cupy_array = _array_maker(cupy)
     if fam == "torch" and _torch_empty is None:
         import torch
+        _torch_tensor = torch.Tensor
         _torch_empty = torch.empty
         _torch_stream = torch._C._cuda_getCurrentRawStream
 
@@ -285,9 +288,14 @@ def run_torch(e, inputs):
         inputs = list(inputs)
         for i in e.copies:
             inputs[i] = inputs[i].clone(memory_format=torch.contiguous_format)
-    empty, dev = _torch_empty, e.torch_device
-    # outputs then workspaces, in one pass (the workspaces live until return)
-    made = [empty(s, dtype=d, device=dev) for s, d in e.torch_out]
+    # outputs then workspaces, in one pass (the workspaces live until return); new_empty
+    # parses less than torch.empty, but a subclass's may return the subclass
+    first = inputs[0]
+    if type(first) is _torch_tensor:
+        made = [first.new_empty(s, dtype=d) for s, d in e.torch_out]
+    else:
+        empty, dev = _torch_empty, e.torch_device
+        made = [empty(s, dtype=d, device=dev) for s, d in e.torch_out]
     ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *made)]
     stream = _torch_stream(e.device)
     for c in e.calls:

@@ -9,10 +9,11 @@ Two ways in:
   CuPy) wraps them in ``region``, which the profiler records as one entry.
 * A ``Plan`` is what a backend part returns for one call signature (shapes, strides,
   dtypes, options, device): its ``KernelCall``s hold the kernel's function handle, the
-  grid, and the argument bytes with holes for the operands' device pointers, and
-  ``run_plan`` fills the holes and launches through the driver. A warm call of the fast path
-  (``natten_cupy._fast``) does only that: no argument conversion, no CuPy arrays, no device
-  queries, so it is cheap and capturable in any framework's CUDA graph. ``launch`` itself
+  grid, and the argument bytes with holes for the operands' device pointers; calling one
+  (``run_plan`` calls a plan's in order) fills the holes and launches through the driver. A
+  warm call of the fast path (``natten_cupy._fast``) does only that: no argument conversion,
+  no CuPy arrays, no device queries, so it is cheap and capturable in any framework's CUDA
+  graph. ``launch`` itself
   runs the same ``KernelCall`` when its arguments are CuPy arrays, so both ways share one
   argument packing.
 """

@@ -127,3 +127,154 @@ def test_run_plan_on_passes_null_for_absent_operands(monkeypatch):
     _launch.run_plan_on(plan, [_Arr(), None])
     assert _arg(calls[0]["params"], 0, 8) == (0x4000).to_bytes(8, "little")
     assert _arg(calls[0]["params"], 1, 8) == bytes(8)
+
+
+def test_kernel_call_with_one_operand_and_with_none(monkeypatch):
+    calls = _launched(monkeypatch)
+    one = KernelCall(_FakeKernel(), (1, 1, 1), (32, 1, 1), (numpy.int32(9), Operand(1))).prepare()
+    none = KernelCall(_FakeKernel(), (1, 1, 1), (32, 1, 1), (numpy.int64(-2),)).prepare()
+    one([0x10, 0x20], stream=1)
+    none([0x10, 0x20], stream=2)
+    assert _arg(calls[0]["params"], 0, 4) == numpy.int32(9).tobytes()
+    assert _arg(calls[0]["params"], 1, 8) == (0x20).to_bytes(8, "little")
+    assert _arg(calls[1]["params"], 0, 8) == numpy.int64(-2).tobytes()
+    assert [c["stream"] for c in calls] == [1, 2]
+
+
+# ---- warm calls on stand-ins for device arrays ---------------------------------------------
+
+def _device_array(shape, dtype=numpy.float16, ptr=0x10000, device=0, strides=None):
+    """A cupy.ndarray over memory that is never touched (no GPU needed)."""
+    mem = cupy.cuda.UnownedMemory(ptr, 1 << 20, None, device_id=device)
+    return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+
+
+class _SubArray(cupy.ndarray):
+    pass
+
+
+def test_cupy_signature_keys_what_changes_the_plan():
+    shape = (1, 8, 8, 1, 32)
+    q = _device_array(shape)
+
+    def key(*arrays, options=(3,)):
+        fam, k = _fast._signature("fused_forward", 2, arrays, options)
+        assert fam == "cupy"
+        return k
+
+    base = key(q, q, q)
+    assert key(q, q, _device_array(shape, ptr=0x20000)) == base   # pointers are per call
+    assert key(q, q, _device_array(shape, ptr=0x10002)) != base   # alignment is not
+    assert key(q, q, _device_array(shape, device=1)) != base
+    assert key(q, q, _device_array(shape, numpy.float32)) != base
+    assert key(q, q, _device_array(shape, strides=(4096, 64, 512, 64, 2))) != base
+    assert key(q, q, _device_array((1, 8, 8, 1, 16))) != base
+    assert key(q, q, q.view(_SubArray)) != base   # each array's type
+    assert key(q, q, q, options=(True,)) != key(q, q, q, options=(1,))
+    assert _fast._signature("fused_backward", 2, (q, q, q), (3,))[1] != base
+    assert _fast._signature("fused_forward", 1, (q, q, q), (3,))[1] != base
+
+
+class _LooksLikeCupy:
+    """An array of another library with the attributes the CuPy signature reads."""
+    shape, strides, dtype = (1, 8, 1, 8), (128, 16, 16, 2), numpy.dtype("float16")
+
+    class data:  # noqa: N801
+        ptr, device_id = 0x30000, 0
+
+
+def test_mixed_frameworks_cache_the_general_path(monkeypatch):
+    _fast.clear()
+    validated = []
+    monkeypatch.setattr(_fast._args, "check_fused", lambda *a: validated.append(a))
+    q = _device_array((1, 8, 1, 8))
+    for _ in range(2):
+        assert _fast.fused_forward(1, q, _LooksLikeCupy(), q, 3, 1, 1, False, None, "auto",
+                                   False, False, False, None) is None
+    assert validated == [] and list(_fast._entries.values()) == [_fast._SLOW]
+    _fast.clear()
+
+
+def test_unhashable_option_takes_the_general_path():
+    q = _device_array((1, 8, 1, 8))
+    assert _fast.fused_forward(1, q, q, q, {3: 3}, 1, 1, False, None, "auto", False, False,
+                               False, None) is None
+
+
+@pytest.fixture
+def fake_allocator():
+    """CuPy allocations handed out from one never-touched range, one after another."""
+    at = [0x100000]
+
+    def malloc(size):
+        ptr = at[0]
+        at[0] += -(-max(size, 1) // 512) * 512
+        mem = cupy.cuda.UnownedMemory(ptr, max(size, 1), None, device_id=0)
+        return cupy.cuda.MemoryPointer(mem, 0)
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(malloc)
+    yield
+    cupy.cuda.set_allocator(previous)
+
+
+def test_array_maker_makes_what_cupy_ndarray_makes(fake_allocator):
+    new = _fast._array_maker(cupy)
+    for shape, dtype in (((2, 5, 3, 32), numpy.dtype("float16")), ((7,), numpy.dtype("f4")),
+                         ((0, 3), numpy.dtype("f8")), ((), numpy.dtype("f4"))):
+        a, b = new(shape, dtype), cupy.ndarray(shape, dtype)
+        assert type(a) is cupy.ndarray
+        assert (a.shape, a.strides, a.dtype, a.size, a.nbytes, a.base) == \
+               (b.shape, b.strides, b.dtype, b.size, b.nbytes, b.base)
+        assert a.flags.c_contiguous and a.flags.owndata
+        assert a.data.ptr != b.data.ptr and a.data.mem.size >= a.nbytes
+
+
+def _entry(outputs, workspaces, n_inputs):
+    """An entry whose one kernel takes every operand: inputs, outputs, workspaces."""
+    n = n_inputs + len(outputs) + len(workspaces)
+    call = KernelCall(_FakeKernel(), (2, 1, 1), (64, 1, 1),
+                      (*map(Operand, range(n)), numpy.int32(7))).prepare()
+    empty = KernelCall(_FakeKernel(), (0, 1, 1), (64, 1, 1), (Operand(0),)).prepare()
+    plan = Plan((call, empty), workspaces=workspaces)
+    return _fast.Entry(None, plan, 0, (), outputs, workspaces)
+
+
+def test_warm_cupy_call_passes_inputs_outputs_and_workspaces(monkeypatch, fake_allocator):
+    calls = _launched(monkeypatch)
+    f16, f32 = numpy.dtype("float16"), numpy.dtype("float32")
+    e = _entry((((2, 4, 8), f16), ((2, 4), f32)), (((2, 4), f32),), 3)
+    streams = []
+    monkeypatch.setattr(_fast, "_new_cupy_array", _fast._array_maker(cupy))
+    monkeypatch.setattr(_fast, "_cupy_alloc", cupy.cuda.memory.alloc)
+    monkeypatch.setattr(_fast, "_cupy_stream",
+                        lambda device: streams.append(device) or type("S", (), {"ptr": 5})())
+    ins = [_device_array((2, 4, 8), ptr=p) for p in (0x1000, 0x2000, 0x3000)]
+    outs = _fast._run_cupy(e, ins)
+    assert [(o.shape, o.dtype) for o in outs] == [((2, 4, 8), f16), ((2, 4), f32)]
+    assert len(calls) == 1 and calls[0]["stream"] == 5 and streams == [0]   # empty: skipped
+    got = [int.from_bytes(_arg(calls[0]["params"], i, 8), "little") for i in range(6)]
+    assert got[:5] == [0x1000, 0x2000, 0x3000, outs[0].data.ptr, outs[1].data.ptr]
+    assert got[5] not in got[:5] and got[5] >= 0x100000   # the workspace: a fresh allocation
+    assert _arg(calls[0]["params"], 6, 4) == numpy.int32(7).tobytes()
+
+
+def test_warm_torch_call_allocates_like_torch_empty(monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls = _launched(monkeypatch)
+    f16, f32 = numpy.dtype("float16"), numpy.dtype("float32")
+    e = _entry((((2, 4, 8), f16), ((2, 4), f32)), (((3,), f32),), 2)
+    e.torch_out = _fast._torch_specs(e.outputs + e.workspaces)
+    e.torch_device = torch.device("cpu")
+    monkeypatch.setattr(_fast, "_torch_tensor", torch.Tensor)
+    monkeypatch.setattr(_fast, "_torch_empty", torch.empty)
+    monkeypatch.setattr(_fast, "_torch_stream", lambda device: 9)
+    x = torch.zeros((2, 4, 8), dtype=torch.float16, requires_grad=True)
+    for first in (x, torch.nn.Parameter(x.detach())):   # new_empty, then torch.empty
+        outs = _fast.run_torch(e, [first, x])
+        assert [(type(o), o.shape, o.dtype, o.requires_grad) for o in outs] == [
+            (torch.Tensor, (2, 4, 8), torch.float16, False),
+            (torch.Tensor, (2, 4), torch.float32, False)]
+        got = [int.from_bytes(_arg(calls[-1]["params"], i, 8), "little") for i in range(5)]
+        assert got[:4] == [first.data_ptr(), x.data_ptr(), outs[0].data_ptr(),
+                           outs[1].data_ptr()]
+        assert calls[-1]["stream"] == 9
