@@ -33,7 +33,9 @@ constexpr int kTileStride = kNB + 1;  // dS tile row stride (floats): conflict-f
 // order. Per step a warp stores its 16 x 32 dS tile, then each lane adds one gathered row's
 // column into the box, owner row after owner row: in one such add the lanes' rows differ, so
 // their slots do (no atomics, a fixed order, the same bits every run).
-template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped, bool BIAS>
+// EXTRA (dQ pass, no bias): after the window, the owners also attend to the p.extra_tokens
+// additional tokens xk, xv of their head's extra head, gathered slab_rows at a time.
+template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped, bool BIAS, bool EXTRA>
 __device__ __forceinline__ void bwd_pass(
     const T* __restrict__ own0, const T* __restrict__ own1, const T* __restrict__ gat0,
     const T* __restrict__ gat1, const T* __restrict__ o, const float* __restrict__ lse,
@@ -42,7 +44,8 @@ __device__ __forceinline__ void bwd_pass(
     const int4* __restrict__ tab, const int (&tab_off)[3], const int (&tile)[3],
     const int (&patch)[3], const int (&lpatch)[3], const int (&ntile)[3], const int slab_rows,
     const int bh0, const T* __restrict__ rpb, float* __restrict__ bias_part,
-    const bwd::BiasGeom& bg) {
+    const bwd::BiasGeom& bg, const T* __restrict__ xk, const T* __restrict__ xv) {
+  static_assert(!EXTRA || (!OwnerIsKey && !BIAS), "additional tokens: dQ pass, no bias");
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
   constexpr int EPP = 16 / (int)sizeof(T);  // elements per 16-byte piece
@@ -297,6 +300,67 @@ __device__ __forceinline__ void bwd_pass(
   const unsigned gat_shift = slab_rows * RB;    // gat_s1 - gat_s0
   bwd::RowDesc* wdesc = desc + warp * kNB;
 
+  // The warp's steps over `count` gathered rows of the staged slab, kNB at a time;
+  // describe(t, d) fills the descriptor of row t (its slab row and which owner rows attend).
+  auto steps = [&](int count, auto&& describe) {
+#pragma unroll 1
+    for (int base = 0; base < count; base += kNB) {
+      {
+        bwd::RowDesc d;
+        d.row = 0;
+        d.mask = 0u;
+        d.l2 = d.dl = 0.f;
+        if (base + lane < count) describe(base + lane, d);
+        wdesc[lane] = d;
+      }
+      __syncwarp();
+      const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
+      const typename St::Rows r1 = St::shifted(r0, gat_shift);
+
+      float s[4][4] = {}, dp[4][4] = {};
+      St::template abt<Dp>(s, own_a0, r0, RB);
+      St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
+
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
+          int bt = 0;  // the gathered row's part of the table index
+          if constexpr (BIAS) bt = wbdesc[nt * 8 + quad * 2 + c].t;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
+            const float dl = OwnerIsKey ? d.dl : row_dl[hh];
+            const int e = hh * 2 + c;
+            const bool on = (d.mask >> (group + 8 * hh)) & 1u;
+            float x = s[nt][e] * sl2;
+            if (BIAS && on) x += btab[bt - own_t[hh]];
+            const float pv = on ? fast_exp2(x - l2) : 0.f;
+            s[nt][e] = pv;
+            dp[nt][e] = pv * (dp[nt][e] - dl);
+            if (BIAS && !OwnerIsKey) wtl[hh * 8 * kTileStride + nt * 8 + c] = dp[nt][e];
+          }
+        }
+      St::template ab<DC>(acc0, dp, r0, RB);
+      if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
+      if constexpr (BIAS && !OwnerIsKey) {
+        if (col0 == 0) {   // lane: gathered row `lane` of the step, owner rows in order
+          __syncwarp();
+          const unsigned m = wdesc[lane].mask;
+          const int ga = wbdesc[lane].a;
+#pragma unroll 4
+          for (int r = 0; r < 16; ++r) {
+            float* slot = (m >> r) & 1u ? wacc + (ga - wown[r]) : wacc + bg.vol + lane;
+            *slot += wtile[r * kTileStride + lane];
+            __syncwarp();
+          }
+        }
+      }
+      __syncwarp();  // descriptors are rewritten next step
+    }
+  };
+
   // Slabs: sub-boxes of the CTA's union holding at most slab_rows rows, innermost axis first.
   int n[3];
   n[2] = max(min(chi[2] - clo[2], slab_rows), 1);
@@ -370,96 +434,73 @@ __device__ __forceinline__ void bwd_pass(
                 k2 = max(min(whi[2], e2) - lo2, 0);
       const int count = k0 * k1 * k2;
       const bwd::FastDiv by_k12(k1 * k2), by_k2(k2);
-#pragma unroll 1
-      for (int base = 0; base < count; base += kNB) {
-        {
-          // Lane builds the descriptor of gathered row base + lane. Its interval per axis:
-          // the query's window (owners are keys) or the key's inverse range (owners are
-          // queries); owner rows inside it on every axis attend.
-          bwd::RowDesc d;
-          d.row = 0;
-          d.mask = 0u;
-          d.l2 = d.dl = 0.f;
-          const int t = base + lane;
-          if (t < count) {
-            const int c0 = by_k12.div(t), rem = t - c0 * by_k12.m, c1 = by_k2.div(rem);
-            const int c[3] = {lo0 + c0, lo1 + c1, lo2 + rem - c1 * k2};
-            d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
-            d.mask = 0xffffu;
+      // Lane's descriptor of gathered row t of the warp's share. Its interval per axis: the
+      // query's window (owners are keys) or the key's inverse range (owners are queries);
+      // owner rows inside it on every axis attend.
+      auto describe = [&](int t, bwd::RowDesc& d) {
+        const int c0 = by_k12.div(t), rem = t - c0 * by_k12.m, c1 = by_k2.div(rem);
+        const int c[3] = {lo0 + c0, lo1 + c1, lo2 + rem - c1 * k2};
+        d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
+        d.mask = 0xffffu;
 #pragma unroll
-            for (int a = 0; a < 3; ++a) {
-              const int4 e = ax[a].at(tab, c[a]);
-              d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
-                                       patch[a], inner[a], rep[a]);
-            }
+        for (int a = 0; a < 3; ++a) {
+          const int4 e = ax[a].at(tab, c[a]);
+          d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
+                                   patch[a], inner[a], rep[a]);
+        }
+        if (OwnerIsKey) {
+          d.l2 = lse_s[d.row] * bwd::kLog2e;
+          d.dl = dlt_s[d.row];
+        }
+        if constexpr (BIAS) {
+          bwd::BiasDesc bd{0, 0};
+#pragma unroll
+          for (int a = 0; a < 3; ++a) {
             if (OwnerIsKey) {
-              d.l2 = lse_s[d.row] * bwd::kLog2e;
-              d.dl = dlt_s[d.row];
-            }
-            if constexpr (BIAS) {
-              bwd::BiasDesc bd{0, 0};
-#pragma unroll
-              for (int a = 0; a < 3; ++a) {
-                if (OwnerIsKey) {
-                  bd.t -= (c[a] - (int)p.kernel[a] + 1) * rs(a);
-                } else {
-                  bd.t += c[a] * rs(a);
-                  bd.a += c[a] * bg.bst[a];
-                }
-              }
-              wbdesc[lane] = bd;
+              bd.t -= (c[a] - (int)p.kernel[a] + 1) * rs(a);
+            } else {
+              bd.t += c[a] * rs(a);
+              bd.a += c[a] * bg.bst[a];
             }
           }
-          wdesc[lane] = d;
+          wbdesc[lane] = bd;
         }
-        __syncwarp();
-        const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
-        const typename St::Rows r1 = St::shifted(r0, gat_shift);
-
-        float s[4][4] = {}, dp[4][4] = {};
-        St::template abt<Dp>(s, own_a0, r0, RB);
-        St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
-
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
-            int bt = 0;  // the gathered row's part of the table index
-            if constexpr (BIAS) bt = wbdesc[nt * 8 + quad * 2 + c].t;
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
-              const float dl = OwnerIsKey ? d.dl : row_dl[hh];
-              const int e = hh * 2 + c;
-              const bool on = (d.mask >> (group + 8 * hh)) & 1u;
-              float x = s[nt][e] * sl2;
-              if (BIAS && on) x += btab[bt - own_t[hh]];
-              const float pv = on ? fast_exp2(x - l2) : 0.f;
-              s[nt][e] = pv;
-              dp[nt][e] = pv * (dp[nt][e] - dl);
-              if (BIAS && !OwnerIsKey) wtl[hh * 8 * kTileStride + nt * 8 + c] = dp[nt][e];
-            }
-          }
-        St::template ab<DC>(acc0, dp, r0, RB);
-        if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
-        if constexpr (BIAS && !OwnerIsKey) {
-          if (col0 == 0) {   // lane: gathered row `lane` of the step, owner rows in order
-            __syncwarp();
-            const unsigned m = wdesc[lane].mask;
-            const int ga = wbdesc[lane].a;
-#pragma unroll 4
-            for (int r = 0; r < 16; ++r) {
-              float* slot = (m >> r) & 1u ? wacc + (ga - wown[r]) : wacc + bg.vol + lane;
-              *slot += wtile[r * kTileStride + lane];
-              __syncwarp();
-            }
-          }
-        }
-        __syncwarp();  // descriptors are rewritten next step
-      }
+      };
+      steps(count, describe);
     }
   }  // gathered heads
+
+  // Additional tokens: every owner query sees all of them (nothing masked), slab by slab.
+  if constexpr (EXTRA) {
+    const int ntok = (int)p.extra_tokens;
+    const int xh = h / (int)p.heads_per_extra;
+    const T* xk_bh = xk + (b * p.xk[0] + xh * p.xk[4]);
+    const T* xv_bh = xv + (b * p.xv[0] + xh * p.xv[4]);
+    const bool live = wpos[0] < glen[0] && wpos[1] < glen[1] && wpos[2] < glen[2];
+    for (int x0 = 0; x0 < ntok; x0 += slab_rows) {
+      const int rows = min(slab_rows, ntok - x0);
+      __syncthreads();  // every warp is done with the previous slab
+      for (int base = warp * 32; base < rows; base += kWarps * 32) {
+#pragma unroll 4
+        for (int idx = lane; idx < 32 * CH; idx += 32) {
+          const int j = idx / CH, piece = idx % CH;
+          if (base + j < rows) {
+            const bool ok = piece * EPP < D;
+            const i64 e = ok ? piece * EPP : 0, tok = x0 + base + j;
+            tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, xk_bh + (tok * p.xk[1] + e), ok);
+            tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, xv_bh + (tok * p.xv[1] + e), ok);
+          }
+        }
+      }
+      tc::cp_async_commit();
+      tc::cp_async_wait<0>();
+      __syncthreads();
+      steps(live ? rows : 0, [&](int t, bwd::RowDesc& d) {
+        d.row = t;
+        d.mask = 0xffffu;
+      });
+    }
+  }
 
   // dQ pass with bias: this CTA's box, the warps' copies summed in warp order.
   if constexpr (BIAS && !OwnerIsKey) {
@@ -540,20 +581,21 @@ na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
   const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
-  bwd_pass<T, Dp, DC, true, Grouped, BIAS>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p, p.k,
-                                           p.v, p.q, p.d_o, p.dk, p.dv, tab, tab_off, tile,
-                                           patch, lpatch, ntile, slab_rows, bh0, rpb, nullptr,
-                                           bg);
+  bwd_pass<T, Dp, DC, true, Grouped, BIAS, false>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p,
+                                                  p.k, p.v, p.q, p.d_o, p.dk, p.dv, tab, tab_off,
+                                                  tile, patch, lpatch, ntile, slab_rows, bh0, rpb,
+                                                  nullptr, bg, nullptr, nullptr);
 }
 
-// dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o; runs
-// first (the dK/dV pass reads the delta it writes).
-template <typename T, int Dp, int DC, bool BIAS>
+// dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o and
+// (EXTRA) the additional tokens xk, xv; runs first (the dK/dV passes read the delta it writes).
+template <typename T, int Dp, int DC, bool BIAS, bool EXTRA>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, false, false, BIAS>::value)
 na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const T* __restrict__ d_o, const T* __restrict__ o, const float* __restrict__ lse,
                float* __restrict__ delta, T* __restrict__ dq, const T* __restrict__ rpb,
                float* __restrict__ bias_part, const bwd::BiasGeom bg,
+               const T* __restrict__ xk, const T* __restrict__ xv,
                const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
                const int t0, const int t1, const int t2, const int p0, const int p1,
                const int p2, const int l0, const int l1, const int l2, const int n0,
@@ -561,9 +603,10 @@ na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                const int bh0) {
   const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
   const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
-  bwd_pass<T, Dp, DC, false, false, BIAS>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o,
-                                          p.k, p.v, p.dq, p.dq, tab, tab_off, tile, patch,
-                                          lpatch, ntile, slab_rows, bh0, rpb, bias_part, bg);
+  bwd_pass<T, Dp, DC, false, false, BIAS, EXTRA>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q,
+                                                 p.d_o, p.k, p.v, p.dq, p.dq, tab, tab_off, tile,
+                                                 patch, lpatch, ntile, slab_rows, bh0, rpb,
+                                                 bias_part, bg, xk, xv);
 }
 
 // d_rpb from the dQ pass's CTA boxes (bias_part, [batch * heads, bg.ctas, bg.vol]): one CTA
@@ -623,4 +666,183 @@ na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
   if (threadIdx.x == 0)
     d_rpb[h * p.d_rpb[0] + o[0] * p.d_rpb[1] + o[1] * p.d_rpb[2] + o[2] * p.d_rpb[3]] =
         store_as<T>(part[0]);
+}
+
+// dK, dV of the additional tokens (every query attends to all of them): owners are extra
+// tokens, 16 per warp and 64 per CTA, gathered rows the query tokens of one split [z *
+// split_rows, ...) of the flattened extents, for each query head of the owner's extra head
+// in turn, slab_rows at a time (with their lse and the delta of the dQ pass). The same warp
+// step as the dK/dV pass, with every owner row attending to every gathered row. Grid: x =
+// (token tile, head-dim chunk), y = batch * extra heads from bh0, z = splits. Writes float32
+// partial sums, dK already scaled, to part [2][splits][B][T][H_x][Dp] (dK, then dV), which
+// na_bwd_extra_sum adds in split order: no atomics, the same bits every run.
+template <typename T, int Dp, int DC>
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true>::value)
+na_bwd_extra_kv(const T* __restrict__ q, const T* __restrict__ d_o,
+                const float* __restrict__ lse, const float* __restrict__ delta,
+                const T* __restrict__ xk, const T* __restrict__ xv, float* __restrict__ part,
+                const NAParams p, const int split_rows, const int slab_rows, const int bh0) {
+  typedef bwd::Step<T> St;
+  constexpr int RS = Dp + 8, EPP = 16 / (int)sizeof(T), CH = Dp / EPP;
+  constexpr unsigned RB = RS * sizeof(T);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = lane >> 2, quad = lane & 3;
+  const int D = (int)p.head_dim, ntok = (int)p.extra_tokens, hx = (int)p.extra_heads;
+  const int hpx = (int)p.heads_per_extra;
+  const int col0 = (int)(blockIdx.x % (unsigned)(Dp / DC)) * DC;
+  const int tok0 = (int)(blockIdx.x / (unsigned)(Dp / DC)) * (kWarps * 16);
+  const int bh = bh0 + (int)blockIdx.y, b = bh / hx, xh = bh % hx;
+  const int e1 = (int)p.extent[1], e2 = (int)p.extent[2];
+  const int ntokens = (int)p.extent[0] * e1 * e2;
+  const int n_lo = (int)blockIdx.z * split_rows, n_hi = min(ntokens, n_lo + split_rows);
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* own_s0 = reinterpret_cast<T*>(smem);
+  T* own_s1 = own_s0 + kWarps * 16 * RS;
+  T* gat_s0 = own_s1 + kWarps * 16 * RS;
+  T* gat_s1 = gat_s0 + slab_rows * RS;
+  bwd::RowDesc* desc = reinterpret_cast<bwd::RowDesc*>(gat_s1 + slab_rows * RS);
+  float* lse_s = reinterpret_cast<float*>(desc + kWarps * kNB);
+  float* dlt_s = lse_s + slab_rows;
+
+  // Owner rows (zeros past the last token or the head dim), lane r < 16 finding row r.
+  const int my_tok = tok0 + warp * 16 + lane;
+  const bool olive = lane < 16 && my_tok < ntok;
+  const i64 ok_off = olive ? b * p.xk[0] + (i64)my_tok * p.xk[1] + xh * p.xk[4] : 0;
+  const i64 ov_off = olive ? b * p.xv[0] + (i64)my_tok * p.xv[1] + xh * p.xv[4] : 0;
+#pragma unroll 4
+  for (int idx = lane; idx < 16 * CH; idx += 32) {
+    const int r = idx / CH, piece = idx % CH, at = (warp * 16 + r) * RS + piece * EPP;
+    const bool ok = __shfl_sync(0xffffffffu, (int)olive, r) && piece * EPP < D;
+    const int e = ok ? piece * EPP : 0;
+    const i64 o0 = __shfl_sync(0xffffffffu, ok_off, r), o1 = __shfl_sync(0xffffffffu, ov_off, r);
+    tc::cp_async16(own_s0 + at, xk + (ok ? o0 + e : 0), ok);
+    tc::cp_async16(own_s1 + at, xv + (ok ? o1 + e : 0), ok);
+  }
+  tc::cp_async_commit();
+
+  float acc0[DC / 8][4], acc1[DC / 8][4];
+#pragma unroll
+  for (int j = 0; j < DC / 8; ++j)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) acc0[j][t] = acc1[j][t] = 0.f;
+
+  const float sl2 = p.scale * bwd::kLog2e;
+  const unsigned own_a0 = tc::smem_addr(own_s0) + warp * 16 * RB + St::own_lane(lane, RB);
+  const unsigned own_shift = kWarps * 16 * RB;
+  const unsigned gat_base = tc::smem_addr(gat_s0), gat_shift = slab_rows * RB;
+  const unsigned lse_a = tc::smem_addr(lse_s), dlt_a = tc::smem_addr(dlt_s);
+  bwd::RowDesc* wdesc = desc + warp * kNB;
+  const bool wlive = tok0 + warp * 16 < ntok;
+
+#pragma unroll 1
+  for (int gi = 0; gi < hpx; ++gi) {
+    const int hq = xh * hpx + gi;
+    for (int s0 = n_lo; s0 < n_hi; s0 += slab_rows) {
+      const int rows = min(slab_rows, n_hi - s0);
+      __syncthreads();  // every warp is done with the previous slab
+      for (int base = warp * 32; base < rows; base += kWarps * 32) {
+        const int r = base + lane;
+        i64 off0 = 0, off1 = 0;
+        if (r < rows) {
+          const int n = s0 + r, x0 = n / (e1 * e2), rem = n - x0 * (e1 * e2), x1 = rem / e2;
+          const int x2 = rem - x1 * e2;
+          off0 = offset6(p.q, b, x0, x1, x2, hq, 0);
+          off1 = offset6(p.d_o, b, x0, x1, x2, hq, 0);
+          bwd::cp_async4(lse_a + r * 4, lse + offset6(p.lse, b, x0, x1, x2, hq, 0));
+          bwd::cp_async4(dlt_a + r * 4, delta + offset6(p.delta, b, x0, x1, x2, hq, 0));
+        }
+#pragma unroll 4
+        for (int idx = lane; idx < 32 * CH; idx += 32) {
+          const int j = idx / CH, piece = idx % CH;
+          const i64 o0 = __shfl_sync(0xffffffffu, off0, j), o1 = __shfl_sync(0xffffffffu, off1, j);
+          if (base + j < rows) {
+            const bool ok = piece * EPP < D;
+            const int e = ok ? piece * EPP : 0;
+            tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, q + (o0 + e), ok);
+            tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, d_o + (o1 + e), ok);
+          }
+        }
+      }
+      tc::cp_async_commit();
+      tc::cp_async_wait<0>();
+      __syncthreads();
+
+#pragma unroll 1
+      for (int base = 0; base < (wlive ? rows : 0); base += kNB) {
+        {
+          bwd::RowDesc d;
+          const int t = base + lane;
+          d.row = t < rows ? t : 0;
+          d.mask = t < rows ? 0xffffu : 0u;
+          d.l2 = lse_s[d.row] * bwd::kLog2e;
+          d.dl = dlt_s[d.row];
+          wdesc[lane] = d;
+        }
+        __syncwarp();
+        const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
+        const typename St::Rows r1 = St::shifted(r0, gat_shift);
+        float s[4][4] = {}, dp[4][4] = {};
+        St::template abt<Dp>(s, own_a0, r0, RB);
+        St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
+            const bool on = d.mask != 0u;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int e = hh * 2 + c;
+              const float pv = on ? fast_exp2(s[nt][e] * sl2 - d.l2) : 0.f;
+              s[nt][e] = pv;
+              dp[nt][e] = pv * (dp[nt][e] - d.dl);
+            }
+          }
+        St::template ab<DC>(acc0, dp, r0, RB);
+        St::template ab<DC>(acc1, s, r1, RB);
+        __syncwarp();  // descriptors are rewritten next step
+      }
+    }
+  }
+
+  // ---- this lane's rows of the split's partial sums ----
+  const i64 plane = (i64)p.batch * ntok * hx * Dp;   // one split of one of dK, dV
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int tok = tok0 + warp * 16 + group + 8 * hh;
+    if (tok >= ntok) continue;
+    float* row0 = part + (i64)blockIdx.z * plane + (((i64)b * ntok + tok) * hx + xh) * Dp;
+    float* row1 = row0 + (i64)gridDim.z * plane;
+#pragma unroll
+    for (int j = 0; j < DC / 8; ++j) {
+      const int col = col0 + j * 8 + quad * 2;
+      *reinterpret_cast<float2*>(row0 + col) =
+          make_float2(acc0[j][hh * 2] * p.scale, acc0[j][hh * 2 + 1] * p.scale);
+      *reinterpret_cast<float2*>(row1 + col) = make_float2(acc1[j][hh * 2], acc1[j][hh * 2 + 1]);
+    }
+  }
+}
+
+// dxk, dxv from na_bwd_extra_kv's partial sums: thread per (tensor, batch, token, head,
+// column), the splits added in order.
+template <typename T>
+__global__ void __launch_bounds__(256)
+na_bwd_extra_sum(const float* __restrict__ part, T* __restrict__ dxk, T* __restrict__ dxv,
+                 const NAParams p, const int splits, const int dp) {
+  const int ntok = (int)p.extra_tokens, hx = (int)p.extra_heads, D = (int)p.head_dim;
+  const i64 plane = (i64)p.batch * ntok * hx * dp;
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 2 * plane) return;
+  const int which = (int)(i / plane);
+  const i64 r = i - which * plane;
+  const int col = (int)(r % dp);
+  if (col >= D) return;
+  const i64 row = r / dp;
+  const int xh = (int)(row % hx), tok = (int)((row / hx) % ntok), b = (int)(row / ((i64)hx * ntok));
+  float sum = 0.f;
+  for (int z = 0; z < splits; ++z) sum += part[((i64)which * splits + z) * plane + r];
+  const i64* st = which ? p.dxv : p.dxk;
+  T* dst = which ? dxv : dxk;
+  dst[b * st[0] + tok * st[1] + xh * st[4] + col * st[5]] = store_as<T>(sum);
 }

@@ -1,6 +1,6 @@
 // Fused neighborhood-attention forward on tensor cores: out = softmax(scale * q k^T) v over each query's window, and lse (natural log), flash-style (online softmax, nothing in memory).
 // One CTA = a box of queries of one dilation group, head and batch; each warp owns a compact 16-query patch (the m16 rows of its mma) and walks only its patch's key halo, line by line in 8-key groups (2-D, 3-D) or flat 16 keys at a time, gathering key rows from shared memory (ldmatrix or per-lane loads take any row).
-// Reads q, k, v (k, v of the head's kv head under GQA; last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit) and, with BIAS, the relative positional bias rpb [H, 2k-1, ...] (any strides); writes out and lse (float32).
+// Reads q, k, v (k, v of the head's kv head under GQA; last dim contiguous, rows 16-byte aligned; the CTA's key halo staged in shared memory by cp.async, streamed in double-buffered chunks when it does not fit), with BIAS the relative positional bias rpb [H, 2k-1, ...] (any strides), and with EXTRA the additional tokens xk, xv [B, T, H_x, D] that every query attends to (staged after the halo in the same buffers, as further chunks); writes out and lse (float32).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/fused_tile.cuh"
@@ -16,7 +16,8 @@ template <> struct Elem<float> { enum { tf32 = 1, per_chunk = 4 }; };
 
 // CTAs per SM the compiler must fit (caps registers at 64K / (threads * ctas)): head dim 32
 // with up to 32 keys per iteration fits 128 registers (4 CTAs of 128 threads) without
-// spilling, 170 (3 CTAs) with a bias; wider iterations and larger head dims need more.
+// spilling, 170 (3 CTAs) with a bias or the additional tokens' walk; wider iterations and
+// larger head dims need more.
 __host__ __device__ constexpr int min_ctas(int threads, int dp, int kb, bool bias) {
   return dp <= 32 && kb <= 2 ? (bias ? 384 : 512) / threads : 1;
 }
@@ -54,13 +55,16 @@ using namespace natten::fused_fwd;
 // sub-blocks a warp takes per iteration (independent mma chains, one softmax reduction); LINES
 // (2-D, 3-D): walk the warp halo line by line in 8-key groups (LineWalk), else in flat row-major
 // order; BIAS: add rpb[head, key - query + kernel - 1] (in-group offsets per axis) to each
-// score (stride 1 only: the launcher refuses others).
+// score (stride 1 only: the launcher refuses others); EXTRA: after the halo, every warp also
+// walks the p.extra_tokens additional tokens (flat, 16 keys at a time, nothing masked but
+// the last chunk's tail), chunk_keys of them per chunk.
 template <typename T, int RANK, int DP, int P0, int P1, int P2, int W0, int W1, int W2, int KB,
-          bool LINES, bool BIAS>
-__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP, KB, BIAS))
+          bool LINES, bool BIAS, bool EXTRA>
+__global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas(32 * W0 * W1 * W2, DP, KB, BIAS || EXTRA))
 na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ rpb,
-             const NAParams p, int chunk_keys, int stages) {
+             const T* __restrict__ xk, const T* __restrict__ xv, const NAParams p,
+             int chunk_keys, int stages) {
   static_assert(P0 * P1 * P2 == 16, "a warp patch holds 16 queries");
   static_assert(!LINES || RANK >= 2, "the line walk is for 2-D and 3-D");
   constexpr int NW = W0 * W1 * W2, NT = 32 * NW;
@@ -118,6 +122,9 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // straddles two chunks (the launcher makes chunk_keys at least one line).
   const int ck = LINES ? chunk_keys / hl[RANK - 1] * hl[RANK - 1] : chunk_keys;
   const int nchunks = (total + ck - 1) / ck;
+  // Chunks of additional tokens follow the halo's: chunks [nchunks, nall).
+  const int ntok = EXTRA ? (int)p.extra_tokens : 0;
+  const int nall = EXTRA ? nchunks + (ntok + chunk_keys - 1) / chunk_keys : nchunks;
 
   // ---- warp geometry: patch, its key halo box inside the CTA halo, common box ----
   const int wa[3] = {warp / (W1 * W2), (warp / W2) % W1, warp % W2};
@@ -221,6 +228,9 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const i64 kbase = batch * p.k[0] + kv_head * p.k[4];
   const i64 vbase = batch * p.v[0] + kv_head * p.v[4];
   const T* const qw = q_s + warp * 16 * DP;
+  const i64 xhead = (unsigned)head / (unsigned)(EXTRA ? p.heads_per_extra : 1);
+  const i64 xkbase = batch * p.xk[0] + xhead * p.xk[4];
+  const i64 xvbase = batch * p.xv[0] + xhead * p.xv[4];
 
   // ---- stage this warp's 16 query rows (zero-padded to DP) ----
 #pragma unroll
@@ -238,10 +248,23 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   }
   tc::cp_async_commit();
 
-  // Stage chunk ch of the CTA halo (flat keys [ch * ck, ...)) into buffer ch % stages.
+  // Stage chunk ch of the CTA halo (flat keys [ch * ck, ...)) into buffer ch % stages; past
+  // the halo's chunks, additional tokens [(ch - nchunks) * chunk_keys, ...).
   auto load_chunk = [&](int ch) {
     T* const ks = kv_s + (ch % stages) * 2 * chunk_keys * DP;
     T* const vs = ks + chunk_keys * DP;
+    if (EXTRA && ch >= nchunks) {
+      const int x0 = (ch - nchunks) * chunk_keys, nk = min(chunk_keys, ntok - x0);
+      for (int i = tid; i < nk * CPR; i += NT) {
+        const int r = i / CPR, c = i % CPR;
+        const bool ok = (i64)c * EPC < hd;
+        const int dst = r * DP + fused::swizzle_chunk<CPR>(r, c) * EPC;
+        const i64 e = (i64)c * EPC, tok = x0 + r;
+        tc::cp_async16(ks + dst, ok ? xk + xkbase + tok * p.xk[1] + e : xk, ok);
+        tc::cp_async16(vs + dst, ok ? xv + xvbase + tok * p.xv[1] + e : xv, ok);
+      }
+      return;
+    }
     const int f0 = ch * ck, nk = min(ck, total - f0);
     for (int i = tid; i < nk * CPR; i += NT) {
       const int r = i / CPR, c = i % CPR;
@@ -291,8 +314,8 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     load_chunk(0);
     tc::cp_async_commit();
 
-    for (int ch = 0; ch < nchunks; ++ch) {
-      if (stages == 2 && ch + 1 < nchunks) {
+    for (int ch = 0; ch < nall; ++ch) {
+      if (stages == 2 && ch + 1 < nall) {
         load_chunk(ch + 1);
         tc::cp_async_commit();
         tc::cp_async_wait<1>();
@@ -310,10 +333,16 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       const T* const ks = kv_s + (ch % stages) * 2 * chunk_keys * DP;
       const T* const vs = ks + chunk_keys * DP;
       const int f0 = ch * ck, f1 = min(f0 + ck, total);
+      // A chunk of additional tokens: every warp takes all of its rows [0, it_hi), flat.
+      const bool xch = EXTRA && ch >= nchunks;
+      const bool lines = LINES && !xch;
       // The warp's part of this chunk: flat walk, halo indices [it_lo, it_hi); line walk,
       // 8-key groups [it_lo, it_hi) of whole lines.
       int it_lo, it_hi;
-      if constexpr (LINES) {
+      if (xch) {
+        it_lo = 0;
+        it_hi = min(chunk_keys, ntok - (ch - nchunks) * chunk_keys);
+      } else if constexpr (LINES) {
         walk.range(wo, wn, hl, f0, f1, nchunks == 1, it_lo, it_hi);
       } else {
         it_lo = fused::count_before(wo, wn, hl, f0);
@@ -334,15 +363,15 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
       // One iteration: KB sub-blocks of 16 keys, 8-key groups j = 0 .. 2 KB - 1: flat walk,
       // warp-halo flat indices [t0 + 8 j, +8); line walk, groups t0 + j.
-      constexpr int STEP = LINES ? 2 * KB : 16 * KB;
-      for (int t0 = warp_active ? it_lo : it_hi; t0 < it_hi; t0 += STEP) {
+      const int step = lines ? 2 * KB : 16 * KB;
+      for (int t0 = warp_active ? it_lo : it_hi; t0 < it_hi; t0 += step) {
         float s[2 * KB][4];  // s[j][e]: row group + 8 (e >> 1), key 2 quad + (e & 1) of group j
 #pragma unroll
         for (int j = 0; j < 2 * KB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 
         // Line walk: per group, line coordinates, first column, chunk row of column 0.
         int gl0[2 * KB], gl1[2 * KB], gcol[2 * KB], grow[2 * KB];
-        if constexpr (LINES) {
+        if (lines) {
 #pragma unroll
           for (int j = 0; j < 2 * KB; ++j) {
             walk.group(min(t0 + j, it_hi - 1), gl0[j], gl1[j], gcol[j], grow[j]);
@@ -352,11 +381,9 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         // Shared-memory row of key c (0..7) of group j (line walk: padding columns past the
         // line's end read its last key, masked).
         auto key_row = [&](int j, int c) {
-          if constexpr (LINES) {
-            return grow[j] + min(gcol[j] + c, wn[CA] - 1);
-          } else {
-            return row_of(t0 + 8 * j + c);
-          }
+          if (lines) return grow[j] + min(gcol[j] + c, wn[CA] - 1);
+          if (xch) return min(t0 + 8 * j + c, t_hi - 1);
+          return row_of(t0 + 8 * j + c);
         };
 
         // Rows this lane addresses (key kib of each sub-block), and (flat walk) whether every
@@ -366,11 +393,14 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         bool inside = true;
 #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
-          if constexpr (LINES) {
+          const int t = t0 + 16 * kb + kib;
+          if (lines) {
             krow[kb] = kib < 8 ? key_row(2 * kb, kib) : key_row(2 * kb + 1, kib - 8);
             __builtin_assume(krow[kb] >= 0);
+          } else if (xch) {
+            krow[kb] = min(t, t_hi - 1);
+            inside &= t < t_hi;
           } else {
-            const int t = t0 + 16 * kb + kib;
             int a0, a1, a2;
             split(min(t, t_hi - 1), a0, a1, a2);
             krow[kb] = row_at(a0, a1, a2);
@@ -378,7 +408,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                       a2 >= clo[2] && a2 < chi[2];
           }
         }
-        if constexpr (!LINES) inside = __all_sync(0xffffffffu, inside);
+        if (!lines) inside = __all_sync(0xffffffffu, inside);
 
         // ---- S = Q K^T ----
         if constexpr (TF32) {
@@ -433,7 +463,16 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         for (int j = 0; j < 2 * KB; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
-        if constexpr (LINES) {
+        if (xch) {
+          if (!inside) {   // the last chunk's tail
+#pragma unroll
+            for (int j = 0; j < 2 * KB; ++j) {
+              const int t = t0 + 8 * j + 2 * quad;
+              if (t >= t_hi) s[j][0] = s[j][2] = NEG_INF;
+              if (t + 1 >= t_hi) s[j][1] = s[j][3] = NEG_INF;
+            }
+          }
+        } else if (lines) {
           // Row ri sees key column c of group j when its window on the line axes holds the
           // group's line and its window on the column axis holds c (windows lie inside the
           // warp halo, so padding columns are masked too).
@@ -477,8 +516,8 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           }
         }
 
-        // ---- relative positional bias ----
-        if constexpr (BIAS) {
+        // ---- relative positional bias (not on additional tokens) ----
+        if (BIAS && !xch) {
 #pragma unroll
           for (int j = 0; j < 2 * KB; ++j) {
             int b[3], c[3];  // warp-halo coordinates of keys 2 quad and 2 quad + 1 of group j
@@ -570,7 +609,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
       }
       __syncthreads();  // every warp is done with this buffer before it is refilled
-      if (stages == 1 && ch + 1 < nchunks) {
+      if (stages == 1 && ch + 1 < nall) {
         load_chunk(ch + 1);
         tc::cp_async_commit();
       }

@@ -34,12 +34,16 @@ _FUSED_DOC = """{n}-D fused neighborhood attention (no attention matrix in memor
     with ``return_lse=True``, also ``lse`` ``[B, {axes}, H]`` (float32; float64 for float64
     inputs). ``rpb`` (optional, stride 1): a relative positional bias ``[H, 2k_0-1, ...]`` in
     q's dtype, added to every score: query i and key j get ``rpb[h, (j_0 - i_0) / d_0 +
-    k_0 - 1, ...]``.
+    k_0 - 1, ...]``. ``additional_keys``, ``additional_values`` (optional, together):
+    ``[B, T, H_x, D]`` tokens that every query attends to besides its window (H_x dividing
+    H: query head h reads extra head ``h // (H // H_x)``); out and lse are then over the
+    window and the T tokens together.
     """ + _FUSED_OPTIONS
 
 _FUSED_BWD_DOC = """Backward of na{n}d: returns (dq, dk, dv) from d_out, q, k, v, out, lse,
     and (dq, dk, dv, d_rpb) when ``rpb`` is given (d_rpb in rpb's dtype, reduced in a fixed
-    order: the same bits every run).
+    order: the same bits every run); with ``additional_keys`` / ``additional_values`` their
+    gradients follow, last (out and lse: the forward's, over the window and those tokens).
 
     Pass the forward's options again. dk, dv have k's and v's H_kv heads: each sums the
     gradients of its group of query heads.
@@ -74,20 +78,25 @@ _AXES = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
 
 def na1d(q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
          backend="auto", return_lse=False, allow_tf32=False, deterministic=False, tile=None,
-         rpb=None):
+         rpb=None, additional_keys=None, additional_values=None):
     return _ops.fused_forward(1, q, k, v, kernel_size, stride=stride, dilation=dilation,
                               is_causal=is_causal, scale=scale, backend=backend,
                               return_lse=return_lse, allow_tf32=allow_tf32,
-                              deterministic=deterministic, tile=tile, rpb=rpb)
+                              deterministic=deterministic, tile=tile, rpb=rpb,
+                              additional_keys=additional_keys,
+                              additional_values=additional_values)
 
 
 def na1d_backward(d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
                   is_causal=False, scale=None, backend="auto", allow_tf32=False,
-                  deterministic=False, tile=None, rpb=None):
+                  deterministic=False, tile=None, rpb=None, additional_keys=None,
+                  additional_values=None):
     return _ops.fused_backward(1, d_out, q, k, v, out, lse, kernel_size, stride=stride,
                                dilation=dilation, is_causal=is_causal, scale=scale,
                                backend=backend, allow_tf32=allow_tf32,
-                               deterministic=deterministic, tile=tile, rpb=rpb)
+                               deterministic=deterministic, tile=tile, rpb=rpb,
+                               additional_keys=additional_keys,
+                               additional_values=additional_values)
 
 
 def na1d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
@@ -117,20 +126,25 @@ def na1d_av_backward(d_out, attn, v, kernel_size, *, dilation=1, is_causal=False
 
 def na2d(q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
          backend="auto", return_lse=False, allow_tf32=False, deterministic=False, tile=None,
-         rpb=None):
+         rpb=None, additional_keys=None, additional_values=None):
     return _ops.fused_forward(2, q, k, v, kernel_size, stride=stride, dilation=dilation,
                               is_causal=is_causal, scale=scale, backend=backend,
                               return_lse=return_lse, allow_tf32=allow_tf32,
-                              deterministic=deterministic, tile=tile, rpb=rpb)
+                              deterministic=deterministic, tile=tile, rpb=rpb,
+                              additional_keys=additional_keys,
+                              additional_values=additional_values)
 
 
 def na2d_backward(d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
                   is_causal=False, scale=None, backend="auto", allow_tf32=False,
-                  deterministic=False, tile=None, rpb=None):
+                  deterministic=False, tile=None, rpb=None, additional_keys=None,
+                  additional_values=None):
     return _ops.fused_backward(2, d_out, q, k, v, out, lse, kernel_size, stride=stride,
                                dilation=dilation, is_causal=is_causal, scale=scale,
                                backend=backend, allow_tf32=allow_tf32,
-                               deterministic=deterministic, tile=tile, rpb=rpb)
+                               deterministic=deterministic, tile=tile, rpb=rpb,
+                               additional_keys=additional_keys,
+                               additional_values=additional_values)
 
 
 def na2d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",
@@ -160,20 +174,25 @@ def na2d_av_backward(d_out, attn, v, kernel_size, *, dilation=1, is_causal=False
 
 def na3d(q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False, scale=None,
          backend="auto", return_lse=False, allow_tf32=False, deterministic=False, tile=None,
-         rpb=None):
+         rpb=None, additional_keys=None, additional_values=None):
     return _ops.fused_forward(3, q, k, v, kernel_size, stride=stride, dilation=dilation,
                               is_causal=is_causal, scale=scale, backend=backend,
                               return_lse=return_lse, allow_tf32=allow_tf32,
-                              deterministic=deterministic, tile=tile, rpb=rpb)
+                              deterministic=deterministic, tile=tile, rpb=rpb,
+                              additional_keys=additional_keys,
+                              additional_values=additional_values)
 
 
 def na3d_backward(d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
                   is_causal=False, scale=None, backend="auto", allow_tf32=False,
-                  deterministic=False, tile=None, rpb=None):
+                  deterministic=False, tile=None, rpb=None, additional_keys=None,
+                  additional_values=None):
     return _ops.fused_backward(3, d_out, q, k, v, out, lse, kernel_size, stride=stride,
                                dilation=dilation, is_causal=is_causal, scale=scale,
                                backend=backend, allow_tf32=allow_tf32,
-                               deterministic=deterministic, tile=tile, rpb=rpb)
+                               deterministic=deterministic, tile=tile, rpb=rpb,
+                               additional_keys=additional_keys,
+                               additional_values=additional_values)
 
 
 def na3d_qk(q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backend="auto",

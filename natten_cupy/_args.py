@@ -50,6 +50,11 @@ class NAProblem:
     # Whether the fused ops add a relative positional bias rpb [H, 2k-1, ...] to the scores
     # (and the backward returns its gradient).
     has_rpb: bool = False
+    # Additional tokens of the fused ops (additional_keys / additional_values [B, T, H_x, D]):
+    # every query also attends to these T tokens; query head h reads extra head
+    # h // heads_per_extra. 0 and 0: none.
+    extra_tokens: int = 0
+    extra_heads: int = 0
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -61,6 +66,19 @@ class NAProblem:
     def heads_per_kv(self):
         """Query heads that share one kv head (1 without GQA; 1 for an empty problem)."""
         return self.heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def has_extra(self):
+        return self.extra_tokens > 0 and self.extra_heads > 0
+
+    @property
+    def heads_per_extra(self):
+        """Query heads that share one extra head (1 without additional tokens)."""
+        return self.heads // self.extra_heads if self.extra_heads else 1
+
+    def without_extra(self):
+        """The same problem over the neighborhoods alone."""
+        return dataclasses.replace(self, extra_tokens=0, extra_heads=0)
 
     @property
     def is_gqa(self):
@@ -304,18 +322,48 @@ def _with_rpb(problem, rpb):
     return dataclasses.replace(problem, has_rpb=True)
 
 
+def _with_extra(problem, q, v, keys, values):
+    """``problem`` with its additional tokens checked and recorded: ``[B, T, H_x, D]`` arrays
+    (values: v's head dim) in q's dtype, H_x dividing q's heads, given together."""
+    if keys is None and values is None:
+        return problem
+    if keys is None or values is None:
+        raise ValueError("additional_keys and additional_values must be given together, got "
+                         f"{type(keys).__name__} and {type(values).__name__}")
+    _check_types([("additional_keys", keys), ("additional_values", values)])
+    B, H = problem.batch, problem.heads
+    for name, x, d in (("additional_keys", keys, problem.head_dim),
+                       ("additional_values", values, problem.v_dim)):
+        shape = tuple(int(n) for n in x.shape)
+        if len(shape) != 4 or shape[0] != B or shape[3] != d:
+            raise ValueError(f"{name} shape {_shape_text(x.shape)} must be [B, T, H_x, D] "
+                             f"with q's batch {B} and head dim {d}")
+        if canonical_dtype(x.dtype) != problem.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} does not match q dtype {q.dtype}")
+    T, hx = int(keys.shape[1]), int(keys.shape[2])
+    if tuple(values.shape[1:3]) != (T, hx):
+        raise ValueError(f"additional_keys {_shape_text(keys.shape)} and additional_values "
+                         f"{_shape_text(values.shape)} must agree on T and H_x")
+    if (hx == 0) != (H == 0) or (hx and H % hx):
+        raise ValueError(f"additional_keys has H_x = {hx} heads, which does not divide q's "
+                         f"H = {H} heads")
+    return dataclasses.replace(problem, extra_tokens=T, extra_heads=hx)
+
+
 def check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
-                allow_tf32=False, deterministic=False, tile=None, rpb=None):
+                allow_tf32=False, deterministic=False, tile=None, rpb=None,
+                additional_keys=None, additional_values=None):
     """Validate a fused forward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
     kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)], free_dim=("v",))
-    return _with_rpb(_make(rank, q, kernel_size, stride, dilation, is_causal, scale,
-                           allow_tf32, deterministic, tile, kv, int(v.shape[-1])), rpb)
+    problem = _with_rpb(_make(rank, q, kernel_size, stride, dilation, is_causal, scale,
+                              allow_tf32, deterministic, tile, kv, int(v.shape[-1])), rpb)
+    return _with_extra(problem, q, v, additional_keys, additional_values)
 
 
 def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation,
                          is_causal, scale, backend, allow_tf32=False, deterministic=False,
-                         tile=None, rpb=None):
+                         tile=None, rpb=None, additional_keys=None, additional_values=None):
     """Validate a fused backward call; returns its NAProblem."""
     tile = _check_options(backend, tile)
     kv = _check_inputs(rank, [("q", q)], kv=[("k", k), ("v", v)], free_dim=("v",))
@@ -335,8 +383,9 @@ def check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, di
                              else numpy.float32)
     if lse_dtype != want_dtype:
         raise ValueError(f"lse dtype must be {want_dtype} for {q.dtype} inputs, got {lse.dtype}")
-    return _with_rpb(_make(rank, q, kernel_size, stride, dilation, is_causal, scale,
-                           allow_tf32, deterministic, tile, kv, int(v.shape[-1])), rpb)
+    problem = _with_rpb(_make(rank, q, kernel_size, stride, dilation, is_causal, scale,
+                              allow_tf32, deterministic, tile, kv, int(v.shape[-1])), rpb)
+    return _with_extra(problem, q, v, additional_keys, additional_values)
 
 
 def _check_attn(name, attn, rank, q_like, num_neighbors):

@@ -9,13 +9,15 @@ copies in, contiguous temporaries out, copied back by ``copy_back``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
 import numpy
 
 __all__ = ["Layout", "layout_of", "rows_ready", "ready_inputs", "writable_outputs",
-           "copy_back", "contiguous_strides", "run_forward", "run_backward"]
+           "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from"]
 
 
 def contiguous_strides(shape, itemsize):
@@ -96,35 +98,68 @@ def copy_back(outputs, written):
             dst.view(unsigned)[...] = src.view(unsigned)
 
 
+# Who allocates the workspaces of ``run_forward``/``run_backward``: CuPy's pool unless a
+# caller (the torch layer: its own allocator, so that CUDA graph capture works) says otherwise.
+_workspace_allocator = contextvars.ContextVar("workspace_allocator", default=None)
+
+
+@contextlib.contextmanager
+def workspaces_from(allocate):
+    """Inside the block, workspaces come from ``allocate(shape, numpy dtype) -> array``."""
+    token = _workspace_allocator.set(allocate)
+    try:
+        yield
+    finally:
+        _workspace_allocator.reset(token)
+
+
 def _workspaces(plan):
-    """Fresh CuPy arrays for a plan's workspaces (any contents)."""
-    import cupy
-    return tuple(cupy.empty(shape, dtype) for shape, dtype in plan.workspaces)
+    """Fresh arrays for a plan's workspaces (any contents)."""
+    allocate = _workspace_allocator.get()
+    if allocate is None:
+        import cupy
+        allocate = cupy.empty
+    return tuple(allocate(shape, dtype) for shape, dtype in plan.workspaces)
 
 
-def run_forward(plan_forward, problem, q, k, v, out, lse, rpb=None):
+def _layouts(arrays):
+    return [None if x is None else layout_of(x) for x in arrays]
+
+
+def run_forward(plan_forward, problem, q, k, v, out, lse, rpb=None, extra=None):
     """A fused forward on CuPy arrays through a part's ``plan_forward``: stand-ins for q, k, v,
-    out where they are not ``rows_ready``, the plan with its workspaces, then the copy back
-    (rpb, read element by element, goes as it is)."""
+    out (and the additional tokens ``extra``) where they are not ``rows_ready``, the plan with
+    its workspaces, then the copy back (rpb, read element by element, goes as it is).
+    Operands: q, k, v, out, lse, then rpb and the two extra arrays where given (None in
+    rpb's place when only the extra tokens are)."""
     from ._launch import run_plan_on
     q, k, v = ready_inputs((q, k, v))
     (dst,) = writable_outputs((out,))
-    arrays = (q, k, v, dst, lse) + (() if rpb is None else (rpb,))
-    plan = plan_forward(problem, *map(layout_of, arrays))
+    arrays = (q, k, v, dst, lse)
+    if extra is not None:
+        arrays += (rpb, *ready_inputs(extra))
+    elif rpb is not None:
+        arrays += (rpb,)
+    plan = plan_forward(problem, *_layouts(arrays))
     run_plan_on(plan, arrays + _workspaces(plan))
     copy_back((out,), (dst,))
 
 
 def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None,
-                 d_rpb=None):
+                 d_rpb=None, extra=None, d_extra=None):
     """A fused backward on CuPy arrays through a part's ``plan_backward`` (operands d_out, q,
-    k, v, out, lse, dq, dk, dv [, rpb, d_rpb: element by element, as they are], then the
-    plan's workspaces)."""
+    k, v, out, lse, dq, dk, dv [, rpb, d_rpb: element by element, as they are] [, xk, xv,
+    dxk, dxv: the additional tokens and their gradients, None in rpb's places when only they
+    are given], then the plan's workspaces)."""
     from ._launch import run_plan_on
     q, k, v, out, d_out = ready_inputs((q, k, v, out, d_out))
-    grads = (dq, dk, dv)
+    grads = (dq, dk, dv) + (() if d_extra is None else tuple(d_extra))
     written = writable_outputs(grads)
-    arrays = (d_out, q, k, v, out, lse, *written) + (() if rpb is None else (rpb, d_rpb))
-    plan = plan_backward(problem, *map(layout_of, arrays))
+    arrays = (d_out, q, k, v, out, lse, *written[:3])
+    if extra is not None:
+        arrays += (rpb, d_rpb, *ready_inputs(extra), *written[3:])
+    elif rpb is not None:
+        arrays += (rpb, d_rpb)
+    plan = plan_backward(problem, *_layouts(arrays))
     run_plan_on(plan, arrays + _workspaces(plan))
     copy_back(grads, written)

@@ -11,24 +11,33 @@ float64 kernels compute with, so that float64 results do not carry float32's rou
 Grouped-query attention: k, v, dk, dv have ``kv_heads`` heads; query head h reads kv head
 ``h / heads_per_kv``. ``v_dim``: the head dim of v, out and their gradients in the fused ops
 (``head_dim``, that of q and k, unless the caller's values have their own).
+
+Additional tokens (the fused ops' ``additional_keys`` / ``additional_values``, attended by
+every query): ``extra_tokens`` of them in ``extra_heads`` heads, query head h reading extra
+head ``h / heads_per_extra``; their arrays xk, xv (and gradients dxk, dxv) are ``[B, T, H_x,
+D]``, with strides laid out as (batch, token, 0, 0, head, last). These fields come last, so
+that the fields before them keep their offsets.
 """
 
 from __future__ import annotations
 
 import numpy
 
-__all__ = ["PARAMS_DTYPE", "TENSOR_FIELDS", "make_params", "element_strides"]
+__all__ = ["PARAMS_DTYPE", "TENSOR_FIELDS", "EXTRA_FIELDS", "make_params", "element_strides"]
 
 _I64 = numpy.int64
 TENSOR_FIELDS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv",
                  "lse", "delta", "attn", "d_attn", "rpb", "d_rpb")
+EXTRA_FIELDS = ("xk", "xv", "dxk", "dxv")
 
 PARAMS_DTYPE = numpy.dtype(
     [(name, _I64, (3,)) for name in ("extent", "kernel", "stride", "dilation", "causal")]
     + [(name, _I64) for name in ("batch", "heads", "head_dim", "num_neighbors", "kv_heads",
                                  "heads_per_kv", "v_dim")]
     + [(name, _I64, (6,)) for name in TENSOR_FIELDS]
-    + [("scale", numpy.float32), ("pad_", numpy.float32), ("scale_f64", numpy.float64)],
+    + [("scale", numpy.float32), ("pad_", numpy.float32), ("scale_f64", numpy.float64)]
+    + [(name, _I64) for name in ("extra_tokens", "extra_heads", "heads_per_extra")]
+    + [(name, _I64, (6,)) for name in EXTRA_FIELDS],
     align=True)
 
 
@@ -42,10 +51,14 @@ def _canonical6(x, rank, kind):
     """Strides over (batch, axis0, axis1, axis2, head, last) with inert axes at 0.
 
     ``kind`` is "full" for [B, *spatial, H, last] arrays, "lse" for [B, *spatial, H], and
-    "rpb" for [H, r_0, ..., r_{n-1}] (laid out as (head, r0, r1, r2, 0, 0)).
+    "rpb" for [H, r_0, ..., r_{n-1}] (laid out as (head, r0, r1, r2, 0, 0)), and "extra"
+    for [B, T, H_x, last] (laid out as (batch, token, 0, 0, head, last)).
     """
     st = element_strides(x)
     out = [0] * 6
+    if kind == "extra":
+        out[0], out[1], out[4], out[5] = st
+        return out
     out[0] = st[0]
     for a in range(rank):
         out[1 + a] = st[1 + a]
@@ -57,7 +70,8 @@ def _canonical6(x, rank, kind):
     return out
 
 
-_KIND = {"lse": "lse", "delta": "lse", "rpb": "rpb", "d_rpb": "rpb"}
+_KIND = {"lse": "lse", "delta": "lse", "rpb": "rpb", "d_rpb": "rpb",
+         **{name: "extra" for name in EXTRA_FIELDS}}
 
 
 def make_params(problem, **tensors):
@@ -82,8 +96,11 @@ def make_params(problem, **tensors):
     p["v_dim"] = problem.v_dim
     p["scale"] = numpy.float32(problem.scale)
     p["scale_f64"] = numpy.float64(problem.scale)
+    p["extra_tokens"] = problem.extra_tokens
+    p["extra_heads"] = problem.extra_heads
+    p["heads_per_extra"] = problem.heads_per_extra
     for name, x in tensors.items():
-        if name not in TENSOR_FIELDS:
+        if name not in TENSOR_FIELDS and name not in EXTRA_FIELDS:
             raise KeyError(f"unknown tensor field {name!r}")
         if x is not None:
             p[name] = _canonical6(x, n, _KIND.get(name, "full"))

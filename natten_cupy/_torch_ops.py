@@ -27,7 +27,7 @@ import numpy
 import torch
 from torch import Tensor
 
-from . import _args, _fast, ops
+from . import _args, _fast, _operands, ops
 from ._arrays import check_one_device
 from ._dtypes import BFLOAT16, accumulator_dtype, canonical_dtype
 
@@ -677,111 +677,158 @@ _refuse_double_backward("na_av_backward")
 
 
 
-# ---- fused NA with a relative positional bias ---------------------------------------------
+# ---- fused NA with a relative positional bias and/or additional tokens ---------------------
 #
-# Ops of their own (the plain fused ops' schemas stay as they are): rpb [H, 2k-1, ...] is an
-# input of both, the backward returns its gradient too. No warm-call entries yet: every call
-# validates (``_rpb_problem``).
+# Ops of their own (the plain fused ops' schemas stay as they are): rpb [H, 2k-1, ...] and
+# the additional tokens [B, T, H_x, D] (keys, values; given together) are optional inputs of
+# both, and the backward returns their gradients too (an empty tensor for one not given). No
+# warm-call entries yet: every call validates (``_ext_problem``).
 
-_LIB.define("na_fused_forward_rpb(Tensor q, Tensor k, Tensor v, Tensor rpb, SymInt[] kernel_size, "
+_LIB.define("na_fused_forward_ext(Tensor q, Tensor k, Tensor v, Tensor? rpb, "
+            "Tensor? additional_keys, Tensor? additional_values, SymInt[] kernel_size, "
             "SymInt[] stride, SymInt[] dilation, bool[] is_causal, float? scale, str backend, "
             "bool allow_tf32, bool deterministic, bool lse_grad=False, str tile=\"\") "
             "-> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.define("na_fused_backward_rpb(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-            "Tensor lse, Tensor rpb, SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, "
-            "bool[] is_causal, float? scale, str backend, bool allow_tf32, bool deterministic, "
-            "str tile=\"\") -> (Tensor, Tensor, Tensor, Tensor)",
+_LIB.define("na_fused_backward_ext(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+            "Tensor lse, Tensor? rpb, Tensor? additional_keys, Tensor? additional_values, "
+            "SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, bool[] is_causal, "
+            "float? scale, str backend, bool allow_tf32, bool deterministic, str tile=\"\") "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _rpb_problem(op, tensors, rpb, opts):
-    """(problem, backend) of a biased fused op from the ops' option arguments."""
+def _ext_problem(op, tensors, rpb, keys, values, opts):
+    """(problem, backend) of a fused op with a bias and/or additional tokens from the ops'
+    option arguments."""
     ks, st, dl, ca, scale, backend, tf32, det, tile = opts
     rank, tile = len(ks), _tile_value(tile)
     if op == "fused_forward":
         q, k, v = tensors
         problem = _args.check_fused(rank, q, k, v, ks, st, dl, ca, scale, backend, tf32, det,
-                                    tile, rpb)
+                                    tile, rpb, keys, values)
         names = ("q", "k", "v")
     else:
         d_out, q, k, v, out, lse = tensors
         problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, ks, st, dl, ca,
-                                             scale, backend, tf32, det, tile, rpb)
+                                             scale, backend, tf32, det, tile, rpb, keys, values)
         names = ("d_out", "q", "k", "v", "out", "lse")
-    _check_tensors(list(zip(names, tensors)) + [("rpb", rpb)])
+    _check_tensors(list(zip(names, tensors)) + [("rpb", rpb), ("additional_keys", keys),
+                                                ("additional_values", values)])
     return problem, ops.select_backend(op, problem, _xp(q.device), backend)
 
 
-@_impl("na_fused_forward_rpb")
-def _fused_forward_rpb_impl(q: Tensor, k: Tensor, v: Tensor, rpb: Tensor,
-                            kernel_size: list[int], stride: list[int], dilation: list[int],
-                            is_causal: list[bool], scale: Optional[float], backend: str,
-                            allow_tf32: bool, deterministic: bool, lse_grad: bool = False,
-                            tile: str = "") -> tuple[Tensor, Tensor]:
+def _views(*tensors):
+    return [None if t is None else _view(t) for t in tensors]
+
+
+_TORCH_DTYPES = {numpy.dtype(numpy.float32): torch.float32,
+                 numpy.dtype(numpy.float64): torch.float64}
+
+
+def _torch_workspaces(device):
+    """Workspaces in torch's allocator on ``device`` (capturable in a CUDA graph), as views."""
+    def allocate(shape, dtype):
+        t = torch.empty(tuple(shape), dtype=_TORCH_DTYPES[numpy.dtype(dtype)], device=device)
+        return _view(t)
+    return _operands.workspaces_from(allocate)
+
+
+@_impl("na_fused_forward_ext")
+def _fused_forward_ext_impl(q: Tensor, k: Tensor, v: Tensor, rpb: Optional[Tensor],
+                            additional_keys: Optional[Tensor],
+                            additional_values: Optional[Tensor], kernel_size: list[int],
+                            stride: list[int], dilation: list[int], is_causal: list[bool],
+                            scale: Optional[float], backend: str, allow_tf32: bool,
+                            deterministic: bool, lse_grad: bool = False, tile: str = ""
+                            ) -> tuple[Tensor, Tensor]:
     opts = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
             deterministic, tile)
-    problem, be = _rpb_problem("fused_forward", (q, k, v), rpb, opts)
+    problem, be = _ext_problem("fused_forward", (q, k, v), rpb, additional_keys,
+                               additional_values, opts)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
-    with _on_torch_stream(q.device):
-        ops.run_fused_forward(problem, be, *map(_view, (q, k, v, out, lse, rpb)))
+    with _on_torch_stream(q.device), _torch_workspaces(q.device):
+        qa, ka, va, oa, la, ra, xk, xv = _views(q, k, v, out, lse, rpb, additional_keys,
+                                                additional_values)
+        ops.run_fused_forward(problem, be, qa, ka, va, oa, la, ra,
+                              None if xk is None else (xk, xv))
     return out, lse
 
 
-@_fake("na_fused_forward_rpb")
-def _(q, k, v, rpb, kernel_size, *options):
+@_fake("na_fused_forward_ext")
+def _(q, k, v, rpb, keys, values, kernel_size, *options):
     return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
             q.new_empty(q.shape[:-1], dtype=_accumulator(q.dtype)))
 
 
-@_impl("na_fused_backward_rpb")
-def _fused_backward_rpb_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                             lse: Tensor, rpb: Tensor, kernel_size: list[int],
+def _ext_grads_like(q, k, v, rpb, keys, values):
+    """Empty gradients of the ext backward: rpb's and the tokens' a [0] tensor when absent."""
+    like = lambda x: q.new_empty((0,)) if x is None else x.new_empty(x.shape)
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), like(rpb),
+            like(keys), like(values)]
+
+
+@_impl("na_fused_backward_ext")
+def _fused_backward_ext_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                             lse: Tensor, rpb: Optional[Tensor],
+                             additional_keys: Optional[Tensor],
+                             additional_values: Optional[Tensor], kernel_size: list[int],
                              stride: list[int], dilation: list[int], is_causal: list[bool],
                              scale: Optional[float], backend: str, allow_tf32: bool,
                              deterministic: bool, tile: str = ""
-                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
             deterministic, tile)
     tensors = (d_out, q, k, v, out, lse)
-    problem, be = _rpb_problem("fused_backward", tensors, rpb, opts)
-    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, rpb)]
-    with _on_torch_stream(q.device):
-        ops.run_fused_backward(problem, be, *map(_view, (*tensors, *grads[:3], rpb, grads[3])))
+    problem, be = _ext_problem("fused_backward", tensors, rpb, additional_keys,
+                               additional_values, opts)
+    grads = _ext_grads_like(q, k, v, rpb, additional_keys, additional_values)
+    with _on_torch_stream(q.device), _torch_workspaces(q.device):
+        arrays = _views(*tensors, *grads[:3])
+        ra, xk, xv = _views(rpb, additional_keys, additional_values)
+        g_rpb, g_xk, g_xv = _views(*grads[3:])
+        ops.run_fused_backward(problem, be, *arrays, ra, None if ra is None else g_rpb,
+                               None if xk is None else (xk, xv),
+                               None if xk is None else (g_xk, g_xv))
     return tuple(grads)
 
 
-@_fake("na_fused_backward_rpb")
-def _(d_out, q, k, v, out, lse, rpb, *options):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), rpb.new_empty(
-        rpb.shape)
+@_fake("na_fused_backward_ext")
+def _(d_out, q, k, v, out, lse, rpb, keys, values, *options):
+    return tuple(_ext_grads_like(q, k, v, rpb, keys, values))
 
 
-_fused_forward_rpb = _op("na_fused_forward_rpb")
-_fused_backward_rpb = _op("na_fused_backward_rpb")
+_fused_forward_ext = _op("na_fused_forward_ext")
+_fused_backward_ext = _op("na_fused_backward_ext")
 
 
-def lse_grads_rpb(q, k, v, out, lse, rpb, d_lse, opts):
-    """The gradients (dq, dk, dv, d_rpb) that flow from ``d_lse``, from one backward call:
-    with values 0 (so dP = 0) and (out, d_out) = (e_0, -d_lse e_0) per row (so delta = -d_lse),
-    its dS_ij = P_ij d_lse_i, which is d lse_i / d score_ij times d_lse_i."""
+def lse_grads_ext(q, k, v, out, lse, rpb, keys, values, d_lse, opts):
+    """The gradients (dq, dk, dv, d_rpb, d_keys, d_values) that flow from ``d_lse``, from one
+    backward call: with values 0 (so dP = 0) and (out, d_out) = (e_0, -d_lse e_0) per row (so
+    delta = -d_lse), its dS_ij = P_ij d_lse_i, which is d lse_i / d score_ij times d_lse_i
+    (over the additional tokens too)."""
     d_out = torch.zeros_like(out)
     one = torch.zeros_like(out)
     d_out[..., 0] = -d_lse.to(out.dtype)
     one[..., 0] = 1
-    dq, dk, _, d_rpb = _backward_ops_call(_fused_backward_rpb, (d_out, q, k, torch.zeros_like(v),
-                                                                one, lse, rpb, *opts))
-    return dq, dk, torch.zeros_like(v), d_rpb
+    zero_values = None if values is None else torch.zeros_like(values)
+    dq, dk, _, d_rpb, d_keys, _ = _backward_ops_call(
+        _fused_backward_ext, (d_out, q, k, torch.zeros_like(v), one, lse, rpb, keys,
+                              zero_values, *opts))
+    return (dq, dk, torch.zeros_like(v), d_rpb, d_keys,
+            None if values is None else torch.zeros_like(values))
 
 
-class _FusedRpbOp(torch.autograd.Function):
-    """Autograd of ``na_fused_forward_rpb``: gradients for q, k, v and rpb, from out and lse."""
+class _FusedExtOp(torch.autograd.Function):
+    """Autograd of ``na_fused_forward_ext``: gradients for q, k, v, rpb and the additional
+    tokens, from out and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rpb, options, lse_grad):
+    def forward(ctx, q, k, v, rpb, keys, values, options, lse_grad):
         with _BELOW():
-            out, lse = _fused_forward_rpb(q, k, v, rpb, *options[:8], lse_grad, options[8])
-        ctx.save_for_backward(q, k, v, rpb, out, lse)
+            out, lse = _fused_forward_ext(q, k, v, rpb, keys, values, *options[:8], lse_grad,
+                                          options[8])
+        ctx.save_for_backward(q, k, v, rpb, keys, values, out, lse)
         ctx.options = options
         if not lse_grad:
             ctx.mark_non_differentiable(lse)
@@ -790,28 +837,36 @@ class _FusedRpbOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, rpb, out, lse = ctx.saved_tensors
+        q, k, v, rpb, keys, values, out, lse = ctx.saved_tensors
         opts = ctx.options
         grads = None
         if d_out is not None:
-            grads = _backward_ops_call(_fused_backward_rpb, (d_out, q, k, v, out, lse, rpb, *opts))
+            grads = _backward_ops_call(_fused_backward_ext, (d_out, q, k, v, out, lse, rpb, keys,
+                                                             values, *opts))
         if d_lse is not None:
-            extra = lse_grads_rpb(q, k, v, out, lse, rpb, d_lse, opts)
-            grads = extra if grads is None else tuple(a + b for a, b in zip(grads, extra))
+            more = lse_grads_ext(q, k, v, out, lse, rpb, keys, values, d_lse, opts)
+            grads = more if grads is None else tuple(
+                a if b is None else a + b for a, b in zip(grads, more))
         if grads is None:
-            grads = (None,) * 4
+            return (None,) * 8
+        grads = list(grads)
+        for i, x in ((3, rpb), (4, keys), (5, values)):   # inputs not given: no gradient
+            if x is None:
+                grads[i] = None
         return (*grads, None, None)
 
 
-def _fused_forward_rpb_autograd(q, k, v, rpb, kernel_size, stride, dilation, is_causal, scale,
-                                backend, allow_tf32, deterministic, lse_grad=False, tile=""):
+def _fused_forward_ext_autograd(q, k, v, rpb, keys, values, kernel_size, stride, dilation,
+                                is_causal, scale, backend, allow_tf32, deterministic,
+                                lse_grad=False, tile=""):
     options = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
                deterministic, tile)
-    if _grad_enabled() and _any_requires_grad(q, k, v, rpb):
-        return _FusedRpbOp.apply(q, k, v, rpb, options, lse_grad)
+    if _grad_enabled() and _any_requires_grad(
+            *[x for x in (q, k, v, rpb, keys, values) if x is not None]):
+        return _FusedExtOp.apply(q, k, v, rpb, keys, values, options, lse_grad)
     with _BELOW():
-        return _fused_forward_rpb(q, k, v, rpb, *options[:8], lse_grad, tile)
+        return _fused_forward_ext(q, k, v, rpb, keys, values, *options[:8], lse_grad, tile)
 
 
-_LIB.impl("na_fused_forward_rpb", _fused_forward_rpb_autograd, "Autograd")
-_refuse_double_backward("na_fused_backward_rpb")
+_LIB.impl("na_fused_forward_ext", _fused_forward_ext_autograd, "Autograd")
+_refuse_double_backward("na_fused_backward_ext")

@@ -16,7 +16,7 @@ import logging
 
 import numpy
 
-from . import _args, _fast
+from . import _args, _extra, _fast
 from ._arrays import Inputs, array_module
 from ._dtypes import accumulator_dtype
 from .backends import get_backend, PREFERENCE
@@ -60,27 +60,52 @@ def _empty(xp, shape, dtype):
 
 # ---- runs on gathered arrays, outputs given --------------------------------------------
 
-def run_fused_forward(problem, backend, q, k, v, out, lse, rpb=None):
+def _extra_in_kernel(backend, op, problem):
+    """Whether ``backend``'s kernels attend to the additional tokens themselves (else
+    ``_extra`` merges them in array math)."""
+    runs = getattr(backend, "runs_extra", None)
+    return runs is not None and runs(op, problem)
+
+
+def run_fused_forward(problem, backend, q, k, v, out, lse, rpb=None, extra=None):
+    """``extra``: (additional_keys, additional_values) when ``problem.has_extra``."""
     if problem.is_empty:
         return
-    if rpb is None:
-        backend.fused_forward(problem, q, k, v, out, lse)
-    else:
-        backend.fused_forward(problem, q, k, v, out, lse, rpb=rpb)
+    kwargs = {} if rpb is None else {"rpb": rpb}
+    if problem.has_extra and problem.num_tokens:
+        if _extra_in_kernel(backend, "fused_forward", problem):
+            backend.fused_forward(problem, q, k, v, out, lse, extra=extra, **kwargs)
+            return
+        backend.fused_forward(problem.without_extra(), q, k, v, out, lse, **kwargs)
+        _extra.merge_into(problem, q, *extra, out, lse)
+        return
+    backend.fused_forward(problem.without_extra(), q, k, v, out, lse, **kwargs)
 
 
 def run_fused_backward(problem, backend, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None,
-                       d_rpb=None):
-    """With ``rpb``, ``d_rpb`` (rpb's shape and dtype) receives its gradient."""
+                       d_rpb=None, extra=None, d_extra=None):
+    """With ``rpb``, ``d_rpb`` (rpb's shape and dtype) receives its gradient; with
+    ``extra`` (additional keys and values), ``d_extra`` (two arrays of their shapes)
+    theirs. out and lse are the forward's: over the windows and the extra tokens."""
     if d_rpb is not None and (problem.is_empty or problem.num_tokens == 0):
         d_rpb[...] = 0
+    if d_extra is not None and not (problem.has_extra and problem.num_tokens):
+        for g in d_extra:
+            g[...] = 0
     if problem.is_empty:
         return
-    if rpb is None:
-        backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv)
-    else:
-        backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=rpb,
-                               d_rpb=d_rpb)
+    kwargs = {} if rpb is None else {"rpb": rpb, "d_rpb": d_rpb}
+    if problem.has_extra and problem.num_tokens:
+        if _extra_in_kernel(backend, "fused_backward", problem):
+            backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, extra=extra,
+                                   d_extra=d_extra, **kwargs)
+            return
+        backend.fused_backward(problem.without_extra(), q, k, v, out, lse, d_out, dq, dk, dv,
+                               **kwargs)
+        _extra.add_grads(problem, d_out, q, *extra, out, lse, dq, *d_extra)
+        return
+    backend.fused_backward(problem.without_extra(), q, k, v, out, lse, d_out, dq, dk, dv,
+                           **kwargs)
 
 
 def run_qk(problem, backend, q, k, rpb, attn):
@@ -109,23 +134,28 @@ def run_av_backward(problem, backend, d_out, attn, v, d_attn, dv):
 
 def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal=False,
                   scale=None, backend="auto", return_lse=False, allow_tf32=False,
-                  deterministic=False, tile=None, rpb=None):
-    if rpb is None:
+                  deterministic=False, tile=None, rpb=None, additional_keys=None,
+                  additional_values=None):
+    plain = rpb is None and additional_keys is None and additional_values is None
+    if plain:
         hit = _fast.fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal,
                                   scale, backend, return_lse, allow_tf32, deterministic, tile)
         if hit is not None:
             return hit
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
-                                backend, allow_tf32, deterministic, tile, rpb)
-    named = [("q", q), ("k", k), ("v", v), ("rpb", rpb)]
+                                backend, allow_tf32, deterministic, tile, rpb,
+                                additional_keys, additional_values)
+    named = [("q", q), ("k", k), ("v", v), ("rpb", rpb), ("additional_keys", additional_keys),
+             ("additional_values", additional_values)]
     be = select_backend("fused_forward", problem, array_module(named), backend)
     ins = Inputs.gather(named)
     xp = ins.xp
     with ins.on_device():
-        qa, ka, va, ra = ins.arrays
+        qa, ka, va, ra, xka, xva = ins.arrays
         out = _empty(xp, tuple(qa.shape[:-1]) + (va.shape[-1],), qa.dtype)  # v's head dim
         lse = _empty(xp, qa.shape[:-1], accumulator_dtype(qa.dtype))
-        run_fused_forward(problem, be, qa, ka, va, out, lse, ra)
+        run_fused_forward(problem, be, qa, ka, va, out, lse, ra,
+                          None if xka is None else (xka, xva))
     if return_lse:
         return ins.give_back(out), ins.give_back(lse)
     return ins.give_back(out)
@@ -133,8 +163,10 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
 
 def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dilation=1,
                    is_causal=False, scale=None, backend="auto", allow_tf32=False,
-                   deterministic=False, tile=None, rpb=None):
-    if rpb is None:
+                   deterministic=False, tile=None, rpb=None, additional_keys=None,
+                   additional_values=None):
+    plain = rpb is None and additional_keys is None and additional_values is None
+    if plain:
         hit = _fast.fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                    dilation, is_causal, scale, backend, allow_tf32,
                                    deterministic, tile)
@@ -142,19 +174,25 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
             return hit
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                          dilation, is_causal, scale, backend, allow_tf32,
-                                         deterministic, tile, rpb)
+                                         deterministic, tile, rpb, additional_keys,
+                                         additional_values)
     named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-             ("rpb", rpb)]
+             ("rpb", rpb), ("additional_keys", additional_keys),
+             ("additional_values", additional_values)]
     be = select_backend("fused_backward", problem, array_module(named), backend)
     ins = Inputs.gather(named)
     xp = ins.xp
     with ins.on_device():
-        do_a, qa, ka, va, oa, la, ra = ins.arrays
+        do_a, qa, ka, va, oa, la, ra, xka, xva = ins.arrays
         grads = [_empty(xp, x.shape, qa.dtype) for x in (qa, ka, va)]  # dk, dv: H_kv heads
-        if ra is not None:
-            grads.append(_empty(xp, ra.shape, ra.dtype))
-        run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads[:3], ra,
-                           grads[3] if ra is not None else None)
+        d_rpb = None if ra is None else _empty(xp, ra.shape, ra.dtype)
+        extra = d_extra = None
+        if xka is not None:
+            extra = (xka, xva)
+            d_extra = (_empty(xp, xka.shape, qa.dtype), _empty(xp, xva.shape, qa.dtype))
+        run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads, ra, d_rpb, extra,
+                           d_extra)
+        grads += [g for g in (d_rpb,) if g is not None] + list(d_extra or ())
     return tuple(ins.give_back(g) for g in grads)
 
 

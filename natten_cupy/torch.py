@@ -23,7 +23,7 @@ from torch import nn
 
 from . import _AXES, _args
 from ._torch_ops import (AV, QK, FusedNA, _av, _check_tensors, _forward_entry, _fused_forward,
-                         _fused_forward_rpb, _qk, _unfused_entry, per_axis, tile_text)
+                         _fused_forward_ext, _qk, _unfused_entry, per_axis, tile_text)
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",
@@ -77,52 +77,16 @@ def merge_attentions(outputs, lse_tensors):
     return out.to(first.dtype), lse
 
 
-def _additional_attention(q, keys, values, scale):
-    """(out, lse) of every query attending to the same T extra tokens ``[B, T, H_kv, D]``
-    (dense, in torch ops; chunked over the queries to bound the score memory). H_kv divides
-    q's H (grouped-query attention: query head h reads extra head h // (H / H_kv))."""
-    for name, x in (("additional_keys", keys), ("additional_values", values)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
-        if (x.ndim != 4 or x.shape[0] != q.shape[0]
-                or (x.shape[2] == 0 and q.shape[-2]) or (x.shape[2] and q.shape[-2] % x.shape[2])):
-            raise ValueError(f"{name} must be [B, T, H_kv, D] with q's batch {q.shape[0]} and "
-                             f"H_kv dividing q's heads {q.shape[-2]}, got shape "
-                             f"{tuple(x.shape)}")
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} is {x.dtype} on {x.device}; q is {q.dtype} on {q.device}")
-    if keys.shape[:3] != values.shape[:3] or keys.shape[3] != q.shape[-1]:
-        raise ValueError(f"additional_keys {tuple(keys.shape)} and additional_values "
-                         f"{tuple(values.shape)} must agree on [B, T, H], and the keys' head "
-                         f"dim must be q's ({q.shape[-1]})")
-    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
-    if keys.shape[2] and keys.shape[2] != H:   # GQA: each extra head serves its query group
-        keys, values = (x.repeat_interleave(H // keys.shape[2], dim=2) for x in (keys, values))
-    s = D ** -0.5 if scale is None else float(scale)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    flat = q.reshape(B, -1, H, D)
-    chunk = max(1, (1 << 26) // max(1, H * keys.shape[1]))
-    outs, lses = [], []
-    for i in range(0, flat.shape[1], chunk):
-        scores = torch.einsum("bnhd,bthd->bnht", flat[:, i:i + chunk], keys).to(acc) * s
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).to(values.dtype)
-        outs.append(torch.einsum("bnht,bthd->bnhd", probs, values))
-        lses.append(lse)
-    out = torch.cat(outs, 1).reshape(q.shape[:-1] + (values.shape[-1],))
-    return out, torch.cat(lses, 1).reshape(q.shape[:-1])
-
-
 # ---- public functions ---------------------------------------------------------------------
 
 def _na(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-        deterministic, lse_grad=False, tile=None, rpb=None):
+        deterministic, lse_grad=False, tile=None, rpb=None, keys=None, values=None):
     """(out, lse) with autograd through out, and through lse where ``lse_grad`` (eager calls
     always carry it: an unused lse costs nothing there); ``rpb``: a relative positional
-    bias, with its gradient."""
-    if rpb is not None:
+    bias, ``keys``/``values``: additional tokens, with their gradients."""
+    if rpb is not None or keys is not None or values is not None:
         ks, st, dl, ca = per_axis(rank, kernel_size, dilation, is_causal, stride)
-        return _fused_forward_rpb(q, k, v, rpb, ks, st, dl, ca,
+        return _fused_forward_ext(q, k, v, rpb, keys, values, ks, st, dl, ca,
                                   None if scale is None else float(scale), backend,
                                   bool(allow_tf32), bool(deterministic), bool(lse_grad),
                                   tile_text(tile))
@@ -153,16 +117,9 @@ def na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fal
     stride = 1 if stride is None else stride
     dilation = 1 if dilation is None else dilation
     is_causal = False if is_causal is None else is_causal
-    extra = additional_keys is not None or additional_values is not None
     out, lse = _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-                   _backend(backend), allow_tf32, deterministic, return_lse or extra, tile, rpb)
-    if extra:
-        if additional_keys is None or additional_values is None:
-            raise ValueError("additional_keys and additional_values must be given together, "
-                             f"got {type(additional_keys).__name__} and "
-                             f"{type(additional_values).__name__}")
-        extra = _additional_attention(query, additional_keys, additional_values, scale)
-        out, lse = merge_attentions([out, extra[0]], [lse, extra[1]])
+                   _backend(backend), allow_tf32, deterministic, return_lse, tile, rpb,
+                   additional_keys, additional_values)
     return (out, lse) if return_lse else out
 
 
@@ -199,7 +156,7 @@ _NA_DOC = """{n}-D fused neighborhood attention with autograd (NATTEN's calling 
     query, key, value: torch tensors ``[B, {axes}, H, D]`` (any strides, CPU or CUDA).
     kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or per-axis tuple
     (``None`` means the default: 1, 1, False); scale defaults to ``D ** -0.5``.
-    additional_keys, additional_values: ``[B, T, H, D]`` tokens that every query attends
+    additional_keys, additional_values: ``[B, T, H_x, D]`` tokens (H_x dividing H) that every query attends
     besides its neighborhood (one softmax over both). ``return_lse=True`` also returns lse
     ``[B, {axes}, H]`` (float32, natural log); gradients flow to every tensor from out and
     from lse. ``backend``: None or "auto" (NATTEN's backend names also mean auto), reference

@@ -32,15 +32,16 @@ from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, accumulator
 from natten_cupy.backends import get_backend
 
 BACKENDS = ("naive", "tiled", "fused")
-KINDS = ("fused", "fused_rpb", "qk", "qk_rpb", "av", "qk_backward", "qk_backward_rpb",
-         "av_backward")
+KINDS = ("fused", "fused_rpb", "fused_extra", "qk", "qk_rpb", "av", "qk_backward",
+         "qk_backward_rpb", "av_backward")
+STRIDED = ("fused", "fused_extra")   # kinds that take a stride (rpb and unfused ops: 1)
 DTYPES = {"float64": FLOAT64, "float32": FLOAT32, "float16": FLOAT16, "bfloat16": BFLOAT16}
 
 # Absolute floor per dtype, relative to the largest true value (or 1). float64 kernels carry
 # a float64 softmax scale and accumulate in float64: they agree with the reference to ~1e-15.
 FLOORS = {"float64": 1e-12, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 FACTOR = {"forward": 2.0, "gradient": 3.0}
-GRADIENTS = ("dq", "dk", "dv", "d_rpb", "d_attn")
+GRADIENTS = ("dq", "dk", "dv", "d_rpb", "d_attn", "d_xk", "d_xv")
 
 QUICK = bool(os.environ.get("NATTEN_CUPY_GPU_QUICK"))
 
@@ -83,6 +84,9 @@ class Case:
     tf32: bool = False
     kv_heads: int | None = None   # heads of k, v (grouped-query attention); None: heads
     v_dim: int | None = None      # head dim of v, out (fused cases); None: head_dim
+    # fused_extra: additional tokens xk, xv [B, T, H_x, D] every query attends to
+    extra_tokens: int = 5
+    extra_heads: int | None = None   # None: heads
 
     @property
     def id(self):
@@ -94,6 +98,7 @@ class Case:
                 f"-B{self.batch}H{self.heads}"
                 f"{'' if self.kv_heads is None else f'kv{self.kv_heads}'}"
                 f"{'' if self.v_dim is None else f'-Dv{self.v_dim}'}"
+                f"{f'-T{self.extra_tokens}x{self.h_x}' if self.extra else ''}"
                 f"{'-perm' if self.permuted else ''}")
 
     @property
@@ -117,6 +122,14 @@ class Case:
         return self.kind.endswith("_rpb")
 
     @property
+    def extra(self):
+        return self.kind == "fused_extra"
+
+    @property
+    def h_x(self):
+        return self.heads if self.extra_heads is None else self.extra_heads
+
+    @property
     def ops(self):
         """The ops (backends/__init__.OPS names) this case runs."""
         if self.fused:
@@ -135,21 +148,33 @@ def make_cases():
             for di, dtype in enumerate(DTYPES):
                 for j in range(per):
                     spatial, kernel, stride, dilation, causal = geoms[(di * per + j) % len(geoms)]
-                    if kind != "fused":   # unfused ops and rpb: stride 1
+                    if kind not in STRIDED:   # unfused ops and rpb: stride 1
                         stride = (1,) * rank
                     cases.append(Case(kind, rank, dtype, spatial, kernel, stride, dilation,
                                       causal, HEAD_DIMS[n % len(HEAD_DIMS)],
-                                      permuted=n % 3 == 1))
+                                      permuted=n % 3 == 1, **_extra_of(kind, n)))
                     n += 1
             # allow_tf32 on float32: the yardstick is float16 (same mantissa as TF32).
             spatial, kernel, stride, dilation, causal = geoms[rank % len(geoms)]
-            if kind != "fused":
+            if kind not in STRIDED:
                 stride = (1,) * rank
             cases.append(Case(kind, rank, "float32", spatial, kernel, stride, dilation, causal,
-                              32, tf32=True))
+                              32, tf32=True, **_extra_of(kind, rank)))
     if QUICK:
         cases = cases[::4]
     return cases
+
+
+# Additional tokens of the fused_extra cases: counts (one, a partial 16-key step, more than
+# one 64-token dK/dV tile) and extra heads (as many as the queries', or one).
+EXTRA_TOKENS = (1, 7, 40, 70)
+
+
+def _extra_of(kind, n):
+    if kind != "fused_extra":
+        return {}
+    return {"extra_tokens": EXTRA_TOKENS[n % len(EXTRA_TOKENS)],
+            "extra_heads": None if n % 2 else 1}
 
 
 # Grouped-query attention: (query heads, kv heads). 8/2 is GQA, 4/1 MQA, 6/3 two per group.
@@ -167,14 +192,17 @@ def gqa_cases():
             geoms = GEOMETRIES[rank] if kind.startswith("fused") else GEOMETRIES[rank][:4]
             for di, dtype in enumerate(list(DTYPES) + ["float32"]):
                 spatial, kernel, stride, dilation, causal = geoms[(n + di) % len(geoms)]
-                if kind != "fused":
+                if kind not in STRIDED:
                     stride = (1,) * rank
                 heads, kv_heads = GQA_HEADS[n % len(GQA_HEADS)]
                 tf32 = di == len(DTYPES)
+                more = _extra_of(kind, n)
+                if more:   # extra heads: the kv heads' count, or one
+                    more["extra_heads"] = kv_heads if n % 2 else 1
                 cases.append(Case(kind, rank, dtype, spatial, kernel, stride, dilation, causal,
                                   32 if tf32 else HEAD_DIMS[n % len(HEAD_DIMS)], batch=1,
                                   heads=heads, kv_heads=kv_heads, permuted=n % 3 == 1,
-                                  tf32=tf32))
+                                  tf32=tf32, **more))
                 n += 1
     if QUICK:
         cases = cases[::4]
@@ -256,6 +284,9 @@ def make_inputs(case):
         x["attn"] = with_empty_nan(normal(weights, 0.5))
     if case.rpb:
         x["rpb"] = normal((case.heads,) + tuple(2 * k - 1 for k in case.kernel))
+    if case.extra:
+        x["xk"] = normal((case.batch, case.extra_tokens, case.h_x, case.head_dim))
+        x["xv"] = normal((case.batch, case.extra_tokens, case.h_x, case.dv))
     return x
 
 
@@ -281,9 +312,20 @@ def on_device(x, case):
 
 
 def inputs_on_device(x, case):
-    """A case's NumPy inputs on the GPU (rpb as is, the rest as ``on_device`` lays them out)."""
+    """A case's NumPy inputs on the GPU (rpb as is; the additional tokens [B, T, H_x, D] from
+    [B, H_x, T, D] buffers when case.permuted; the rest as ``on_device`` lays them out)."""
     import cupy
-    return {n: on_device(a, case) if n != "rpb" else upload(cupy, a) for n, a in x.items()}
+
+    def place(n, a):
+        if n == "rpb":
+            return upload(cupy, a)
+        if n in ("xk", "xv"):
+            if case.permuted:
+                return upload(cupy, numpy.ascontiguousarray(a.transpose(0, 2, 1, 3))).transpose(
+                    0, 2, 1, 3)
+            return upload(cupy, a)
+        return on_device(a, case)
+    return {n: place(n, a) for n, a in x.items()}
 
 
 def upload(cupy, host):
@@ -324,7 +366,8 @@ def problems(case, x, backend_name="reference"):
     ks, dl, ca = case.kernel, case.dilation, case.causal
     if case.fused:
         fwd = _args.check_fused(r, x["q"], x["k"], x["v"], ks, case.stride, dl, ca, None,
-                                backend_name, rpb=x.get("rpb"), **kw)
+                                backend_name, rpb=x.get("rpb"), additional_keys=x.get("xk"),
+                                additional_values=x.get("xv"), **kw)
         # The backward problem has the forward's geometry; out and lse do not exist yet.
         return {"fused_forward": fwd, "fused_backward": fwd}
     if case.kind.startswith("qk_backward"):
@@ -371,14 +414,20 @@ def run(case, backend, x, xp):
     y = {}
     if case.fused:
         y["out"], y["lse"] = out(of), out(rows, acc)
+        extra = (x["xk"], x["xv"]) if case.extra else None
         ops.run_fused_forward(probs["fused_forward"], backend, x["q"], x["k"], x["v"],
-                              y["out"], y["lse"], x.get("rpb"))
+                              y["out"], y["lse"], x.get("rpb"), extra)
         y["dq"], y["dk"], y["dv"] = out(full), out(kv), out(vf)
         if case.rpb:   # the bias gradient comes back in the bias's dtype
             y["d_rpb"] = xp.full(x["rpb"].shape, numpy.nan, dtype=dt)
+        d_extra = None
+        if case.extra:
+            y["d_xk"] = xp.full(x["xk"].shape, numpy.nan, dtype=dt)
+            y["d_xv"] = xp.full(x["xv"].shape, numpy.nan, dtype=dt)
+            d_extra = (y["d_xk"], y["d_xv"])
         ops.run_fused_backward(probs["fused_backward"], backend, x["d_out"], x["q"], x["k"],
                                x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"],
-                               x.get("rpb"), y.get("d_rpb"))
+                               x.get("rpb"), y.get("d_rpb"), extra, d_extra)
     elif case.kind.startswith("qk_backward"):
         y["dq"], y["dk"] = out(full), out(kv)
         y["d_rpb"] = None

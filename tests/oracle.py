@@ -234,6 +234,63 @@ def fused_backward_rpb(d_out, q, k, v, rpb, kernel, dilation=1, causal=False, sc
             _back(p.transpose(0, 1, 3, 2) @ doh, v.shape), d_rpb.reshape(rpb.shape))
 
 
+def _repeat_heads(x, heads):
+    """float64 [B, N, H_kv, D] (any leading token axes) repeated to ``heads`` heads."""
+    x = numpy.asarray(x, dtype=numpy.float64)
+    return numpy.repeat(x, heads // x.shape[-2], axis=-2)
+
+
+def _sum_heads(g, heads_kv):
+    """[..., H, D] gradients summed over each group of H / heads_kv query heads."""
+    *lead, H, D = g.shape
+    return g.reshape(*lead, heads_kv, H // heads_kv, D).sum(axis=-2)
+
+
+def _with_extra(q, k, v, xk, xv, kernel, stride, dilation, causal):
+    """Keys [B, N + T, H, D] (k's heads and xk's repeated to q's), values, and the mask
+    [N, N + T] of every query's window plus the T extra tokens."""
+    spatial, H = q.shape[1:-2], q.shape[-2]
+    B, N = q.shape[0], math.prod(spatial)
+    flat = lambda x: _repeat_heads(numpy.asarray(x).reshape(B, N, *x.shape[-2:]), H)
+    keys = numpy.concatenate([flat(k), _repeat_heads(xk, H)], axis=1)
+    values = numpy.concatenate([flat(v), _repeat_heads(xv, H)], axis=1)
+    mask = numpy.concatenate([neighborhood_mask(spatial, kernel, stride, dilation, causal),
+                              numpy.ones((N, xk.shape[1]), dtype=bool)], axis=1)
+    return keys, values, mask
+
+
+def fused_forward_extra(q, k, v, xk, xv, kernel, stride=1, dilation=1, causal=False,
+                        scale=None):
+    """(out, lse) in float64 of attention over each query's window and the additional
+    tokens ``xk``, ``xv`` ``[B, T, H_x, D]`` (k, v and the extra heads may be fewer than q's:
+    grouped-query attention)."""
+    keys, values, mask = _with_extra(q, k, v, xk, xv, kernel, stride, dilation, causal)
+    B, N = q.shape[0], mask.shape[0]
+    out, lse = _fused(numpy.asarray(q).reshape(B, N, *q.shape[-2:]), keys, values, mask, scale)
+    return out.reshape(q.shape[:-1] + xv.shape[-1:]), lse.reshape(q.shape[:-1])
+
+
+def fused_backward_extra(d_out, q, k, v, xk, xv, kernel, stride=1, dilation=1, causal=False,
+                         scale=None):
+    """(dq, dk, dv, d_xk, d_xv) in float64 of ``fused_forward_extra``."""
+    keys, values, mask = _with_extra(q, k, v, xk, xv, kernel, stride, dilation, causal)
+    B, N, H, D = q.shape[0], mask.shape[0], q.shape[-2], q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    qh = _bnhd(numpy.asarray(q).reshape(B, N, H, D))
+    doh = _bnhd(numpy.asarray(d_out).reshape(B, N, H, -1))
+    kh, vh = _bnhd(keys), _bnhd(values)
+    p, _ = _softmax(scale * qh @ kh.transpose(0, 1, 3, 2), mask)
+    out = p @ vh
+    ds = p * (doh @ vh.transpose(0, 1, 3, 2) - (doh * out).sum(axis=-1, keepdims=True))
+    dq = _back(scale * ds @ kh, (B, N, H, D)).reshape(q.shape)
+    dkeys = _back(scale * ds.transpose(0, 1, 3, 2) @ qh, keys.shape)
+    dvals = _back(p.transpose(0, 1, 3, 2) @ doh, values.shape)
+    dk = _sum_heads(dkeys[:, :N], k.shape[-2]).reshape(k.shape)
+    dv = _sum_heads(dvals[:, :N], v.shape[-2]).reshape(v.shape)
+    return (dq, dk, dv, _sum_heads(dkeys[:, N:], xk.shape[-2]),
+            _sum_heads(dvals[:, N:], xv.shape[-2]))
+
+
 # ---- unfused ops -----------------------------------------------------------------------
 
 def _dense_from_slots(attn, key, N):

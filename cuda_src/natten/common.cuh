@@ -31,6 +31,12 @@ struct NAParams {
   float scale;        // softmax scale (D ** -0.5 unless given), read by the float kernels
   float pad_;
   double scale_f64;   // the same scale unrounded, read by the double kernels
+  // Additional tokens of the fused ops, attended by every query: extra_tokens of them in
+  // extra_heads heads (query head h reads extra head h / heads_per_extra); xk, xv, dxk, dxv
+  // are [B, T, H_x, D] with strides as (batch, token, 0, 0, head, last). Last, so that the
+  // fields above keep their offsets.
+  i64 extra_tokens, extra_heads, heads_per_extra;
+  i64 xk[6], xv[6], dxk[6], dxv[6];
 };
 
 __device__ __forceinline__ Axis axis_of(const NAParams& p, int a) {

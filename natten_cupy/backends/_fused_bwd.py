@@ -22,11 +22,19 @@ the dQ pass also sums dS per bias-table entry over each CTA's queries: one share
 per warp (the offsets the CTA's queries reach, ``_bias_geometry``), summed in warp order into
 a float32 workspace of one box per CTA; a third launch, ``na_bwd_fused_rpb``, adds the boxes
 of each entry in a fixed order into d_rpb. So d_rpb is reproducible run to run as well.
+
+With additional tokens (``problem.has_extra``: every query also attends to T tokens ``[B,
+T, H_x, D]``) the dQ pass walks them after its window, and ``na_bwd_extra_kv`` computes
+their dK, dV: a CTA owns 64 of them and walks one split of the query tokens (for each query
+head of its extra head), writing float32 partial sums that ``na_bwd_extra_sum`` adds in
+split order (no atomics either). The splits are sized to fill the device about four times
+over (``_extra_splits``).
 Measurements and predictions: ``bench/results/NOTES-fused-bwd.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy
@@ -44,6 +52,7 @@ KV_CHUNK = 64
 Q_CHUNK = 128
 SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
 MAX_GRID_Y = 65535
+EXTRA_MAX_DIM = 128   # additional tokens in the kernels up to this head dim (as the forward)
 
 # (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes. Every tile
 # holds exactly 4 patches of 16 rows (kWarps in na_fused_bwd.cu); all extents are powers of
@@ -117,15 +126,21 @@ def _q_chunk(dp, bias=False):
     return 64 if bias and dp == 128 else min(dp, Q_CHUNK)
 
 
-def _names(ctype, dp, grouped=False, bias=False):
+def _names(ctype, dp, grouped=False, bias=False, extra=False):
     """Kernel names of the dK/dV and dQ passes; ``grouped``: the dK/dV pass that loops over a
     kv head's query heads (grouped-query attention), its own instantiation so that the
     kernels without GQA keep their register budget; ``bias``: with a relative positional
-    bias (and the dQ pass's bias-gradient boxes)."""
-    b = "true" if bias else "false"
-    return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}, "
-            f"{'true' if grouped else 'false'}, {b}>",
-            f"na_bwd_fused_q<{ctype}, {dp}, {_q_chunk(dp, bias)}, {b}>")
+    bias (and the dQ pass's bias-gradient boxes); ``extra``: the dQ pass that also walks the
+    additional tokens."""
+    flag = lambda x: "true" if x else "false"
+    return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}, {flag(grouped)}, "
+            f"{flag(bias)}>",
+            f"na_bwd_fused_q<{ctype}, {dp}, {_q_chunk(dp, bias)}, {flag(bias)}, {flag(extra)}>")
+
+
+def _extra_names(ctype, dp):
+    return (f"na_bwd_extra_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}>",
+            f"na_bwd_extra_sum<{ctype}>")
 
 
 def instantiations():
@@ -136,8 +151,18 @@ def instantiations():
             for dp in D_BUCKETS:
                 out += [(SOURCE, name) for name in _names(ct, dp, bias=bias)]
                 out.append((SOURCE, _names(ct, dp, grouped=True, bias=bias)[0]))
+        for dp in D_BUCKETS[:-1]:   # up to EXTRA_MAX_DIM
+            out.append((SOURCE, _names(ct, dp, extra=True)[1]))
+            out.append((SOURCE, _extra_names(ct, dp)[0]))
+        out.append((SOURCE, _extra_names(ct, 32)[1]))
         out.append((SOURCE, f"na_bwd_fused_rpb<{ct}>"))
     return out
+
+
+def takes_extra(problem):
+    """Whether the kernels take ``problem``'s additional tokens (not with a bias)."""
+    return (not problem.has_rpb and refuse(problem) is None
+            and problem.head_dim <= EXTRA_MAX_DIM)
 
 
 def _axis_table(extent, kernel, stride, dilation, causal):
@@ -239,24 +264,77 @@ def _bias_geometry(problem, tab_off, per_axis):
     return g[()]
 
 
-def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None):
+def _extra_splits(problem, dp, sms):
+    """(splits, query tokens per split) of na_bwd_extra_kv: about four CTAs per SM, at least
+    256 query tokens per split."""
+    n = problem.num_tokens
+    ctas = -(-problem.extra_tokens // (KWARPS * 16)) * (dp // min(dp, KV_CHUNK))
+    ctas *= problem.batch * problem.extra_heads
+    splits = max(1, min(-(-4 * sms // ctas), n // 256, MAX_GRID_Y))
+    rows = -(-n // splits)
+    return -(-n // rows), rows
+
+
+def _extra_calls(problem, dp, p, operands, sms):
+    """na_bwd_extra_kv and na_bwd_extra_sum, and the workspace of their partial sums."""
+    Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART = operands
+    name_kv, name_sum = _extra_names(c_type(problem.dtype), dp)
+    es = numpy.dtype(problem.dtype).itemsize
+    splits, rows = _extra_splits(problem, dp, sms)
+    slab, smem = _slab_rows(rows, dp, es, KWARPS, True)
+    chunks = dp // min(dp, KV_CHUNK)
+    gx = -(-problem.extra_tokens // (KWARPS * 16)) * chunks
+    calls = []
+    bh = problem.batch * problem.extra_heads
+    fn = get_kernel(SOURCE, name_kv)
+    for bh0 in range(0, bh, MAX_GRID_Y):
+        calls.append(KernelCall(
+            fn, (gx, min(MAX_GRID_Y, bh - bh0), splits), (32 * KWARPS, 1, 1),
+            (Q, D_OUT, LSE, DELTA, XK, XV, XPART, p, numpy.int32(rows), numpy.int32(slab),
+             numpy.int32(bh0)),
+            shared_mem=smem, name="na_bwd_extra_kv", backend="fused", tile=(KWARPS * 16,)))
+    plane = problem.batch * problem.extra_tokens * problem.extra_heads * dp
+    calls.append(KernelCall(
+        get_kernel(SOURCE, name_sum), (-(-2 * plane // 256), 1, 1), (256, 1, 1),
+        (XPART, DXK, DXV, p, numpy.int32(splits), numpy.int32(dp)), name="na_bwd_extra_sum",
+        backend="fused"))
+    return calls, ((2 * splits * plane,), numpy.dtype(numpy.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id):
+    import cupy
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
+                  xk=None, xv=None, dxk=None, dxv=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
-    with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
-    workspaces: delta, and with a bias the dQ CTAs' bias-gradient boxes), or None if an
-    operand other than lse, rpb, d_rpb is not ``rows_ready``."""
-    if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
+    with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; with
+    ``problem.has_extra`` (None in rpb's places) then xk, xv, dxk, dxv; then the workspaces:
+    delta, with a bias the dQ CTAs' bias-gradient boxes, with additional tokens the partial
+    sums of their gradients), or None if an operand other than lse, rpb, d_rpb is not
+    ``rows_ready``."""
+    if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv, xk, xv)
+               if x is not None):
         return None
+    import cupy
     ct = c_type(problem.dtype)
     dp = _bucket(problem.head_dim)
-    bias = problem.has_rpb
+    bias, tokens = problem.has_rpb, problem.has_extra
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
-                    delta=delta, rpb=rpb, d_rpb=d_rpb)
+                    delta=delta, rpb=rpb, d_rpb=d_rpb, xk=xk, xv=xv, dxk=dxk, dxv=dxv)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
+    null = numpy.uint64(0)
+    XK = XV = null
     if bias:
         RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
+    elif tokens:
+        RPB, PART = null, null
+        XK, XV, DXK, DXV, DELTA, XPART = map(Operand, range(11, 17))
     else:
-        RPB, DELTA, PART = numpy.uint64(0), Operand(9), numpy.uint64(0)
+        RPB, DELTA, PART = null, Operand(9), null
 
     tile, patch = TILES[problem.rank]
     nwarps = math.prod(t // w for t, w in zip(tile, patch))
@@ -271,13 +349,13 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     geo = [numpy.int32(x) for x in tile + patch + lpatch + tuple(per_axis)]
     tab, tab_off, reach = _geometry(problem, tile)
     bg = _bias_geometry(problem, tab_off, per_axis) if bias else numpy.zeros((), BIAS_GEOM)[()]
-    name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1, bias=bias)
+    name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1, bias=bias, extra=tokens)
     # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
     extra = _bias_smem(problem) if bias else {True: 0, False: 0}
     calls = []
     for name, chunk, owner_is_key, ptrs in (
             (name_q, _q_chunk(dp, bias), False, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, RPB, PART,
-                                               bg)),
+                                               bg, XK, XV)),
             (name_kv, min(dp, KV_CHUNK), True, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, RPB, bg))):
         slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key,
                                 extra[owner_is_key])
@@ -300,8 +378,15 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
             (128, 1, 1), (PART, D_RPB, tab, p, bg), name="na_bwd_fused_rpb", backend="fused"))
         workspaces.append(((problem.batch * problem.heads * int(bg["ctas"]) * int(bg["vol"]),),
                            numpy.dtype(numpy.float32)))
+    if tokens:
+        more, space = _extra_calls(problem, dp, p, (Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART),
+                                   _sm_count(cupy.cuda.Device().id))
+        calls += more
+        workspaces.append(space)
     return Plan(tuple(calls), workspaces=tuple(workspaces))
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None):
-    run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb, d_rpb)
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None, extra=None,
+             d_extra=None):
+    run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb, d_rpb,
+                 extra, d_extra)

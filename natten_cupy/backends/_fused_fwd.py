@@ -71,6 +71,9 @@ SINGLE_BUDGET = 80 * 1024
 STREAM_BUDGET = 80 * 1024
 MAX_HALO = 1 << 22   # warp-halo flat indices are split with float reciprocals (exact below)
 BIAS_TABLE_BUDGET = 32 * 1024   # a bias table [2k-1, ...] of floats, in shared memory
+# Additional tokens in the kernels up to this head dim (at 256 their walk spills; the array
+# math of ``natten_cupy._extra`` takes them there).
+EXTRA_MAX_DIM = 128
 
 
 def _bias_table_bytes(problem):
@@ -84,11 +87,22 @@ def _bucket(head_dim):
     return None
 
 
-def _compiled_for(cfg, rank, dtype, dp, bias=False):
+def _compiled_for(cfg, rank, dtype, dp, bias=False, extra=False):
     """Whether ``cfg`` is among the instantiations for this rank, dtype and head-dim bucket
-    (with a relative positional bias: the default configurations only)."""
+    (with a relative positional bias: the default configurations only; with additional
+    tokens: the default configurations without a bias)."""
+    if extra:
+        return not bias and cfg == DEFAULT[(rank, dp)] and dp <= EXTRA_MAX_DIM
     return (cfg == DEFAULT[(rank, dp)]
             or (not bias and cfg in CONFIGS[rank] and dtype in HALF_TYPES and dp <= 64))
+
+
+def takes_extra(problem):
+    """Whether the kernels attend to ``problem``'s additional tokens themselves (the default
+    tile, no bias); elsewhere they are merged in array math (``natten_cupy._extra``)."""
+    if problem.has_rpb or refuse(problem) is not None or problem.head_dim > EXTRA_MAX_DIM:
+        return False
+    return _config(problem) == DEFAULT[(problem.rank, _bucket(problem.head_dim))]
 
 
 def _config(problem):
@@ -147,11 +161,12 @@ def _halo_max(problem, cfg):
     return tuple(out) + (1,) * (3 - problem.rank)
 
 
-def _name(dtype, rank, dp, cfg, bias=False):
+def _name(dtype, rank, dp, cfg, bias=False, extra=False):
     p, w = cfg.patch, cfg.warps
+    flag = lambda b: "true" if b else "false"
     return (f"na_fwd_fused<{c_type(dtype)}, {rank}, {dp}, {p[0]}, {p[1]}, {p[2]}, "
-            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}, {'true' if cfg.lines else 'false'}, "
-            f"{'true' if bias else 'false'}>")
+            f"{w[0]}, {w[1]}, {w[2]}, {cfg.kb}, {flag(cfg.lines)}, {flag(bias)}, "
+            f"{flag(extra)}>")
 
 
 def instantiations():
@@ -161,8 +176,9 @@ def instantiations():
             for cfg in cfgs + tuple(DEFAULT[(rank, dp)] for dp in BUCKETS):
                 for dp in BUCKETS:
                     for bias in (False, True):
-                        if _compiled_for(cfg, rank, dtype, dp, bias):
-                            out.append((SOURCE, _name(dtype, rank, dp, cfg, bias)))
+                        for extra in (False, True):
+                            if _compiled_for(cfg, rank, dtype, dp, bias, extra):
+                                out.append((SOURCE, _name(dtype, rank, dp, cfg, bias, extra)))
     return sorted(set(out))
 
 
@@ -188,6 +204,10 @@ def _tiling(problem):
     halo = math.prod(hmax)
     if q_bytes + halo * row_bytes <= SINGLE_BUDGET:
         chunk, stages = halo, 1
+        if problem.has_extra and halo < problem.extra_tokens:
+            # Room for the additional tokens in as few chunks as the budget allows.
+            fit = (SINGLE_BUDGET - q_bytes) // row_bytes // 16 * 16
+            chunk = max(halo, min(-(-problem.extra_tokens // 16) * 16, fit))
     else:
         # Whole iterations per chunk where they fit, else 16-key multiples (wide TF32 rows);
         # the line walk (2-D, 3-D) cuts chunks at halo lines, so at least one line.
@@ -201,8 +221,8 @@ def _tiling(problem):
     for a in range(problem.rank):
         glen = -(-problem.spatial[a] // problem.dilation[a])
         ctas *= problem.dilation[a] * -(-glen // cfg.box[a])
-    return Tiling(_name(problem.dtype, problem.rank, dp, cfg, problem.has_rpb), cfg, chunk, stages,
-                  q_bytes + stages * chunk * row_bytes, ctas)
+    name = _name(problem.dtype, problem.rank, dp, cfg, problem.has_rpb, problem.has_extra)
+    return Tiling(name, cfg, chunk, stages, q_bytes + stages * chunk * row_bytes, ctas)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,12 +231,13 @@ def _smem_limit(device_id):
     return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-def plan_forward(problem, q, k, v, out, lse, rpb=None):
+def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     """The Plan of one forward on the current device for operand layouts (q, k, v, out, lse
-    [, rpb: with ``problem.has_rpb``, read element by element at any strides]), or None if
-    one of q, k, v, out cannot be read as it is (``rows_ready``)."""
+    [, rpb: with ``problem.has_rpb``, read element by element at any strides] [, xk, xv:
+    the additional tokens, with ``problem.has_extra``]), or None if one of q, k, v, out, xk,
+    xv cannot be read as it is (``rows_ready``)."""
     import cupy
-    if not all(rows_ready(x) for x in (q, k, v, out)):
+    if not all(rows_ready(x) for x in (q, k, v, out, xk, xv) if x is not None):
         return None
     t = _tiling(problem)
     limit = _smem_limit(cupy.cuda.Device().id)
@@ -226,16 +247,18 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None):
     if t.ctas >= 2 ** 31 or problem.batch > 65535:
         raise ValueError(f"problem too large for one fused-forward launch ({t.ctas} CTAs, "
                          f"batch {problem.batch})")
-    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb)
-    bias = Operand(5) if problem.has_rpb else numpy.uint64(0)   # a null pointer without
+    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb, xk=xk, xv=xv)
+    null = numpy.uint64(0)
+    bias = Operand(5) if problem.has_rpb else null
+    extra = (Operand(6), Operand(7)) if problem.has_extra else (null, null)
     call = KernelCall(get_kernel(SOURCE, t.name), (t.ctas, 1, problem.batch),
                       (32 * t.cfg.num_warps, 1, 1),
-                      (*map(Operand, range(5)), bias, params, numpy.int32(t.chunk),
+                      (*map(Operand, range(5)), bias, *extra, params, numpy.int32(t.chunk),
                        numpy.int32(t.stages)),
                       shared_mem=t.smem, name="na_fwd_fused", backend="fused",
                       tile=t.cfg.box[:problem.rank])
     return Plan((call,))
 
 
-def forward(problem, q, k, v, out, lse, rpb=None):
-    run_forward(plan_forward, problem, q, k, v, out, lse, rpb)
+def forward(problem, q, k, v, out, lse, rpb=None, extra=None):
+    run_forward(plan_forward, problem, q, k, v, out, lse, rpb, extra)

@@ -58,7 +58,7 @@ def _hopper_serves(problem, name="_fused_hopper"):
     a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
     and the part accepts the problem on this device."""
     if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32
-            or problem.has_rpb):   # the Hopper parts have no bias
+            or problem.has_rpb or problem.has_extra):   # nor bias nor additional tokens there
         return False
     part = _part(name)
     return part is not None and part.refuse(problem) is None
@@ -135,20 +135,34 @@ def tuned(op, problem):
     return None if box is None else dataclasses.replace(problem, tile=box)
 
 
-def fused_forward(problem, q, k, v, out, lse, rpb=None):
-    bias = {} if rpb is None else {"rpb": rpb}
+def runs_extra(op, problem):
+    """Whether the kernels attend to the additional tokens themselves: the mma.sync parts
+    with their default tile and no bias (``ops`` merges them in array math elsewhere)."""
+    if problem.tile is not None or _exact_fp32(problem):
+        return False
+    part = _part(_MMA_PART[op])
+    return part is not None and part.takes_extra(problem)
+
+
+def fused_forward(problem, q, k, v, out, lse, rpb=None, extra=None):
+    kw = {} if rpb is None else {"rpb": rpb}
+    if extra is not None:
+        kw["extra"] = extra
 
     def run(p):
-        _part(_parts_for("fused_forward", p)).forward(p, q, k, v, out, lse, **bias)
+        _part(_parts_for("fused_forward", p)).forward(p, q, k, v, out, lse, **kw)
     run(_tuned("fused_forward", problem, run))
 
 
-def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None):
-    bias = {} if rpb is None else {"rpb": rpb, "d_rpb": d_rpb}
+def fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None,
+                   extra=None, d_extra=None):
+    kw = {} if rpb is None else {"rpb": rpb, "d_rpb": d_rpb}
+    if extra is not None:
+        kw.update(extra=extra, d_extra=d_extra)
 
     def run(p):
         _part(_parts_for("fused_backward", p)).backward(p, q, k, v, out, lse, d_out, dq, dk, dv,
-                                                        **bias)
+                                                        **kw)
     run(_tuned("fused_backward", problem, run))
 
 

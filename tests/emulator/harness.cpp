@@ -92,7 +92,8 @@ extern "C" int emu_params_layout(long long* out) {
   EMU_FIELD(q) EMU_FIELD(k) EMU_FIELD(v) EMU_FIELD(o) EMU_FIELD(d_o) EMU_FIELD(dq)
   EMU_FIELD(dk) EMU_FIELD(dv) EMU_FIELD(lse) EMU_FIELD(delta) EMU_FIELD(attn)
   EMU_FIELD(d_attn) EMU_FIELD(rpb) EMU_FIELD(d_rpb) EMU_FIELD(scale) EMU_FIELD(pad_)
-  EMU_FIELD(scale_f64)
+  EMU_FIELD(scale_f64) EMU_FIELD(extra_tokens) EMU_FIELD(extra_heads)
+  EMU_FIELD(heads_per_extra) EMU_FIELD(xk) EMU_FIELD(xv) EMU_FIELD(dxk) EMU_FIELD(dxv)
 #undef EMU_FIELD
   out[n++] = (long long)sizeof(NAParams);
   return n;

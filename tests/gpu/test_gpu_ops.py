@@ -300,7 +300,8 @@ def test_naive_launch_plan(monkeypatch):
     monkeypatch.setattr(naive, "launch", lambda fn, grid, block, args, **kw:
                         launched.append((fn, grid, block, args, kw)))
     for kind in gpu_cases.KINDS:
-        case = Case(kind, 2, "float16", (9, 11), (5, 4), (2, 1) if kind == "fused" else (1, 1),
+        case = Case(kind, 2, "float16", (9, 11), (5, 4),
+                    (2, 1) if kind in gpu_cases.STRIDED else (1, 1),
                     (1, 2), (True, False), 40, permuted=True)
         x = {n: _numpy_permuted(a, case) for n, a in gpu_cases.make_inputs(case).items()}
         monkeypatch.setattr(gpu_cases, "poisoned", lambda xp, shape, dtype, c:
@@ -310,6 +311,8 @@ def test_naive_launch_plan(monkeypatch):
         names = [fn.split("<")[0] for fn, *_ in launched]
         want = {"fused": ["na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive",
                           "na_bwd_dkdv_naive"],
+                "fused_extra": ["na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive",
+                                "na_bwd_dkdv_naive"],
                 "fused_rpb": ["na_fwd_naive", "na_bwd_delta_naive", "na_bwd_dq_naive",
                               "na_bwd_dkdv_naive", "na_bwd_rpb_naive"],
                 "qk": ["na_qk_naive"], "qk_rpb": ["na_qk_naive"], "av": ["na_av_naive"],

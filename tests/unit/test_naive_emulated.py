@@ -24,7 +24,7 @@ import pytest
 
 import emulator
 import gpu_cases
-from natten_cupy._params import PARAMS_DTYPE, TENSOR_FIELDS
+from natten_cupy._params import EXTRA_FIELDS, PARAMS_DTYPE, TENSOR_FIELDS
 from natten_cupy.backends import naive
 
 GUARD = 48  # NaN elements before and after every array the kernels see
@@ -156,7 +156,7 @@ def test_params_layout_matches(emu):
     offsets, size = emu.params_layout()
     names = ["extent", "kernel", "stride", "dilation", "causal", "batch", "heads", "head_dim",
              "num_neighbors", "kv_heads", "heads_per_kv", "v_dim", *TENSOR_FIELDS, "scale", "pad_",
-             "scale_f64"]
+             "scale_f64", "extra_tokens", "extra_heads", "heads_per_extra", *EXTRA_FIELDS]
     assert list(PARAMS_DTYPE.names) == names
     assert offsets == [PARAMS_DTYPE.fields[n][1] for n in names]
     assert size == PARAMS_DTYPE.itemsize

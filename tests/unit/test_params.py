@@ -34,11 +34,31 @@ def test_scale_travels_as_float32_and_float64():
 
 
 def test_layout_of_the_scale_fields():
-    """The float64 scale follows the float32 pair, 8-byte aligned (C layout of NAParams)."""
+    """The float64 scale follows the float32 pair, 8-byte aligned, and the additional
+    tokens' fields come after it (C layout of NAParams)."""
     fields = PARAMS_DTYPE.fields
-    assert PARAMS_DTYPE.names[-3:] == ("scale", "pad_", "scale_f64")
+    names = PARAMS_DTYPE.names
+    at = names.index("scale")
+    assert names[at:at + 3] == ("scale", "pad_", "scale_f64")
+    assert names[at + 3:] == ("extra_tokens", "extra_heads", "heads_per_extra", "xk", "xv",
+                              "dxk", "dxv")
     assert fields["pad_"][1] == fields["scale"][1] + 4
     assert fields["scale_f64"][1] == fields["pad_"][1] + 4
     assert fields["scale_f64"][1] % 8 == 0
-    assert PARAMS_DTYPE.itemsize == fields["scale_f64"][1] + 8
+    assert fields["extra_tokens"][1] == fields["scale_f64"][1] + 8
+    assert PARAMS_DTYPE.itemsize == fields["dxv"][1] + 48
     assert PARAMS_DTYPE.alignment == 8
+
+
+def test_params_of_additional_tokens():
+    """[B, T, H_x, D] strides land as (batch, token, 0, 0, head, last); counts as given."""
+    q = numpy.zeros((2, 9, 4, 8), dtype=numpy.float32)
+    xk = numpy.zeros((2, 5, 2, 8), dtype=numpy.float32)[:, :, :, :]
+    xv = numpy.zeros((2, 2, 5, 8), dtype=numpy.float32).transpose(0, 2, 1, 3)
+    p = _args.check_fused(1, q, q, q, 3, 1, 1, False, None, "auto", additional_keys=xk,
+                          additional_values=xv)
+    assert (p.extra_tokens, p.extra_heads, p.heads_per_extra) == (5, 2, 2)
+    params = make_params(p, q=q, xk=xk, xv=xv)
+    assert list(params["xk"]) == [80, 16, 0, 0, 8, 1]
+    assert list(params["xv"]) == [80, 8, 0, 0, 40, 1]
+    assert (params["extra_tokens"], params["extra_heads"], params["heads_per_extra"]) == (5, 2, 2)

@@ -170,9 +170,9 @@ def test_kernel_instantiations_with_a_bias_are_listed():
     from natten_cupy.backends import _fused_bwd, _fused_fwd
     fwd = {n for _, n in _fused_fwd.instantiations()}
     bwd = {n for _, n in _fused_bwd.instantiations()}
-    assert sum(n.endswith(", true>") for n in fwd) == 3 * 3 * 4   # dtype x rank x head dim
+    assert sum(n.endswith(", true, false>") for n in fwd) == 3 * 3 * 4   # dtype x rank x dim
     assert "na_bwd_fused_rpb<__half>" in bwd
-    assert "na_bwd_fused_q<__nv_bfloat16, 64, 64, true>" in bwd
+    assert "na_bwd_fused_q<__nv_bfloat16, 64, 64, true, false>" in bwd
     assert "na_bwd_fused_kv<float, 128, 64, true, true>" in bwd
 
 
@@ -203,15 +203,15 @@ def test_torch_matches_the_oracle_and_opcheck():
                       for _ in range(4))
     rpb = torch.randn(3, 5, 3, generator=gen, dtype=torch.float64)
     args = ([3, 2], [1, 1], [1, 2], [True, False], None, "auto", False, False)
-    out, lse = torch.ops.natten_cupy.na_fused_forward_rpb(q, k, v, rpb, *args)
+    out, lse = torch.ops.natten_cupy.na_fused_forward_ext(q, k, v, rpb, None, None, *args)
     want, want_lse = oracle.fused_forward_rpb(q.numpy(), k.numpy(), v.numpy(), rpb.numpy(),
                                               (3, 2), (1, 2), (True, False))
     numpy.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
     numpy.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-12)
-    torch.library.opcheck(torch.ops.natten_cupy.na_fused_forward_rpb.default,
-                          (q, k, v, rpb, *args))
-    torch.library.opcheck(torch.ops.natten_cupy.na_fused_backward_rpb.default,
-                          (d_out, q, k, v, out, lse, rpb, *args))
+    torch.library.opcheck(torch.ops.natten_cupy.na_fused_forward_ext.default,
+                          (q, k, v, rpb, None, None, *args))
+    torch.library.opcheck(torch.ops.natten_cupy.na_fused_backward_ext.default,
+                          (d_out, q, k, v, out, lse, rpb, None, None, *args))
 
 
 def test_torch_compile_fullgraph_with_a_bias():
@@ -245,16 +245,16 @@ def test_module_with_rel_pos_bias_uses_the_fused_op_and_matches_its_chain():
         m.rpb.normal_(0, 0.5)
     x = torch.randn(2, 9, 8, 24, dtype=torch.float64)
     calls = []
-    real = nt._fused_forward_rpb
+    real = nt._fused_forward_ext
 
     def spy(*a):
         calls.append(a)
         return real(*a)
-    nt._fused_forward_rpb = spy
+    nt._fused_forward_ext = spy
     try:
         y = m(x)
     finally:
-        nt._fused_forward_rpb = real
+        nt._fused_forward_ext = real
     assert len(calls) == 1
     q, k, v = m.qkv(x).unflatten(-1, (3, 3, 8)).unbind(-3)
     logits = nt.na2d_qk(q * 8 ** -0.5, k, 3, dilation=2, rpb=m.rpb)

@@ -131,7 +131,7 @@ def test_merge_under_save_on_cpu_and_errors(rng):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     with pytest.raises(ValueError, match="together"):
         nt.na2d(q, k, v, 3, additional_keys=ek)
-    with pytest.raises(ValueError, match="additional_keys must be"):  # 3 heads: no GQA of 2
+    with pytest.raises(ValueError, match="additional_keys has H_x = 3"):  # 3 heads: no GQA of 2
         nt.na2d(q, k, v, 3, additional_keys=torch.cat([ek, ek[:, :, :1]], 2),
                 additional_values=torch.cat([ev, ev[:, :, :1]], 2))
     with pytest.raises(ValueError, match="one lse per output"):
