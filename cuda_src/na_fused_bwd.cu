@@ -16,7 +16,10 @@ namespace {
 
 constexpr int kWarps = 4;  // warps per CTA (the launcher's tiles hold 4 warp patches)
 constexpr int kNB = 32;    // gathered rows per warp step
-constexpr int kTileStride = kNB + 1;  // dS tile row stride (floats): conflict-free columns
+// dS tile row stride (floats): a lane's two adjacent entries go as one 8-byte store, and the
+// 16 lanes of a half-warp (4 rows, 8 bytes apart in a row) then hit 32 distinct banks (row
+// r starts at bank 8 r mod 32); reading a row across the lanes is conflict-free at any stride.
+constexpr int kTileStride = kNB + 8;
 
 // One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
 // queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
@@ -108,7 +111,7 @@ __device__ __forceinline__ void bwd_pass(
   bwd::BiasDesc* bdesc =
       reinterpret_cast<bwd::BiasDesc*>(lse_s + (OwnerIsKey ? 2 * slab_rows : 0));
   float* btab = reinterpret_cast<float*>(bdesc + kWarps * kNB);
-  float* bacc = btab + bg.tvol;                       // kWarps boxes + 32 spare words each
+  float* bacc = btab + (bg.tvol + 1) / 2 * 2;         // kWarps boxes + 32 spare words each
   float* dstile = bacc + kWarps * (bg.vol + 32);      // kWarps x 16 x kTileStride
   int* own_as = reinterpret_cast<int*>(dstile + kWarps * 16 * kTileStride);  // kWarps x 16
 
@@ -300,9 +303,55 @@ __device__ __forceinline__ void bwd_pass(
   const unsigned gat_shift = slab_rows * RB;    // gat_s1 - gat_s0
   bwd::RowDesc* wdesc = desc + warp * kNB;
 
-  // The warp's steps over `count` gathered rows of the staged slab, kNB at a time;
-  // describe(t, d) fills the descriptor of row t (its slab row and which owner rows attend).
-  auto steps = [&](int count, auto&& describe) {
+  // The warp's share of a staged slab: its reach intersected with the slab box (origin lo,
+  // extents k1 k2 on the inner axes, as row-major counts) inside the slab (origin s, inner
+  // extents m1 m2); or (extra) rows of additional tokens, row t at slab row t, seen by every
+  // owner.
+  struct Share {
+    int lo0, lo1, lo2, k2, s0, s1, s2, m1, m2;
+    bwd::FastDiv by_k12, by_k2;
+    bool extra;
+  };
+  // Lane's descriptor of gathered row t of the share: its slab row, and which owner rows
+  // attend (its interval per axis: the query's window when owners are keys, the key's
+  // inverse range when owners are queries; owner rows inside it on every axis attend).
+  auto describe = [&](int t, const Share& sh, bwd::RowDesc& d) {
+    if (EXTRA && sh.extra) {
+      d.row = t;
+      d.mask = 0xffffu;
+      return;
+    }
+    const int c0 = sh.by_k12.div(t), rem = t - c0 * sh.by_k12.m, c1 = sh.by_k2.div(rem);
+    const int c[3] = {sh.lo0 + c0, sh.lo1 + c1, sh.lo2 + rem - c1 * sh.k2};
+    d.row = ((c[0] - sh.s0) * sh.m1 + (c[1] - sh.s1)) * sh.m2 + (c[2] - sh.s2);
+    d.mask = 0xffffu;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      const int4 e = ax[a].at(tab, c[a]);
+      d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
+                               patch[a], inner[a], rep[a]);
+    }
+    if (OwnerIsKey) {
+      d.l2 = lse_s[d.row] * bwd::kLog2e;
+      d.dl = dlt_s[d.row];
+    }
+    if constexpr (BIAS) {
+      bwd::BiasDesc bd{0, 0};
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        if (OwnerIsKey) {
+          bd.t -= (c[a] - (int)p.kernel[a] + 1) * rs(a);
+        } else {
+          bd.t += c[a] * rs(a);
+          bd.a += c[a] * bg.bst[a];
+        }
+      }
+      wbdesc[lane] = bd;
+    }
+  };
+
+  // The warp's steps over the `count` gathered rows of its share, kNB at a time.
+  auto steps = [&](int count, const Share& sh) {
 #pragma unroll 1
     for (int base = 0; base < count; base += kNB) {
       {
@@ -310,7 +359,7 @@ __device__ __forceinline__ void bwd_pass(
         d.row = 0;
         d.mask = 0u;
         d.l2 = d.dl = 0.f;
-        if (base + lane < count) describe(base + lane, d);
+        if (base + lane < count) describe(base + lane, sh, d);
         wdesc[lane] = d;
       }
       __syncwarp();
@@ -339,9 +388,16 @@ __device__ __forceinline__ void bwd_pass(
             const float pv = on ? fast_exp2(x - l2) : 0.f;
             s[nt][e] = pv;
             dp[nt][e] = pv * (dp[nt][e] - dl);
-            if (BIAS && !OwnerIsKey) wtl[hh * 8 * kTileStride + nt * 8 + c] = dp[nt][e];
           }
         }
+      if constexpr (BIAS && !OwnerIsKey) {   // this lane's dS entries, two per store
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(wtl + hh * 8 * kTileStride + nt * 8) =
+                make_float2(dp[nt][hh * 2], dp[nt][hh * 2 + 1]);
+      }
       St::template ab<DC>(acc0, dp, r0, RB);
       if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
       if constexpr (BIAS && !OwnerIsKey) {
@@ -432,41 +488,8 @@ __device__ __forceinline__ void bwd_pass(
       const int lo0 = max(wlo[0], s0), lo1 = max(wlo[1], s1), lo2 = max(wlo[2], s2);
       const int k0 = max(min(whi[0], e0) - lo0, 0), k1 = max(min(whi[1], e1) - lo1, 0),
                 k2 = max(min(whi[2], e2) - lo2, 0);
-      const int count = k0 * k1 * k2;
-      const bwd::FastDiv by_k12(k1 * k2), by_k2(k2);
-      // Lane's descriptor of gathered row t of the warp's share. Its interval per axis: the
-      // query's window (owners are keys) or the key's inverse range (owners are queries);
-      // owner rows inside it on every axis attend.
-      auto describe = [&](int t, bwd::RowDesc& d) {
-        const int c0 = by_k12.div(t), rem = t - c0 * by_k12.m, c1 = by_k2.div(rem);
-        const int c[3] = {lo0 + c0, lo1 + c1, lo2 + rem - c1 * k2};
-        d.row = ((c[0] - s0) * m1 + (c[1] - s1)) * m2 + (c[2] - s2);
-        d.mask = 0xffffu;
-#pragma unroll
-        for (int a = 0; a < 3; ++a) {
-          const int4 e = ax[a].at(tab, c[a]);
-          d.mask &= bwd::axis_rows(OwnerIsKey ? e.x : e.z, OwnerIsKey ? e.y : e.w, wpos[a],
-                                   patch[a], inner[a], rep[a]);
-        }
-        if (OwnerIsKey) {
-          d.l2 = lse_s[d.row] * bwd::kLog2e;
-          d.dl = dlt_s[d.row];
-        }
-        if constexpr (BIAS) {
-          bwd::BiasDesc bd{0, 0};
-#pragma unroll
-          for (int a = 0; a < 3; ++a) {
-            if (OwnerIsKey) {
-              bd.t -= (c[a] - (int)p.kernel[a] + 1) * rs(a);
-            } else {
-              bd.t += c[a] * rs(a);
-              bd.a += c[a] * bg.bst[a];
-            }
-          }
-          wbdesc[lane] = bd;
-        }
-      };
-      steps(count, describe);
+      steps(k0 * k1 * k2, Share{lo0, lo1, lo2, k2, s0, s1, s2, m1, m2, bwd::FastDiv(k1 * k2),
+                                bwd::FastDiv(k2), false});
     }
   }  // gathered heads
 
@@ -495,10 +518,8 @@ __device__ __forceinline__ void bwd_pass(
       tc::cp_async_commit();
       tc::cp_async_wait<0>();
       __syncthreads();
-      steps(live ? rows : 0, [&](int t, bwd::RowDesc& d) {
-        d.row = t;
-        d.mask = 0xffffu;
-      });
+      steps(live ? rows : 0, Share{0, 0, 0, 1, 0, 0, 0, 1, 1, bwd::FastDiv(1), bwd::FastDiv(1),
+                                   true});
     }
   }
 
@@ -559,7 +580,7 @@ struct MinBlocks {
 #endif
   // The dQ pass with a bias also keeps its dS tile's stores in flight: one CTA fewer.
   static constexpr int value = OwnerIsKey ? (Dp <= 32 ? kv32 : 2)
-                                          : (Dp <= 32 ? q32 - Bias : Dp <= 64 ? 3 - Bias : 2);
+                                          : (Dp <= 32 ? q32 - (Bias && sizeof(T) == 4) : Dp <= 64 ? 3 : 2);
 };
 
 }  // namespace

@@ -84,9 +84,10 @@ def _bias_table_dims(problem):
 
 def _bias_smem(problem):
     """Shared memory of the bias parts per pass: {owners are keys: bytes}."""
-    table = 4 * math.prod(_bias_table_dims(problem)) + KWARPS * KNB * 8
-    # dQ pass: per warp a box (+ 32 spare words), a 16 x 33 dS tile and 16 owner-row parts.
-    boxes = KWARPS * 4 * (math.prod(_bias_box(problem)) + 32 + 16 * (KNB + 1) + 16)
+    entries = math.prod(_bias_table_dims(problem))
+    table = 4 * (entries + entries % 2) + KWARPS * KNB * 8   # (the boxes start 8-aligned)
+    # dQ pass: per warp a box (+ 32 spare words), a 16 x 40 dS tile and 16 owner-row parts.
+    boxes = KWARPS * 4 * (math.prod(_bias_box(problem)) + 32 + 16 * (KNB + 8) + 16)
     return {True: table, False: table + boxes}
 
 
@@ -120,10 +121,9 @@ def _bucket(head_dim):
 
 
 def _q_chunk(dp, bias=False):
-    """Columns of dQ per CTA: up to Q_CHUNK; with a bias 64 at head dim 128 (the dS tile's
-    stores cost registers: 92 bytes of spill at 64 columns, 228 at 128; at 256 64 columns
-    spill more than 128, 440 bytes against 228)."""
-    return 64 if bias and dp == 128 else min(dp, Q_CHUNK)
+    """Columns of dQ per CTA: up to Q_CHUNK (with a bias too: its dS tile goes to shared
+    memory in 8-byte stores after the score loop, which keeps the pass free of spills)."""
+    return min(dp, Q_CHUNK)
 
 
 def _names(ctype, dp, grouped=False, bias=False, extra=False):

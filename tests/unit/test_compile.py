@@ -29,14 +29,6 @@ ALLOWED_SPILLS = {
     # 255-register ceiling (2 CTAs an SM) and keeps 24 bytes on the stack (NVRTC 13.5; 40
     # with 13.0.88, the one CUDA torch pins).
     ("na_bwd_fused_kv<float, 256, 64, true, true>", "sm_90"): 40,
-    # The dQ pass with a bias at head dims 128 and 256 (2 CTAs an SM, the 255-register
-    # ceiling): the owner rows' fragments, the dS tile's stores and the bias-table reads.
-    ("na_bwd_fused_q<__half, 128, 64, true, false>", "sm_90"): 92,
-    ("na_bwd_fused_q<__nv_bfloat16, 128, 64, true, false>", "sm_90"): 92,
-    ("na_bwd_fused_q<__half, 256, 128, true, false>", "sm_90"): 228,
-    ("na_bwd_fused_q<__nv_bfloat16, 256, 128, true, false>", "sm_90"): 228,
-    ("na_bwd_fused_q<__half, 256, 128, true, false>", "sm_80"): 256,
-    ("na_bwd_fused_q<__nv_bfloat16, 256, 128, true, false>", "sm_80"): 256,
 }
 # The naive dK/dV kernel reads the bias in its loop over a key's queries; at rank 1 that
 # pushes its 2 x 32 accumulators past the register file (the naive backend is the plain
