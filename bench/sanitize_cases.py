@@ -95,15 +95,15 @@ def tiled_cases():
 
 
 def fused_cases():
-    from natten_cupy.backends import _fused_fwd
+    from natten_cupy.backends.fused import mma_forward
     out = []
     for dt in ("float16", "bfloat16", "tf32"):
         for rank in (1, 2, 3):
             for d in (32, 64, 128, 256):
                 out.append(_case("fused", dt, "fused", GEOMS[rank][d % 3 % 2], d, n=len(out)))
                 if d <= 64 and dt != "tf32":
-                    default = _fused_fwd.DEFAULT[(rank, _fused_fwd._bucket(d))]
-                    for cfg in (c for c in _fused_fwd.CONFIGS[rank] if c != default):
+                    default = mma_forward.DEFAULT[(rank, mma_forward._bucket(d))]
+                    for cfg in (c for c in mma_forward.CONFIGS[rank] if c != default):
                         out.append(_case("fused", dt, "fused", GEOMS[rank][1], d,
                                          tile=list(cfg.box[:rank]), n=len(out)))
             if dt == "float16":

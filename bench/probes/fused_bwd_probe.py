@@ -30,7 +30,7 @@ import workloads as wl  # noqa: E402
 from natten_cupy import _args  # noqa: E402
 from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32, canonical_dtype  # noqa: E402
 from natten_cupy._launch import add_recorder, remove_recorder  # noqa: E402
-from natten_cupy.backends import _fused_bwd  # noqa: E402
+from natten_cupy.backends.fused import mma_backward  # noqa: E402
 from timing import event_ms, sync  # noqa: E402
 
 
@@ -103,7 +103,7 @@ def poisoned(shape, storage):
 
 def run_backward(problem, q, k, v, o, lse, d_o):
     grads = [poisoned(q.shape, q.dtype) for _ in range(3)]
-    _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
+    mma_backward.backward(problem, q, k, v, o, lse, d_o, *grads)
     return grads
 
 
@@ -120,7 +120,7 @@ def check(cfg, rng):
     od = to_dev(out, dt, perm)
     lsed = cupy.asarray(lse.astype(numpy.float32))
     problem = make_problem(rank, shape, ks, st, dl, ca, dt)
-    assert _fused_bwd.refuse(problem) is None, _fused_bwd.refuse(problem)
+    assert mma_backward.refuse(problem) is None, mma_backward.refuse(problem)
     got = run_backward(problem, qd, kd, vd, od, lsed, dod)
     again = run_backward(problem, qd, kd, vd, od, lsed, dod)
     same = all(bool((a == b).all()) for a, b in zip(got, again))
@@ -164,25 +164,25 @@ def bench(wid, dtype, reps=10, fwd=True):
     problem = make_problem(rank, shape, ks, w.stride, w.dilation, w.causal, dt)
     fwd_ms = float("nan")
     try:  # the forward helper's kernel, when present: real out/lse, and its time
-        from natten_cupy.backends import _fused_fwd
-        if fwd and _fused_fwd.refuse(problem) is None:
+        from natten_cupy.backends.fused import mma_forward
+        if fwd and mma_forward.refuse(problem) is None:
             view = (lambda x: x) if numpy.dtype(dt) == FLOAT32 else (lambda x: x.view(dt))
             qv, kv, vv, ov = (view(x) for x in (q, k, v, o))
-            fwd_ms = event_ms(lambda: _fused_fwd.forward(problem, qv, kv, vv, ov, lse),
+            fwd_ms = event_ms(lambda: mma_forward.forward(problem, qv, kv, vv, ov, lse),
                               warmup=1, reps=3)
     except Exception as e:
         first = str(e).strip().splitlines()[:1] or [""]  # one line: tables stay readable
         print(f"  ({name}: forward not timed: {type(e).__name__}: {first[0][:200]})")
     grads = [cupy.empty_like(q) for _ in range(3)]
     t0 = time.perf_counter()
-    _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
+    mma_backward.backward(problem, q, k, v, o, lse, d_o, *grads)
     sync()
     first = time.perf_counter() - t0
-    ms = event_ms(lambda: _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads),
+    ms = event_ms(lambda: mma_backward.backward(problem, q, k, v, o, lse, d_o, *grads),
                   warmup=2, reps=reps)
     rec = Recorder()
     add_recorder(rec)
-    _fused_bwd.backward(problem, q, k, v, o, lse, d_o, *grads)
+    mma_backward.backward(problem, q, k, v, o, lse, d_o, *grads)
     remove_recorder(rec)
     cupy.cuda.runtime.deviceSynchronize()
     split = {n: cupy.cuda.get_elapsed_time(a, b) for n, a, b in rec.events}
@@ -257,8 +257,8 @@ def main(argv=None):
         (2, ((4, 16, 1), (4, 4, 1)), ("W2", "fp16"),
          (2, (37, 21), (9, 5), (1, 2), (1, 2), (False, True), 1, 32, FLOAT16, False)))
     for rank, tiles, spec, cfg in variants:
-        saved = _fused_bwd.TILES[rank]
-        _fused_bwd.TILES[rank] = tiles
+        saved = mma_backward.TILES[rank]
+        mma_backward.TILES[rank] = tiles
         try:
             errs, same = check(cfg, rng)
             name, ms, tf, _, split, finite, _ = bench(*spec)
@@ -268,7 +268,7 @@ def main(argv=None):
         except Exception as e:
             print(f"  {' '.join(spec)} tile {tiles}: FAILED {type(e).__name__}: {e}")
         finally:
-            _fused_bwd.TILES[rank] = saved
+            mma_backward.TILES[rank] = saved
     print("ALL CORRECT" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -39,7 +39,7 @@ def _peer_ms(wid, dname):
 # (workload, dtype, tile: None for the default, a query box, or a TileConfig to try). Configs
 # with lines=False time the flat walk (before the line walk) side by side.
 def _runs():
-    from natten_cupy.backends._fused_fwd import TileConfig as C
+    from natten_cupy.backends.fused.mma_forward import TileConfig as C
     flat2, flat3 = C((4, 4, 1), (2, 2, 1), 2, False), C((1, 4, 4), (2, 2, 1), 2, False)
     return [
         ("W2", "float16", flat2), ("W2", "float16", None), ("W2", "float16", (16, 8)),
@@ -57,7 +57,7 @@ def _warm_one(expr):
     from natten_cupy._compile import get_kernel
     t = time.perf_counter()
     try:
-        get_kernel("na_fused_fwd.cu", expr)
+        get_kernel("fused/mma_forward.cu", expr)
         return expr, time.perf_counter() - t, None
     except Exception as e:  # report, keep going
         return expr, time.perf_counter() - t, f"{type(e).__name__}: {str(e)[:400]}"
@@ -66,12 +66,12 @@ def _warm_one(expr):
 def warm():
     import multiprocessing as mp
     from natten_cupy._dtypes import canonical_dtype
-    from natten_cupy.backends import _fused_fwd
-    exprs = [e for _, e in _fused_fwd.instantiations()]
+    from natten_cupy.backends.fused import mma_forward
+    exprs = [e for _, e in mma_forward.instantiations()]
     for wid, dname, tile in _runs():
-        if isinstance(tile, _fused_fwd.TileConfig):
+        if isinstance(tile, mma_forward.TileConfig):
             w = wl.WORKLOADS[wid]
-            exprs.append(_fused_fwd._name(canonical_dtype(dname), w.rank, _fused_fwd._bucket(w.dim),
+            exprs.append(mma_forward._name(canonical_dtype(dname), w.rank, mma_forward._bucket(w.dim),
                                           tile))
     t = time.perf_counter()
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 4)) as pool:
@@ -139,7 +139,7 @@ def _finite(cp, x):
 
 def time_all():
     import cupy as cp
-    from natten_cupy.backends import _fused_fwd
+    from natten_cupy.backends.fused import mma_forward
     from natten_cupy import _args
     from natten_cupy.backends import get_backend
     from natten_cupy._dtypes import canonical_dtype
@@ -147,12 +147,12 @@ def time_all():
     rows = []
     for wid, dname, tile in _runs():
         w = wl.WORKLOADS[wid]
-        trial = tile if isinstance(tile, _fused_fwd.TileConfig) else None
+        trial = tile if isinstance(tile, mma_forward.TileConfig) else None
         if trial is not None:  # an untabled config: time it as the default for this shape
             tile = None
-            key = (w.rank, _fused_fwd._bucket(w.dim))
-            saved, _fused_fwd.DEFAULT[key] = _fused_fwd.DEFAULT[key], trial
-        _fused_fwd._tiling.cache_clear()  # plans are cached per problem, not per DEFAULT
+            key = (w.rank, mma_forward._bucket(w.dim))
+            saved, mma_forward.DEFAULT[key] = mma_forward.DEFAULT[key], trial
+        mma_forward._tiling.cache_clear()  # plans are cached per problem, not per DEFAULT
         dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
         q, k, v = _inputs(cp, w.shape, dtype)
         prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal, None,
@@ -163,7 +163,7 @@ def time_all():
         try:
             if why:
                 raise ValueError(why)
-            kname = _fused_fwd._tiling(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
+            kname = mma_forward._tiling(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
             run = functools.partial(fused.fused_forward, prob, q, k, v, out, lse)
             times = event_times(run, 15, warmup=2)
             ms = statistics.median(times)
@@ -175,10 +175,10 @@ def time_all():
         except Exception as e:
             rows.append((wid, dname, tile, None, f"{type(e).__name__}: {str(e)[:200]}"))
         if trial is not None:
-            _fused_fwd.DEFAULT[key] = saved
+            mma_forward.DEFAULT[key] = saved
             name = f"{trial.patch[:2]}x{trial.warps[:2]}k{trial.kb}{'' if trial.lines else ' flat'}"
             rows[-1] = (rows[-1][0], rows[-1][1], name) + rows[-1][3:]
-            _fused_fwd._tiling.cache_clear()
+            mma_forward._tiling.cache_clear()
         del q, k, v, out, lse
         cp.get_default_memory_pool().free_all_blocks()
     print(f"{'id':<6}{'dtype':<9}{'tile':<30}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
@@ -200,18 +200,19 @@ def split():
     part: CTA prologue, halo load, epilogue; the slope: one 32-key iteration of every warp)."""
     import cupy as cp
     from natten_cupy import _args
-    from natten_cupy.backends import _fused_fwd, get_backend
+    from natten_cupy.backends import get_backend
+    from natten_cupy.backends.fused import mma_forward
     fused = get_backend("fused")
-    C = _fused_fwd.TileConfig
+    C = mma_forward.TileConfig
     w = wl.WORKLOADS["W2"]
     q, k, v = _inputs(cp, w.shape, numpy.dtype(numpy.float16))
     out = cp.empty_like(q)
     lse = cp.empty(q.shape[:-1], cp.float32)
     key = (2, 32)
-    saved = _fused_fwd.DEFAULT[key]
+    saved = mma_forward.DEFAULT[key]
     for cfg in (C((2, 8, 1), (4, 1, 1), 2), C((4, 4, 1), (2, 2, 1), 2, False)):
-        _fused_fwd.DEFAULT[key] = cfg
-        _fused_fwd._tiling.cache_clear()
+        mma_forward.DEFAULT[key] = cfg
+        mma_forward._tiling.cache_clear()
         its, mss = [], []
         for ks in (3, 5, 7, 9, 11, 13):
             prob = _args.check_fused(2, q, k, v, ks, 1, 1, False, None, "fused")
@@ -225,8 +226,8 @@ def split():
                   f"iterations/warp {it:>3}  {ms:7.3f} ms  {prob.flops_forward() / ms / 1e9:6.1f} TFLOP/s")
         slope, fixed = numpy.polyfit(its, mss, 1)
         print(f"  fit: {fixed:.3f} ms fixed + {slope:.3f} ms per iteration")
-    _fused_fwd.DEFAULT[key] = saved
-    _fused_fwd._tiling.cache_clear()
+    mma_forward.DEFAULT[key] = saved
+    mma_forward._tiling.cache_clear()
 
 
 def small():

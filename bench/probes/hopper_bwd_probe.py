@@ -1,4 +1,4 @@
-"""Device probe of the Hopper fused backward (backends/_fused_hopper_bwd.py).
+"""Device probe of the Hopper fused backward (backends/wgmma_backward.py).
 
 One script for one GPU call (H200), in this order, each step logged as it ends:
 
@@ -10,7 +10,7 @@ One script for one GPU call (H200), in this order, each step logged as it ends:
    Hopper part for out and lse, then the Hopper backward on NaN-poisoned gradients, checked
    against the mma.sync fused backward (tested) and, dense, against torch SDPA's gradients;
    then timings (``bench/timing.py``'s CUDA-event medians) of the Hopper backward, the
-   mma.sync fused backward (``_fused_bwd.backward``) and, dense, SDPA's backward
+   mma.sync fused backward (``mma_backward.backward``) and, dense, SDPA's backward
    (``torch.autograd.grad`` on a recorded forward).
 
 Backward FLOPs = 2.5 x the forward's 4 B N H K D (K = prod(kernel_size), nominal for causal
@@ -95,7 +95,7 @@ def _disassembler():
 def sass_all():
     """SASS counts per instantiation (nvcc's cubin: the disassemblers reject NVRTC's)."""
     from natten_cupy._compile import cuda_src_dir
-    from natten_cupy.backends import _fused_hopper_bwd as H
+    from natten_cupy.backends.fused import wgmma_backward as H
     names = [n for _, n in H.instantiations()]
     src = os.path.join(_out(), "hopper_bwd_inst.cu")
     with open(src, "w") as f:
@@ -138,7 +138,7 @@ def sass_all():
 
 def compile_all():
     from natten_cupy._compile import get_kernel
-    from natten_cupy.backends import _fused_hopper_bwd as H
+    from natten_cupy.backends.fused import wgmma_backward as H
     for src, name in H.instantiations():
         t = time.perf_counter()
         try:
@@ -187,7 +187,7 @@ def _workload(w, tname):
     import torch
     import torch.nn.functional as F
     from natten_cupy import _args
-    from natten_cupy.backends import _fused_hopper, _fused_hopper_bwd as H
+    from natten_cupy.backends.fused import wgmma_forward, wgmma_backward as H
     wid, rank, ca, D = w.id, w.rank, w.causal, w.dim
     tdt = getattr(torch, tname)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -196,7 +196,7 @@ def _workload(w, tname):
     cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, d_out))
     prob = _args.check_fused(rank, cq, ck, cv, w.kernel, w.stride, w.dilation, ca, None,
                              "fused")
-    why = H.refuse(prob) or _fused_hopper.refuse(prob)
+    why = H.refuse(prob) or wgmma_forward.refuse(prob)
     if why:
         log(f"{wid} {tname}: refused: {why}")
         return
@@ -204,7 +204,7 @@ def _workload(w, tname):
     flops = w.flops(backward=True)
     out = cupy.empty(cq.shape, cq.dtype)
     lse = cupy.empty(cq.shape[:-1], cupy.float32)
-    _fused_hopper.forward(prob, cq, ck, cv, out, lse)
+    wgmma_forward.forward(prob, cq, ck, cv, out, lse)
     grads = [cupy.full(cq.shape, cupy.nan, cq.dtype) for _ in range(3)]
     t = time.perf_counter()
     H.backward(prob, cq, ck, cv, out, lse, cdo, *grads)
@@ -213,12 +213,12 @@ def _workload(w, tname):
            "nan": [int(cupy.isnan(x).sum()) for x in grads],
            "workspace_bytes": int(math.prod(lse.shape)) * 4}
     # the mma.sync backward part, called directly: fused.py now dispatches to the Hopper one
-    from natten_cupy.backends import _fused_bwd
+    from natten_cupy.backends.fused import mma_backward
     to = torch.from_dlpack
     mma = [cupy.empty_like(cq) for _ in range(3)]
 
     def fn():
-        _fused_bwd.backward(prob, cq, ck, cv, out, lse, cdo, *mma)
+        mma_backward.backward(prob, cq, ck, cv, out, lse, cdo, *mma)
         return mma
     old = [to(x).clone() for x in fn()]
     new = [to(x) for x in grads]
@@ -257,7 +257,7 @@ def _workload(w, tname):
         dot = d_out.transpose(1, 2).contiguous()
         ms = _time(lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True))
         _rec(wid, tname, "torch SDPA bwd", ms, flops)
-    ms = _time(lambda: _fused_hopper.forward(prob, cq, ck, cv, out, lse))
+    ms = _time(lambda: wgmma_forward.forward(prob, cq, ck, cv, out, lse))
     _rec(wid, tname, "hopper fwd (for the ratio)", ms, flops / 2.5)
 
 

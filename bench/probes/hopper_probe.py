@@ -11,7 +11,7 @@
    against torch SDPA;
 3. times (``bench/timing.py``'s CUDA-event medians: 3 warm-ups, median of 20, fresh random
    inputs) of the Hopper kernel (default and alternative tiles), the current fused kernel
-   (_fused_fwd) and torch SDPA on dense problems, FlexAttention on W1 unless --no-flex; ms
+   (mma_forward) and torch SDPA on dense problems, FlexAttention on W1 unless --no-flex; ms
    and TFLOP/s on useful FLOPs 4 B N H K D. Workloads are ``bench/workloads.py``'s
    (``WORKLOADS`` and the probes' ``PROBE_WORKLOADS``). Full results in
    $OUT/hopper_probe.json, SASS in $OUT/.
@@ -62,7 +62,7 @@ def _out():
 
 def compile_all():
     from natten_cupy._compile import get_kernel
-    from natten_cupy.backends import _fused_hopper as H
+    from natten_cupy.backends.fused import wgmma_forward as H
     for src, name in H.instantiations():
         t = time.perf_counter()
         try:
@@ -81,7 +81,7 @@ def sass_all():
     rejected it as an invalid ELF file (seen on the H200 and here)."""
     import shutil
     from natten_cupy._compile import cuda_src_dir
-    from natten_cupy.backends import _fused_hopper as H
+    from natten_cupy.backends.fused import wgmma_forward as H
     names = [n for _, n in H.instantiations()]
     src = os.path.join(_out(), "hopper_inst.cu")
     with open(src, "w") as f:
@@ -138,7 +138,7 @@ def workloads(no_flex):
     import cupy
     import torch
     import torch.nn.functional as F
-    from natten_cupy.backends import _fused_fwd, _fused_hopper as H
+    from natten_cupy.backends.fused import mma_forward, wgmma_forward as H
     for wid, dtypes in RUNS:
         w = wl.probe_workload(wid)
         for dkey in dtypes:
@@ -167,8 +167,8 @@ def workloads(no_flex):
             ours = torch.from_dlpack(out)
             fout = cupy.empty_like(out)
             flse = cupy.empty_like(lse)
-            if _fused_fwd.refuse(prob) is None:
-                _fused_fwd.forward(prob, cq, ck, cv, fout, flse)
+            if mma_forward.refuse(prob) is None:
+                mma_forward.forward(prob, cq, ck, cv, fout, flse)
                 rec["vs_fused"] = float(cupy.abs(out.astype(cupy.float32) - fout).max())
                 rec["lse_vs_fused"] = float(cupy.abs(lse - flse).max())
             if one_d:
@@ -200,9 +200,9 @@ def workloads(no_flex):
                     name = "boxes" if walk else "flat"
                     _rec(wid, tname, f"hopper {_label(H.DEFAULT_ND)} {name}"
                          + (" (default)" if name == chosen else ""), ms, flops)
-            if _fused_fwd.refuse(prob) is None and (tname == "float16" or not one_d
+            if mma_forward.refuse(prob) is None and (tname == "float16" or not one_d
                                                     or wid.startswith("SA")):
-                ms = _time(lambda: _fused_fwd.forward(prob, cq, ck, cv, fout, flse), reps=10)
+                ms = _time(lambda: mma_forward.forward(prob, cq, ck, cv, fout, flse), reps=10)
                 _rec(wid, tname, "fused (mma.sync)", ms, flops)
             if one_d and K == N and not w.causal[0]:
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))

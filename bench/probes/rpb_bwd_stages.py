@@ -34,7 +34,7 @@ import workloads as wl  # noqa: E402
 
 DEFAULT = "M4:bf16,M7:bf16,M1:fp16,W2:fp16"
 
-# (variant, [(text in na_fused_bwd.cu, replacement)]), each adding to the one before.
+# (variant, [(text in fused/mma_backward.cu, replacement)]), each adding to the one before.
 CUTS = {
     "-adds": [("if (col0 == 0) {   // lane: gathered row `lane` of the step, owner rows in order",
                "if (false) {")],
@@ -46,11 +46,11 @@ CUTS = {
 
 def _variant_source(name):
     from natten_cupy import _compile
-    text = _compile._read("na_fused_bwd.cu")
+    text = _compile._read("fused/mma_backward.cu")
     for variant, cuts in CUTS.items():
         for old, new in cuts:
             if text.count(old) != 1:
-                raise RuntimeError(f"probe cut {old!r} not found once in na_fused_bwd.cu")
+                raise RuntimeError(f"probe cut {old!r} not found once in fused/mma_backward.cu")
             text = text.replace(old, new)
         if variant == name:
             return text
@@ -68,7 +68,7 @@ def _compiled(source_text, name):
 def run_workload(wid, dtype, reps):
     import cupy
     import natten_cupy as nc
-    from natten_cupy.backends import _fused_bwd
+    from natten_cupy.backends.fused import mma_backward
     from natten_cupy._dtypes import canonical_dtype
     from rpb_probe import _launches
 
@@ -92,7 +92,7 @@ def run_workload(wid, dtype, reps):
             times.append(sum(ms for n, ms in _launches(call) if n == "na_bwd_fused_q"))
         return statistics.median(times)
 
-    real = _fused_bwd.get_kernel
+    real = mma_backward.get_kernel
     row = dict(workload=wid, dtype=dtype, shape=list(w.shape), kernel=list(w.kernel))
     row["bias"] = q_pass_ms(lambda: bwd(d_out, q, k, v, out, lse, w.kernel, rpb=rpb, **kw))
     for variant in CUTS:
@@ -100,21 +100,21 @@ def run_workload(wid, dtype, reps):
         cache = {}
 
         def patched(source, name, extra_options=()):
-            if source == "na_fused_bwd.cu" and name.startswith("na_bwd_fused_q"):
+            if source == "fused/mma_backward.cu" and name.startswith("na_bwd_fused_q"):
                 if name not in cache:
                     cache[name] = _compiled(text, name)
                 return cache[name]
             return real(source, name, extra_options)
-        _fused_bwd.get_kernel = patched
+        mma_backward.get_kernel = patched
         try:
             row[variant] = q_pass_ms(lambda: bwd(d_out, q, k, v, out, lse, w.kernel, rpb=rpb,
                                                  **kw))
         finally:
-            _fused_bwd.get_kernel = real
+            mma_backward.get_kernel = real
     from natten_cupy import _args
     plain = _args.check_fused(w.rank, q, k, v, w.kernel, 1, w.dilation, w.causal, None, "fused")
     grads = [cupy.empty_like(x) for x in (q, k, v)]
-    row["plain"] = q_pass_ms(lambda: _fused_bwd.backward(plain, q, k, v, out, lse, d_out,
+    row["plain"] = q_pass_ms(lambda: mma_backward.backward(plain, q, k, v, out, lse, d_out,
                                                          *grads))
     return row
 

@@ -85,7 +85,8 @@ def run_workload(wid, dtype, reps):
     import natten_cupy as nc
     from natten_cupy import _args
     from natten_cupy._dtypes import canonical_dtype
-    from natten_cupy.backends import _fused_bwd, _fused_fwd, fused, get_backend
+    from natten_cupy.backends import fused, get_backend
+    from natten_cupy.backends.fused import mma_backward, mma_forward
 
     w = wl.probe_workload(wid) if wid in wl.PROBE_WORKLOADS else wl.model_workload(wid)
     spec = wl.dtype_spec(dtype)
@@ -120,10 +121,10 @@ def run_workload(wid, dtype, reps):
     o_m, l_m = cupy.empty_like(out), cupy.empty_like(lse)
 
     def mma_fwd():   # the mma.sync parts themselves, whatever the dispatch would pick
-        _fused_fwd.forward(problem, q, k, v, o_m, l_m)
+        mma_forward.forward(problem, q, k, v, o_m, l_m)
 
     def mma_bwd():
-        _fused_bwd.backward(problem, q, k, v, out, lse, d_out, *grads)
+        mma_backward.backward(problem, q, k, v, out, lse, d_out, *grads)
 
     t = {}
     t["fwd"] = kernel_ms(lambda: fwd(q, k, v, ks, **kw, return_lse=True), reps)

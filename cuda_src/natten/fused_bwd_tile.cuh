@@ -1,4 +1,4 @@
-// Building blocks of the fused tensor-core backward (na_fused_bwd.cu): per-axis spans of the
+// Building blocks of the fused tensor-core backward (fused/mma_backward.cu): per-axis spans of the
 // rows a tile of owners reaches, gathered-row descriptors, and one warp's 16x32 step.
 // No kernels here. Coordinates are in-group indices of one dilation group.
 #pragma once

@@ -54,18 +54,18 @@ def test_autotune_candidates_include_the_hopper_part(monkeypatch):
     from natten_cupy import _args
     q = numpy.zeros((1, 64, 2, 128), numpy.float16)
     problem = _args.check_fused(1, q, q, q, 9, 1, 1, False, None, "fused", tile="autotune")
-    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="_fused_hopper": True)
+    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="wgmma_forward": True)
     fwd = fused._candidates("fused_forward", problem)
     bwd = fused._candidates("fused_backward", problem)
     assert fwd[-1] == fused.HOPPER and all(isinstance(b, tuple) for b in fwd[:-1]) and fwd[:-1]
     assert bwd == [fused.MMA, fused.HOPPER]
     as_hopper = dataclasses.replace(problem, tile=fused.HOPPER)
-    assert fused._parts_for("fused_forward", as_hopper) == "_fused_hopper"
-    assert fused._parts_for("fused_backward", as_hopper) == "_fused_hopper_bwd"
+    assert fused._parts_for("fused_forward", as_hopper) == "wgmma_forward"
+    assert fused._parts_for("fused_backward", as_hopper) == "wgmma_backward"
     assert fused._parts_for("fused_backward", dataclasses.replace(problem, tile=fused.MMA)) \
-        == "_fused_bwd"
+        == "mma_backward"
     assert fused._tile_value("wgmma") == "wgmma" and fused._tile_value([8, 16]) == (8, 16)
-    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="_fused_hopper": False)
+    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="wgmma_forward": False)
     assert fused._candidates("fused_backward", problem) == []
     f32 = _args.check_fused(1, q.astype(numpy.float32), q.astype(numpy.float32),
                             q.astype(numpy.float32), 9, 1, 1, False, None, "fused",
@@ -78,8 +78,8 @@ def test_autotune_chooses_between_hopper_and_mma_sync(tmp_path, monkeypatch, rng
     """On an H200 a 1-D head-dim-128 problem has both parts as candidates, forward and
     backward; the tuned results match the default ones."""
     import cupy
-    from natten_cupy.backends import _fused_hopper
-    if _fused_hopper._compute_capability() != (9, 0):
+    from natten_cupy.backends.fused import wgmma_forward
+    if wgmma_forward._compute_capability() != (9, 0):
         pytest.skip("needs a compute capability 9.0 GPU")
     monkeypatch.setenv("NATTEN_CUPY_CACHE_DIR", str(tmp_path))
     fused._tuned_memory.clear()

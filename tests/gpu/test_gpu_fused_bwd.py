@@ -1,4 +1,4 @@
-"""Fused tensor-core backward (backends/_fused_bwd.py) against the reference backend.
+"""Fused tensor-core backward (backends/mma_backward.py) against the reference backend.
 
 Each case computes out and lse with the reference forward in float64 (rounded to the case's
 dtype, as a real forward would store them), runs the fused backward on NaN-poisoned
@@ -176,11 +176,11 @@ def test_fused_backward_self_attention_equals_dense(rng):
 
 
 def test_refuses_exact_fp32_and_odd_head_dims():
-    from natten_cupy.backends import _fused_bwd
+    from natten_cupy.backends.fused import mma_backward
     case = ((16,), 3, 1, 1, False, 1, 32, F32)
     x = numpy.zeros((1, 16, 1, 32), F32)
     exact = _args.check_fused(1, x, x, x, 3, 1, 1, False, None, "fused")
-    assert "exact float32" in _fused_bwd.refuse(exact)
-    assert _fused_bwd.refuse(_problem(x, case)) is None
+    assert "exact float32" in mma_backward.refuse(exact)
+    assert mma_backward.refuse(_problem(x, case)) is None
     y = numpy.zeros((1, 16, 1, 20), F16)
-    assert "multiple of 8" in _fused_bwd.refuse(_problem(y, ((16,), 3, 1, 1, False, 1, 20, F16)))
+    assert "multiple of 8" in mma_backward.refuse(_problem(y, ((16,), 3, 1, 1, False, 1, 20, F16)))

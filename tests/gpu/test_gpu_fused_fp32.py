@@ -1,4 +1,4 @@
-"""Exact-float32 fused NA (backends/_fused_fp32.py) against the reference backend.
+"""Exact-float32 fused NA (backends/exact_fp32.py) against the reference backend.
 
 Forward and backward run on NaN-poisoned outputs and must write every element. Each output's
 error against the reference in float64 must stay within 2x (forward) or 3x (gradients) the
@@ -188,13 +188,13 @@ def test_fp32_backward_is_deterministic():
 
 
 def test_fp32_refuses_other_head_dims_and_dtypes():
-    from natten_cupy.backends import _fused_fp32
+    from natten_cupy.backends.fused import exact_fp32
     x = numpy.zeros((1, 8, 1, 30), F32)
     prob = _args.check_fused(1, x, x, x, 3, 1, 1, False, None, "fused")
-    assert "multiple of 4" in _fused_fp32.refuse(prob)
+    assert "multiple of 4" in exact_fp32.refuse(prob)
     x = numpy.zeros((1, 8, 1, 260), F32)
     prob = _args.check_fused(1, x, x, x, 3, 1, 1, False, None, "fused")
-    assert "up to 256" in _fused_fp32.refuse(prob)
+    assert "up to 256" in exact_fp32.refuse(prob)
     x = numpy.zeros((1, 8, 1, 32), numpy.float16)
     prob = _args.check_fused(1, x, x, x, 3, 1, 1, False, None, "fused")
-    assert "float32 only" in _fused_fp32.refuse(prob)
+    assert "float32 only" in exact_fp32.refuse(prob)

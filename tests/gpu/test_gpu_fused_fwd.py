@@ -1,4 +1,4 @@
-"""Fused tensor-core forward (backends/_fused_fwd.py) against the reference backend.
+"""Fused tensor-core forward (backends/mma_forward.py) against the reference backend.
 
 Each case runs the fused kernel on NaN-poisoned outputs and checks, against the reference in
 float64, that its error is at most 2x the error of the reference run in the same precision
@@ -127,9 +127,9 @@ def test_fused_forward_self_attention_equals_dense(rng):
 
 
 def test_refuses_exact_fp32_and_odd_head_dims():
-    from natten_cupy.backends import _fused_fwd
+    from natten_cupy.backends.fused import mma_forward
     x = numpy.zeros((1, 16, 1, 32), F32)
-    assert "TF32" in _fused_fwd.refuse(_problem(x, ((16,), 3, 1, 1, False, 1, 32, F32, None)))
+    assert "TF32" in mma_forward.refuse(_problem(x, ((16,), 3, 1, 1, False, 1, 32, F32, None)))
     y = numpy.zeros((1, 16, 1, 20), F16)
-    assert "multiple of 8" in _fused_fwd.refuse(_problem(y, ((16,), 3, 1, 1, False, 1, 20, F16, None)))
-    assert "tile" in _fused_fwd.refuse(_problem(y[..., :16], ((16,), 3, 1, 1, False, 1, 16, F16, (48,))))
+    assert "multiple of 8" in mma_forward.refuse(_problem(y, ((16,), 3, 1, 1, False, 1, 20, F16, None)))
+    assert "tile" in mma_forward.refuse(_problem(y[..., :16], ((16,), 3, 1, 1, False, 1, 16, F16, (48,))))

@@ -1,4 +1,4 @@
-"""Hopper fused forward (backends/_fused_hopper.py, sm_90a) against the float64 reference.
+"""Hopper fused forward (backends/wgmma_forward.py, sm_90a) against the float64 reference.
 
 Each case runs the wgmma kernel on NaN-poisoned outputs and checks, against the reference in
 float64, that its error is at most 2x the error of the reference run in the same precision
@@ -11,7 +11,8 @@ import pytest
 
 from natten_cupy import _args
 from natten_cupy._dtypes import BFLOAT16
-from natten_cupy.backends import _fused_hopper, get_backend
+from natten_cupy.backends import get_backend
+from natten_cupy.backends.fused import wgmma_forward
 from natten_cupy.ops import run_fused_forward
 from gpu_cases import to_host, upload
 
@@ -51,7 +52,7 @@ CASES = [
 
 
 def _skip_unless_hopper():
-    if _fused_hopper._compute_capability() != (9, 0):
+    if wgmma_forward._compute_capability() != (9, 0):
         pytest.skip("needs a compute capability 9.0 GPU")
 
 
@@ -81,10 +82,10 @@ def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None):
     else:
         dev = [upload(cp, x) for x in host]
     prob = _problem(host[0], case)
-    assert _fused_hopper.refuse(prob) is None, _fused_hopper.refuse(prob)
+    assert wgmma_forward.refuse(prob) is None, wgmma_forward.refuse(prob)
     out = upload(cp, numpy.full(shape, numpy.nan, dtype))
     lse = cp.full(shape[:-1], cp.nan, dtype=cp.float32)
-    _fused_hopper.forward(prob, *dev, out, lse, tile=tile, walk_boxes=walk_boxes)
+    wgmma_forward.forward(prob, *dev, out, lse, tile=tile, walk_boxes=walk_boxes)
     out, lse = to_host(out), to_host(lse)
     h64 = [x.astype(F64) for x in host]
     ref_out, ref_lse = _reference(_problem(h64[0], case), *h64)
@@ -114,11 +115,11 @@ def test_hopper_key_walks(case, walk_boxes, rng):
     check_case(case, rng, walk_boxes=walk_boxes)
 
 
-@pytest.mark.parametrize("tile", [t for ts in _fused_hopper.ALTERNATIVES.values() for t in ts],
+@pytest.mark.parametrize("tile", [t for ts in wgmma_forward.ALTERNATIVES.values() for t in ts],
                          ids=str)
 def test_hopper_alternative_tiles(tile, rng):
     _skip_unless_hopper()
-    dim = 64 if tile in _fused_hopper.ALTERNATIVES[64] else 128
+    dim = 64 if tile in wgmma_forward.ALTERNATIVES[64] else 128
     check_case(((1100,), 300, 2, 1, True, 2, dim, F16, None), rng, tile=tile)
     check_case(((901,), 901, 1, 1, False, 1, dim, F16, None), rng, tile=tile)
     check_case(((1000,), 64, 1, 3, False, 2, dim, F16, None), rng, tile=tile)
@@ -142,7 +143,7 @@ def test_hopper_self_attention_equals_dense(rng):
     prob = _problem(host[0], ((L,), L, 1, 1, False, H, D, F16, None))
     out = upload(cp, numpy.full(host[0].shape, numpy.nan, F16))
     lse = cp.empty((1, L, H), cp.float32)
-    _fused_hopper.forward(prob, *(upload(cp, x) for x in host), out, lse)
+    wgmma_forward.forward(prob, *(upload(cp, x) for x in host), out, lse)
     qf, kf, vf = (x.astype(F64)[0].transpose(1, 0, 2) for x in host)
     s = qf @ kf.transpose(0, 2, 1) * D ** -0.5
     p = numpy.exp(s - s.max(-1, keepdims=True))

@@ -1,4 +1,4 @@
-"""Hopper fused backward (backends/_fused_hopper_bwd.py, sm_90a) against the float64 reference.
+"""Hopper fused backward (backends/wgmma_backward.py, sm_90a) against the float64 reference.
 
 Each case computes out and lse with the reference forward in float64 (rounded to the case's
 dtype, as a real forward stores them), runs the wgmma backward on NaN-poisoned gradients and
@@ -14,7 +14,7 @@ import pytest
 
 from natten_cupy import _args
 from natten_cupy._dtypes import BFLOAT16
-from natten_cupy.backends import _fused_hopper_bwd as H
+from natten_cupy.backends.fused import wgmma_backward as H
 from natten_cupy.backends import get_backend
 from natten_cupy.ops import run_fused_backward, run_fused_forward
 from gpu_cases import to_host, upload
@@ -56,8 +56,8 @@ CASES = [
 
 
 def _skip_unless_hopper():
-    from natten_cupy.backends import _fused_hopper
-    if _fused_hopper._compute_capability() != (9, 0):
+    from natten_cupy.backends.fused import wgmma_forward
+    if wgmma_forward._compute_capability() != (9, 0):
         pytest.skip("needs a compute capability 9.0 GPU")
 
 
@@ -245,7 +245,7 @@ def test_hopper_gqa_matches_repeated_heads(case, dq_atomic, rng):
     with each kv head repeated for its query heads (and dk, dv summed back over the group):
     the kernels index the shared kv head, no repeat copy."""
     import cupy as cp
-    from natten_cupy.backends import _fused_hopper
+    from natten_cupy.backends.fused import wgmma_forward
     _skip_unless_hopper()
     spatial, ks, st, dl, ca, heads, kv_heads, dim, dtype = case
     rank, group = len(spatial), heads // kv_heads
@@ -257,7 +257,7 @@ def test_hopper_gqa_matches_repeated_heads(case, dq_atomic, rng):
     problem = _args.check_fused(rank, q, k, v, ks, st, dl, ca, None, "fused",
                                 deterministic=True)
     assert problem.kv_heads == kv_heads
-    assert H.refuse(problem) is None and _fused_hopper.refuse(problem) is None
+    assert H.refuse(problem) is None and wgmma_forward.refuse(problem) is None
     # the dense-heads problem in float64: the truth, and in the case's dtype: the yardstick
     dense = _args.check_fused(rank, q, q, q, ks, st, dl, ca, None, "fused")
     h64 = [x.astype(F64) for x in (q, _repeat_heads(k, group), _repeat_heads(v, group), d_out)]
@@ -273,7 +273,7 @@ def test_hopper_gqa_matches_repeated_heads(case, dq_atomic, rng):
     dq_, dk_, dv_ = (upload(cp, x) for x in (q, k, v))
     got_out = cp.full(qs, cp.nan, dtype=dq_.dtype)
     got_lse = cp.full(qs[:-1], cp.nan, dtype=cp.float32)
-    _fused_hopper.forward(problem, dq_, dk_, dv_, got_out, got_lse)
+    wgmma_forward.forward(problem, dq_, dk_, dv_, got_out, got_lse)
     out_h = to_host(got_out)
     assert not numpy.isnan(out_h).any() and not numpy.isnan(to_host(got_lse)).any()
     floor = FLOOR[q.dtype]

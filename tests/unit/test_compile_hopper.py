@@ -8,17 +8,17 @@ import numpy
 import pytest
 
 from natten_cupy import _args, _compile
-from natten_cupy.backends import _fused_hopper
+from natten_cupy.backends.fused import wgmma_forward
 
-NAMES = [expr for _, expr in _fused_hopper.instantiations()]
+NAMES = [expr for _, expr in wgmma_forward.instantiations()]
 
 
 @pytest.mark.skipif(not _compile.cuda_include_dirs(), reason="no CUDA headers (pip install "
                     "nvidia-cuda-runtime, or a CUDA toolkit)")
 def test_hopper_kernels_compile_for_sm90a(capsys):
-    reports = _compile.nvrtc_check_many(_fused_hopper.SOURCE, NAMES, "sm_90a")
+    reports = _compile.nvrtc_check_many(wgmma_forward.SOURCE, NAMES, "sm_90a")
     with capsys.disabled():
-        print(f"\n{_fused_hopper.SOURCE} [sm_90a]: {len(reports)} kernels")
+        print(f"\n{wgmma_forward.SOURCE} [sm_90a]: {len(reports)} kernels")
         for r in reports:
             print(f"  {r.name:<60} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
                   f"spill {r.spill_bytes}")
@@ -29,9 +29,9 @@ def test_hopper_kernels_compile_for_sm90a(capsys):
 def test_hopper_instantiations_cover_defaults():
     from natten_cupy._dtypes import HALF_TYPES
     for dtype in HALF_TYPES:
-        for dp, tile in _fused_hopper.DEFAULT.items():
-            assert (_fused_hopper.SOURCE, _fused_hopper._name(dtype, dp, tile)) in \
-                _fused_hopper.instantiations()
+        for dp, tile in wgmma_forward.DEFAULT.items():
+            assert (wgmma_forward.SOURCE, wgmma_forward._name(dtype, dp, tile)) in \
+                wgmma_forward.instantiations()
 
 
 def _problem(x, rank, kernel, scale=None):
@@ -41,12 +41,12 @@ def _problem(x, rank, kernel, scale=None):
 def test_hopper_refusals():
     """Reasons that do not depend on the device (CI has none: the last reason is the GPU)."""
     f32 = numpy.zeros((1, 16, 1, 32), numpy.float32)
-    assert "float16" in _fused_hopper.refuse(_problem(f32, 1, 3))
+    assert "float16" in wgmma_forward.refuse(_problem(f32, 1, 3))
     odd = numpy.zeros((1, 16, 1, 20), numpy.float16)
-    assert "multiple of 8" in _fused_hopper.refuse(_problem(odd, 1, 3))
+    assert "multiple of 8" in wgmma_forward.refuse(_problem(odd, 1, 3))
     wide = numpy.zeros((1, 16, 1, 256), numpy.float16)
-    assert "up to 128" in _fused_hopper.refuse(_problem(wide, 1, 3))
+    assert "up to 128" in wgmma_forward.refuse(_problem(wide, 1, 3))
     two = numpy.zeros((1, 4, 4, 1, 64), numpy.float16)
-    assert "compute capability" in _fused_hopper.refuse(_problem(two, 2, 3))
+    assert "compute capability" in wgmma_forward.refuse(_problem(two, 2, 3))
     ok = numpy.zeros((1, 16, 1, 64), numpy.float16)
-    assert "positive scale" in _fused_hopper.refuse(_problem(ok, 1, 3, scale=-1.0))
+    assert "positive scale" in wgmma_forward.refuse(_problem(ok, 1, 3, scale=-1.0))

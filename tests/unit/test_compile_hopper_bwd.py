@@ -1,4 +1,4 @@
-"""Every Hopper fused-backward instantiation (backends/_fused_hopper_bwd.py) compiles for
+"""Every Hopper fused-backward instantiation (backends/wgmma_backward.py) compiles for
 sm_90a without a GPU, with no spills, no stack and no wgmma serialization; its plan builds
 on operand layouts alone (kernel handles faked), with the grids, shared memory and argument
 order the kernels expect. Registers per kernel go to the log (the compute warpgroups' budget
@@ -11,7 +11,7 @@ import pytest
 from natten_cupy import _args, _compile
 from natten_cupy._operands import Layout
 from natten_cupy._params import PARAMS_DTYPE
-from natten_cupy.backends import _fused_hopper_bwd as H
+from natten_cupy.backends.fused import wgmma_backward as H
 
 NAMES = [expr for _, expr in H.instantiations()]
 

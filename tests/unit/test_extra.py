@@ -15,7 +15,8 @@ import natten_cupy
 import oracle
 from natten_cupy import _args
 from natten_cupy._dtypes import BFLOAT16
-from natten_cupy.backends import _fused_bwd, _fused_fwd, fused
+from natten_cupy.backends import fused
+from natten_cupy.backends.fused import mma_backward, mma_forward
 
 # (rank, spatial, kernel, stride, dilation, causal, heads, kv heads, extra heads, tokens)
 CASES = [
@@ -141,8 +142,8 @@ def test_which_kernels_take_the_tokens_themselves():
 
 
 def test_kernels_with_the_tokens_are_listed():
-    fwd = {n for _, n in _fused_fwd.instantiations()}
-    bwd = {n for _, n in _fused_bwd.instantiations()}
+    fwd = {n for _, n in mma_forward.instantiations()}
+    bwd = {n for _, n in mma_backward.instantiations()}
     # dtype x rank x head dims 32..128, default tiles, no bias
     assert sum(n.endswith(", false, true>") for n in fwd) == 3 * 3 * 3
     for ct in ("__half", "__nv_bfloat16", "float"):
@@ -160,7 +161,7 @@ def test_splits_of_the_extra_dk_dv_pass():
         xk = numpy.zeros((2, tokens, heads, 64), numpy.float16)
         p = _args.check_fused(1, q, q, q, 3, 1, 1, False, None, "auto", additional_keys=xk,
                               additional_values=xk)
-        splits, rows = _fused_bwd._extra_splits(p, 64, 132)
+        splits, rows = mma_backward._extra_splits(p, 64, 132)
         assert splits * rows >= n > (splits - 1) * rows
         assert rows >= min(n, 256)
         ctas = -(-tokens // 64) * 2 * heads * splits

@@ -300,12 +300,13 @@ def _problem(dtype, heads=8, kv_heads=2, D=64, allow_tf32=False):
 
 
 def test_fused_and_tiled_parts_take_gqa():
-    from natten_cupy.backends import _fused_bwd, _fused_fp32, _fused_fwd, fused, tiled
+    from natten_cupy.backends import fused, tiled
+    from natten_cupy.backends.fused import mma_backward, exact_fp32, mma_forward
     p = _problem(numpy.float16)
-    assert _fused_fwd.refuse(p) is None and _fused_bwd.refuse(p) is None
+    assert mma_forward.refuse(p) is None and mma_backward.refuse(p) is None
     assert fused.refuse("fused_forward", p) is None and fused.refuse("fused_backward", p) is None
-    assert _fused_fp32.refuse(_problem(numpy.float32)) is None
-    assert _fused_fwd.refuse(_problem(numpy.float32, allow_tf32=True)) is None
+    assert exact_fp32.refuse(_problem(numpy.float32)) is None
+    assert mma_forward.refuse(_problem(numpy.float32, allow_tf32=True)) is None
     q = numpy.zeros((1, 9, 11, 8, 64), numpy.float16)
     k = numpy.zeros((1, 9, 11, 2, 64), numpy.float16)
     for op, problem in (("qk", _args.check_qk(2, q, k, 3, 1, False, None, "auto")),
@@ -317,10 +318,10 @@ def test_fused_and_tiled_parts_take_gqa():
 def test_fused_backward_names_the_grouped_kernel():
     """The dK/dV pass of a GQA problem is its own instantiation (the loop over the group's
     query heads), listed for the compile test; without GQA the original kernel runs."""
-    from natten_cupy.backends import _fused_bwd
-    grouped = _fused_bwd._names("__half", 64, grouped=True)[0]
+    from natten_cupy.backends.fused import mma_backward
+    grouped = mma_backward._names("__half", 64, grouped=True)[0]
     assert grouped == "na_bwd_fused_kv<__half, 64, 64, true, false>"
-    listed = {name for _, name in _fused_bwd.instantiations()}
+    listed = {name for _, name in mma_backward.instantiations()}
     assert {"na_bwd_fused_kv<__half, 64, 64, true, false>",
             "na_bwd_fused_kv<__half, 64, 64, false, false>"} <= listed
 

@@ -18,7 +18,7 @@ import pytest
 import oracle
 from natten_cupy import _args
 from natten_cupy._params import PARAMS_DTYPE, make_params
-from natten_cupy.backends import _fused_hopper_bwd as H
+from natten_cupy.backends.fused import wgmma_backward as H
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]   # tests/: the emulator and the harness
 ROOT = TESTS.parent

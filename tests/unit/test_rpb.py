@@ -122,54 +122,55 @@ def test_the_problem_records_the_bias():
 
 
 def test_parts_that_take_a_bias_and_parts_that_refuse_it():
-    from natten_cupy.backends import (_fused_bwd, _fused_fp32, _fused_fwd, _fused_hopper,
-                                      _fused_hopper_bwd, fused, naive, reference, tiled)
+    from natten_cupy.backends import fused, naive, reference, tiled
+    from natten_cupy.backends.fused import (exact_fp32, mma_backward, mma_forward,
+                                            wgmma_backward, wgmma_forward)
     half, tf32, exact = _problem(), _problem(numpy.float32, tf32=True), _problem(numpy.float32)
     for p in (half, tf32):
-        assert _fused_fwd.refuse(p) is None and _fused_bwd.refuse(p) is None
+        assert mma_forward.refuse(p) is None and mma_backward.refuse(p) is None
         assert fused.refuse("fused_forward", p) is None
         assert fused.refuse("fused_backward", p) is None
         # The Hopper parts have no bias: the dispatch never sends a biased problem there.
-        assert fused._parts_for("fused_forward", p) == "_fused_fwd"
-        assert fused._parts_for("fused_backward", p) == "_fused_bwd"
-    assert "relative positional bias" in _fused_hopper.refuse(half)
-    assert "relative positional bias" in _fused_hopper_bwd.refuse(half)
-    assert "exact-float32 kernels take no relative positional bias" in _fused_fp32.refuse(exact)
+        assert fused._parts_for("fused_forward", p) == "mma_forward"
+        assert fused._parts_for("fused_backward", p) == "mma_backward"
+    assert "relative positional bias" in wgmma_forward.refuse(half)
+    assert "relative positional bias" in wgmma_backward.refuse(half)
+    assert "exact-float32 kernels take no relative positional bias" in exact_fp32.refuse(exact)
     assert "exact-float32" in fused.refuse("fused_forward", exact)
     for p in (half, tf32, exact):
         assert naive.refuse("fused_backward", p) is None
         assert reference.refuse("fused_backward", p) is None
     assert "unfused" in tiled.refuse("fused_forward", half)
     # Non-default forward tiles are not built with a bias.
-    other = _fused_fwd.CONFIGS[2][1].box[:2]
-    assert "not built with a relative positional bias" in _fused_fwd.refuse(
+    other = mma_forward.CONFIGS[2][1].box[:2]
+    assert "not built with a relative positional bias" in mma_forward.refuse(
         dataclasses.replace(half, tile=other))
 
 
 def test_a_bias_too_large_for_the_fused_backward_is_refused_by_size():
-    from natten_cupy.backends import _fused_bwd, _fused_fwd
+    from natten_cupy.backends.fused import mma_backward, mma_forward
     big = _problem(kernel=(3001,), spatial=(3100,))
-    assert "shared memory" in _fused_bwd.refuse(big)
-    assert _fused_fwd.refuse(big) is None   # the forward reads the table from global memory
-    assert _fused_bwd.refuse(_problem(kernel=(2047,), spatial=(4096,))) is None
+    assert "shared memory" in mma_backward.refuse(big)
+    assert mma_forward.refuse(big) is None   # the forward reads the table from global memory
+    assert mma_backward.refuse(_problem(kernel=(2047,), spatial=(4096,))) is None
 
 
 def test_bias_geometry_matches_the_c_struct():
     """bwd::BiasGeom: 21 int32s in these fields, in this order (fused_bwd_tile.cuh)."""
-    from natten_cupy.backends import _fused_bwd
-    g = _fused_bwd.BIAS_GEOM
+    from natten_cupy.backends.fused import mma_backward
+    g = mma_backward.BIAS_GEOM
     assert g.itemsize == 21 * 4
     assert list(g.names) == ["dim", "bst", "tile", "ntile", "tab_off", "vol", "ctas", "tst",
                              "tvol"]
     # The box of a 2-D 7x7 window over 8x8 dQ tiles: min(13, 7 + 8 - 1) = 13 per axis.
-    assert _fused_bwd._bias_box(_problem()) == (13, 13, 1)
-    assert _fused_bwd._bias_box(_problem(kernel=(255,), spatial=(1000,))) == (255 + 63, 1, 1)
+    assert mma_backward._bias_box(_problem()) == (13, 13, 1)
+    assert mma_backward._bias_box(_problem(kernel=(255,), spatial=(1000,))) == (255 + 63, 1, 1)
 
 
 def test_kernel_instantiations_with_a_bias_are_listed():
-    from natten_cupy.backends import _fused_bwd, _fused_fwd
-    fwd = {n for _, n in _fused_fwd.instantiations()}
-    bwd = {n for _, n in _fused_bwd.instantiations()}
+    from natten_cupy.backends.fused import mma_backward, mma_forward
+    fwd = {n for _, n in mma_forward.instantiations()}
+    bwd = {n for _, n in mma_backward.instantiations()}
     assert sum(n.endswith(", true, false>") for n in fwd) == 3 * 3 * 4   # dtype x rank x dim
     assert "na_bwd_fused_rpb<__half>" in bwd
     assert "na_bwd_fused_q<__nv_bfloat16, 64, 64, true, false>" in bwd

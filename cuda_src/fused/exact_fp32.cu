@@ -11,7 +11,7 @@ constexpr int kThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Launch plan chosen by the launcher (twin of _fused_fp32.PLAN_DTYPE). Rank is padded to 3
+// Launch plan chosen by the launcher (twin of exact_fp32.PLAN_DTYPE). Rank is padded to 3
 // at the front, so axis 2 is always the innermost real axis.
 struct TilePlan {
   int cta[3];    // micro-tiles per CTA along each axis

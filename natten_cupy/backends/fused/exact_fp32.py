@@ -1,4 +1,4 @@
-"""Exact-float32 fused neighborhood attention (``cuda_src/na_fused_fp32.cu``): FFMA only, no TF32.
+"""Exact-float32 fused neighborhood attention (``cuda_src/fused/exact_fp32.cu``): FFMA only, no TF32.
 
 The kernels see every problem as 3-D (inert axes padded at the front, so axis 2 is the
 innermost real axis). A CTA of 128 threads owns a box of rows of one (batch, head, dilation
@@ -28,14 +28,14 @@ import math
 
 import numpy
 
-from .. import _window
-from .._compile import get_kernel
-from .._dtypes import FLOAT32
-from .._launch import KernelCall, Operand, Plan
-from .._operands import Layout, rows_ready, run_backward, run_forward
-from .._params import make_params
+from ... import _window
+from ..._compile import get_kernel
+from ..._dtypes import FLOAT32
+from ..._launch import KernelCall, Operand, Plan
+from ..._operands import Layout, rows_ready, run_backward, run_forward
+from ..._params import make_params
 
-SOURCE = "na_fused_fp32.cu"
+SOURCE = "fused/exact_fp32.cu"
 THREADS = 128
 # Head-dim columns per lane: 16 where a lane holds 2-3 row operands (forward: q, out; dQ: q,
 # dO, dQ), 8 in dK/dV (k, v, dK, dV), which would spill with 16.

@@ -1,4 +1,4 @@
-"""Fused forward on tensor cores (``cuda_src/na_fused_fwd.cu``): float16, bfloat16, and
+"""Fused forward on tensor cores (``cuda_src/fused/mma_forward.cu``): float16, bfloat16, and
 float32 as TF32 when the caller allows it.
 
 A CTA owns a box of queries of one dilation group; each warp a compact 16-query patch. The
@@ -23,14 +23,14 @@ import math
 
 import numpy
 
-from .. import _window
-from .._compile import get_kernel
-from .._dtypes import FLOAT32, HALF_TYPES, c_type
-from .._launch import KernelCall, Operand, Plan
-from .._operands import rows_ready, run_forward
-from .._params import make_params
+from ... import _window
+from ..._compile import get_kernel
+from ..._dtypes import FLOAT32, HALF_TYPES, c_type
+from ..._launch import KernelCall, Operand, Plan
+from ..._operands import rows_ready, run_forward
+from ..._params import make_params
 
-SOURCE = "na_fused_fwd.cu"
+SOURCE = "fused/mma_forward.cu"
 BUCKETS = (32, 64, 128, 256)
 
 

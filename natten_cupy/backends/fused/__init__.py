@@ -2,14 +2,14 @@
 
 This module only dispatches; the kernels' launchers live in three parts:
 
-* ``_fused_fwd``: forward on tensor cores (float16, bfloat16; float32 as TF32 when the
+* ``mma_forward``: forward on tensor cores (float16, bfloat16; float32 as TF32 when the
   caller allows it);
-* ``_fused_bwd``: backward on tensor cores (same dtypes);
-* ``_fused_fp32``: exact-float32 forward and backward (tiled FMA, no TF32);
-* ``_fused_hopper``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
-  above 32), taken over ``_fused_fwd`` where it accepts the problem;
-* ``_fused_hopper_bwd``: backward on Hopper's warpgroup MMA (same conditions), taken over
-  ``_fused_bwd`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``).
+* ``mma_backward``: backward on tensor cores (same dtypes);
+* ``exact_fp32``: exact-float32 forward and backward (tiled FMA, no TF32);
+* ``wgmma_forward``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
+  above 32), taken over ``mma_forward`` where it accepts the problem;
+* ``wgmma_backward``: backward on Hopper's warpgroup MMA (same conditions), taken over
+  ``mma_backward`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``).
 
 Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (whichever it
 implements) and ``instantiations()``; a part with several tile configurations lists them in
@@ -32,7 +32,7 @@ import json
 import os
 import pathlib
 
-from .._dtypes import FLOAT32, HALF_TYPES
+from ..._dtypes import FLOAT32, HALF_TYPES
 
 NAME = "fused"
 DTYPES = HALF_TYPES + (FLOAT32,)
@@ -40,8 +40,8 @@ DTYPES = HALF_TYPES + (FLOAT32,)
 # and the mma.sync backward's one configuration (it has no tile choice).
 HOPPER = "wgmma"
 MMA = "mma.sync"
-_HOPPER_PART = {"fused_forward": "_fused_hopper", "fused_backward": "_fused_hopper_bwd"}
-_MMA_PART = {"fused_forward": "_fused_fwd", "fused_backward": "_fused_bwd"}
+_HOPPER_PART = {"fused_forward": "wgmma_forward", "fused_backward": "wgmma_backward"}
+_MMA_PART = {"fused_forward": "mma_forward", "fused_backward": "mma_backward"}
 
 
 def _part(name):
@@ -53,7 +53,7 @@ def _part(name):
         return None
 
 
-def _hopper_serves(problem, name="_fused_hopper"):
+def _hopper_serves(problem, name="wgmma_forward"):
     """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
     a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
     and the part accepts the problem on this device."""
@@ -70,14 +70,14 @@ def _exact_fp32(problem):
 
 def _parts_for(op, problem):
     if _exact_fp32(problem):
-        return "_fused_fp32"
+        return "exact_fp32"
     if problem.tile == HOPPER:
         return _HOPPER_PART[op]
     if problem.tile == MMA:
         return _MMA_PART[op]
     if op == "fused_forward":
-        return "_fused_hopper" if _hopper_serves(problem) else "_fused_fwd"
-    return "_fused_hopper_bwd" if _hopper_bwd_pays(problem) else "_fused_bwd"
+        return "wgmma_forward" if _hopper_serves(problem) else "mma_forward"
+    return "wgmma_backward" if _hopper_bwd_pays(problem) else "mma_backward"
 
 
 def _hopper_bwd_pays(problem):
@@ -87,7 +87,7 @@ def _hopper_bwd_pays(problem):
     1.41 vs 1.52), and at head dim 64 1-D windows from 1024 (2047: 2.92 vs 5.89 ms). At 64
     the 128-key owner boxes waste too much of each tile on smaller windows and on 2-D/3-D
     boxes (1-D 255: 1.23 vs 1.15, 2-D 15x15: 0.65 vs 0.57, 3-D 5x9x9: 9.6 vs 6.3)."""
-    if not _hopper_serves(problem, "_fused_hopper_bwd"):
+    if not _hopper_serves(problem, "wgmma_backward"):
         return False
     return problem.head_dim > 64 or (problem.rank == 1 and problem.kernel_size[0] >= 1024)
 
@@ -177,7 +177,7 @@ def _candidates(op, problem):
     problem (then MMA stands for an mma.sync part without boxes)."""
     plain = dataclasses.replace(problem, tile=None)
     exact_fp32 = _exact_fp32(problem)
-    part = _part("_fused_fp32" if exact_fp32 else _MMA_PART[op])
+    part = _part("exact_fp32" if exact_fp32 else _MMA_PART[op])
     boxes = []
     for cfg in getattr(part, "CONFIGS", {}).get(problem.rank, ()):
         box = tuple(cfg.box[:problem.rank])
@@ -282,7 +282,7 @@ qk = av = qk_backward = av_backward = _unsupported
 
 def instantiations():
     out = []
-    for name in ("_fused_fwd", "_fused_bwd", "_fused_fp32"):
+    for name in ("mma_forward", "mma_backward", "exact_fp32"):
         part = _part(name)
         if part is not None:
             out += list(part.instantiations())

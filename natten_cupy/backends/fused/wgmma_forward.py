@@ -1,4 +1,4 @@
-"""Fused forward for Hopper (compute capability 9.0, ``cuda_src/na_fused_hopper.cu``):
+"""Fused forward for Hopper (compute capability 9.0, ``cuda_src/fused/wgmma_forward.cu``):
 float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D.
 
 A CTA owns a box of 64 * WG in-group queries of one dilation group per axis (1-D: 128
@@ -20,13 +20,13 @@ import functools
 import math
 
 
-from .._compile import get_kernel
-from .._dtypes import FLOAT16, HALF_TYPES, c_type
-from .._launch import KernelCall, Operand, Plan
-from .._operands import rows_ready, run_forward
-from .._params import make_params
+from ..._compile import get_kernel
+from ..._dtypes import FLOAT16, HALF_TYPES, c_type
+from ..._launch import KernelCall, Operand, Plan
+from ..._operands import rows_ready, run_forward
+from ..._params import make_params
 
-SOURCE = "na_fused_hopper.cu"
+SOURCE = "fused/wgmma_forward.cu"
 OPTIONS = ("-arch=sm_90a",)
 BUCKETS = (64, 128)
 
@@ -73,7 +73,7 @@ def _bucket(head_dim):
 @functools.lru_cache(maxsize=None)
 def _compute_capability():
     """(major, minor) of the current device, or None without a usable GPU."""
-    from .._device import gpu_unavailable_reason
+    from ..._device import gpu_unavailable_reason
     if gpu_unavailable_reason() is not None:
         return None
     import cupy

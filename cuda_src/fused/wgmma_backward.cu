@@ -15,7 +15,7 @@ namespace hopper {
 // 40 / 232: the geometry sits in shared memory, the 1-D loader steps one pointer at a time;
 // 48 / 232 would not fit, and the loaders spilled at 24-32, the D128 dK/dV compute warpgroups at
 // 224 (NVRTC 13.0). The atomic dQ variant is built where this split has no spill (all but rank
-// 3 at head dim 128: _fused_hopper_bwd.atomic_supported).
+// 3 at head dim 128: wgmma_backward.atomic_supported).
 struct BwdRegs {
   static constexpr int loader = 40, compute = 232;
   static_assert(loader + 2 * compute <= 3 * 168, "more registers than the CTA holds");

@@ -1,5 +1,5 @@
 """Fused backward on tensor cores (float16, bfloat16; float32 as TF32 when the caller allows
-it): launcher of ``cuda_src/na_fused_bwd.cu``.
+it): launcher of ``cuda_src/fused/mma_backward.cu``.
 
 Two launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not):
 
@@ -39,14 +39,14 @@ import math
 
 import numpy
 
-from .._compile import get_kernel
-from .._dtypes import FLOAT32, HALF_TYPES, c_type
-from .._launch import KernelCall, Operand, Plan
-from .._operands import Layout, rows_ready, run_backward
-from .._params import make_params
-from .._window import group_size, inverse_bounds, window_bounds
+from ..._compile import get_kernel
+from ..._dtypes import FLOAT32, HALF_TYPES, c_type
+from ..._launch import KernelCall, Operand, Plan
+from ..._operands import Layout, rows_ready, run_backward
+from ..._params import make_params
+from ..._window import group_size, inverse_bounds, window_bounds
 
-SOURCE = "na_fused_bwd.cu"
+SOURCE = "fused/mma_backward.cu"
 D_BUCKETS = (32, 64, 128, 256)
 KV_CHUNK = 64
 Q_CHUNK = 128
@@ -55,7 +55,7 @@ MAX_GRID_Y = 65535
 EXTRA_MAX_DIM = 128   # additional tokens in the kernels up to this head dim (as the forward)
 
 # (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes. Every tile
-# holds exactly 4 patches of 16 rows (kWarps in na_fused_bwd.cu); all extents are powers of
+# holds exactly 4 patches of 16 rows (kWarps in fused/mma_backward.cu); all extents are powers of
 # two (the kernels shift and mask instead of dividing).
 TILES = {
     1: ((64, 1, 1), (16, 1, 1)),
@@ -67,7 +67,7 @@ TILES = {
 # Shared memory a pass may give the bias: the head's table (float) and, in the dQ pass, the
 # per-warp bias-gradient boxes (4 warps x box x 4 bytes).
 BIAS_SMEM_BUDGET = 64 * 1024
-KWARPS, KNB = 4, 32   # kWarps, kNB of na_fused_bwd.cu
+KWARPS, KNB = 4, 32   # kWarps, kNB of fused/mma_backward.cu
 
 # bwd::BiasGeom of fused_bwd_tile.cuh, field for field.
 BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
@@ -100,7 +100,7 @@ def _bias_box(problem):
 
 def refuse(problem):
     if problem.dtype == FLOAT32 and not problem.allow_tf32:
-        return "exact float32 runs in _fused_fp32"
+        return "exact float32 runs in exact_fp32"
     if problem.has_rpb and _bias_smem(problem)[False] > BIAS_SMEM_BUDGET:
         return (f"the bias table and bias-gradient boxes of kernel {problem.kernel_size} "
                 f"exceed {BIAS_SMEM_BUDGET // 1024} KB of shared memory (backend 'naive' "

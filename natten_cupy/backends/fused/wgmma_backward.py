@@ -1,4 +1,4 @@
-"""Fused backward for Hopper (compute capability 9.0, ``cuda_src/na_fused_hopper_bwd.cu``):
+"""Fused backward for Hopper (compute capability 9.0, ``cuda_src/fused/wgmma_backward.cu``):
 float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D, deterministic (no atomics).
 
 Three launches:
@@ -23,13 +23,13 @@ import functools
 
 import numpy
 
-from .._compile import get_kernel
-from .._dtypes import HALF_TYPES, c_type
-from .._launch import KernelCall, Operand, Plan
-from .._operands import Layout, rows_ready, run_backward
-from .._params import make_params
+from ..._compile import get_kernel
+from ..._dtypes import HALF_TYPES, c_type
+from ..._launch import KernelCall, Operand, Plan
+from ..._operands import Layout, rows_ready, run_backward
+from ..._params import make_params
 
-SOURCE = "na_fused_hopper_bwd.cu"
+SOURCE = "fused/wgmma_backward.cu"
 OPTIONS = ("-arch=sm_90a",)
 BUCKETS = (64, 128)
 THREADS = 384          # the loader warpgroup and two compute warpgroups
@@ -61,8 +61,8 @@ def _bucket(head_dim):
 
 
 def _compute_capability():
-    from . import _fused_hopper
-    return _fused_hopper._compute_capability()
+    from . import wgmma_forward
+    return wgmma_forward._compute_capability()
 
 
 def refuse(problem):
