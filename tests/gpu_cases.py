@@ -450,6 +450,20 @@ def run(case, backend, x, xp):
     return y
 
 
+def assert_runs_repeat(case, backend_name, runs=3):
+    """``runs`` runs of the case on a GPU backend give the same bits in every output."""
+    import cupy
+    mod = get_backend(backend_name)
+    x, _, _ = references(case)
+    xd = inputs_on_device(x, case)
+    results = [run(case, mod, xd, cupy) for _ in range(runs)]
+    cupy.cuda.get_current_stream().synchronize()
+    for other in results[1:]:
+        for name, got in other.items():
+            bits = f"u{got.dtype.itemsize}"
+            assert bool((got.view(bits) == results[0][name].view(bits)).all()), name
+
+
 _references = {}
 
 

@@ -9,7 +9,6 @@ they should (launch names), the backward is bitwise reproducible, the public cal
 arrays agree, and the torch layer's gradients (from out and lse) match float64.
 """
 
-import numpy
 import pytest
 
 import natten_cupy
@@ -82,16 +81,7 @@ def test_the_kernels_take_the_tokens_where_they_should():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES[::4], ids=[c.id for c in CASES[::4]])
 def test_fused_extra_backward_is_bitwise_reproducible(case):
-    import cupy
-    mod = get_backend("fused")
-    x, _, _ = gpu_cases.references(case)
-    xd = gpu_cases.inputs_on_device(x, case)
-    runs = [gpu_cases.run(case, mod, xd, cupy) for _ in range(3)]
-    cupy.cuda.get_current_stream().synchronize()
-    for other in runs[1:]:
-        for name in ("out", "lse", "dq", "dk", "dv", "d_xk", "d_xv"):
-            bits = f"u{other[name].dtype.itemsize}"
-            assert bool((other[name].view(bits) == runs[0][name].view(bits)).all()), name
+    gpu_cases.assert_runs_repeat(case, "fused")
 
 
 @pytest.mark.gpu

@@ -52,23 +52,13 @@ def test_fused_rpb_against_reference(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES[::3], ids=[c.id for c in CASES[::3]])
 def test_fused_rpb_backward_is_bitwise_reproducible(case):
-    import cupy
-    mod = get_backend("fused")
-    x, _, _ = gpu_cases.references(case)
-    xd = gpu_cases.inputs_on_device(x, case)
-    runs = [gpu_cases.run(case, mod, xd, cupy) for _ in range(3)]
-    cupy.cuda.get_current_stream().synchronize()
-    for other in runs[1:]:
-        for name in ("out", "lse", "dq", "dk", "dv", "d_rpb"):
-            bits = f"u{other[name].dtype.itemsize}"
-            assert bool((other[name].view(bits) == runs[0][name].view(bits)).all()), name
+    gpu_cases.assert_runs_repeat(case, "fused")
 
 
 @pytest.mark.gpu
 def test_a_bias_too_large_for_the_fused_backward_runs_on_naive():
     """1-D window 3001: the bias table and the dQ pass's boxes exceed the fused backward's
     shared-memory budget; the fused backend says so and auto runs naive, correctly."""
-    import cupy
     case = Case("fused_rpb", 1, "float16", (3100,), (3001,), (1,), (1,), (False,), 32,
                 batch=1, heads=1)
     why = gpu_cases.refusal(case, get_backend("fused"))
