@@ -69,7 +69,8 @@ __device__ __forceinline__ void bwd_pass(
   }
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
-    const int L = (int)p.extent[a], d = (int)p.dilation[a];
+    const Axis axis = axis_of(p, a);
+    const int d = axis.dilation;
     int g = 0;
     if (d > 1) {  // uniform branch: no divisions without dilation
       g = (int)(bx % (unsigned)d);
@@ -78,7 +79,7 @@ __device__ __forceinline__ void bwd_pass(
     grp[a] = g;
     ax[a].base = tab_off[a] + g;
     ax[a].d = d;
-    glen[a] = d > 1 ? (L - g + d - 1) / d : L;
+    glen[a] = axis.group_len(g);
   }
   const int col0 = (int)bx * DC;
   // Owner heads: query heads, or kv heads when owners are keys (grouped-query attention:
@@ -661,10 +662,11 @@ na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
     }
 #pragma unroll
     for (int a = 2; a >= 0; --a) {
-      const int L = (int)p.extent[a], d = (int)p.dilation[a];
+      const Axis axis = axis_of(p, a);
+      const int d = axis.dilation;
       const int g = (int)(bx % (unsigned)d);
       bx /= (unsigned)d;
-      const int glen = (L - g + d - 1) / d, org = tix[a] * bg.tile[a];
+      const int glen = axis.group_len(g), org = tix[a] * bg.tile[a];
       const int last = min(org + bg.tile[a] - 1, glen - 1);
       const int origin = org < glen ? tab[bg.tab_off[a] + g + d * last].x - last +
                                           (int)p.kernel[a] - 1 : 0;
