@@ -717,10 +717,6 @@ def _ext_problem(op, tensors, rpb, keys, values, opts):
     return problem, ops.select_backend(op, problem, _xp(q.device), backend)
 
 
-def _views(*tensors):
-    return [None if t is None else _view(t) for t in tensors]
-
-
 _TORCH_DTYPES = {numpy.dtype(numpy.float32): torch.float32,
                  numpy.dtype(numpy.float64): torch.float64}
 
@@ -748,8 +744,8 @@ def _fused_forward_ext_impl(q: Tensor, k: Tensor, v: Tensor, rpb: Optional[Tenso
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
     with _on_torch_stream(q.device), _torch_workspaces(q.device):
-        qa, ka, va, oa, la, ra, xk, xv = _views(q, k, v, out, lse, rpb, additional_keys,
-                                                additional_values)
+        qa, ka, va, oa, la, ra, xk, xv = map(_view, (q, k, v, out, lse, rpb, additional_keys,
+                                                  additional_values))
         ops.run_fused_forward(problem, be, qa, ka, va, oa, la, ra,
                               None if xk is None else (xk, xv))
     return out, lse
@@ -784,9 +780,9 @@ def _fused_backward_ext_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                                additional_values, opts)
     grads = _ext_grads_like(q, k, v, rpb, additional_keys, additional_values)
     with _on_torch_stream(q.device), _torch_workspaces(q.device):
-        arrays = _views(*tensors, *grads[:3])
-        ra, xk, xv = _views(rpb, additional_keys, additional_values)
-        g_rpb, g_xk, g_xv = _views(*grads[3:])
+        arrays = map(_view, (*tensors, *grads[:3]))
+        ra, xk, xv = map(_view, (rpb, additional_keys, additional_values))
+        g_rpb, g_xk, g_xv = map(_view, grads[3:])
         ops.run_fused_backward(problem, be, *arrays, ra, None if ra is None else g_rpb,
                                None if xk is None else (xk, xv),
                                None if xk is None else (g_xk, g_xv))

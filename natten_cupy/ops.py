@@ -79,7 +79,7 @@ def run_fused_forward(problem, backend, q, k, v, out, lse, rpb=None, extra=None)
         backend.fused_forward(problem.without_extra(), q, k, v, out, lse, **kwargs)
         _extra.merge_into(problem, q, *extra, out, lse)
         return
-    backend.fused_forward(problem.without_extra(), q, k, v, out, lse, **kwargs)
+    backend.fused_forward(problem, q, k, v, out, lse, **kwargs)   # no tokens to take
 
 
 def run_fused_backward(problem, backend, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None,
@@ -104,8 +104,7 @@ def run_fused_backward(problem, backend, d_out, q, k, v, out, lse, dq, dk, dv, r
                                **kwargs)
         _extra.add_grads(problem, d_out, q, *extra, out, lse, dq, *d_extra)
         return
-    backend.fused_backward(problem.without_extra(), q, k, v, out, lse, d_out, dq, dk, dv,
-                           **kwargs)
+    backend.fused_backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, **kwargs)
 
 
 def run_qk(problem, backend, q, k, rpb, attn):
