@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -121,6 +122,12 @@ def main(argv=None):
         # goes: a rank tearing gloo down while another still talks to it can abort at exit
         dist.barrier()
         dist.destroy_process_group()
+        # Under load, torch's gloo threads can still be torn down by the interpreter's exit
+        # ("terminate called without an active exception", an abort after all work is done);
+        # leave without running those destructors once everything is written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
