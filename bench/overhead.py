@@ -68,6 +68,18 @@ def main(argv=None):
         out = nt.na2d(*tl, KERNEL)
         out.backward(tdo)
 
+    # a relative positional bias and additional tokens (the ext ops), with gradients
+    rpb = torch.randn((SHAPE[3], 2 * KERNEL - 1, 2 * KERNEL - 1), device=dev,
+                      dtype=torch.float16, requires_grad=True)
+    xk, xv = (torch.randn((SHAPE[0], 4, SHAPE[3], SHAPE[4]), device=dev, dtype=torch.float16,
+                          requires_grad=True) for _ in range(2))
+
+    def layer_rpb_fwd_bwd():
+        nt.na2d(*tl, KERNEL, rpb=rpb).backward(tdo)
+
+    def layer_tokens_fwd_bwd():
+        nt.na2d(*tl, KERNEL, additional_keys=xk, additional_values=xv).backward(tdo)
+
     compiled = torch.compile(lambda q, k, v: nt.na2d(q, k, v, KERNEL), fullgraph=True)
 
     ks3 = [KERNEL, KERNEL]
@@ -93,6 +105,13 @@ def main(argv=None):
         ("torch layer: forward (no grad)", lambda: nt.na2d(tq, tk, tv, KERNEL)),
         ("torch layer: forward (requires grad)", lambda: nt.na2d(*tl, KERNEL)),
         ("torch layer: forward + backward", layer_fwd_bwd),
+        ("torch layer, rpb: forward (no grad)",
+         lambda: nt.na2d(tq, tk, tv, KERNEL, rpb=rpb.detach())),
+        ("torch layer, rpb: forward + backward", layer_rpb_fwd_bwd),
+        ("torch layer, 4 additional tokens: forward (no grad)",
+         lambda: nt.na2d(tq, tk, tv, KERNEL, additional_keys=xk.detach(),
+                         additional_values=xv.detach())),
+        ("torch layer, 4 additional tokens: forward + backward", layer_tokens_fwd_bwd),
         ("torch.compile(fullgraph): forward", lambda: compiled(*tl)),
         ("torch.compile(fullgraph): forward + backward", lambda: compiled(*tl).backward(tdo)),
         ("array API, CuPy: forward, tile=autotune",

@@ -27,8 +27,9 @@ from ._dtypes import accumulator_dtype, canonical_dtype
 from ._launch import Plan, _recorders, profiling
 from ._operands import Layout, rows_ready
 
-__all__ = ["enabled", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
-           "av_backward", "torch_entry", "run_torch_call", "clear", "entries"]
+__all__ = ["enabled", "fused_forward", "fused_backward", "fused_forward_ext",
+           "fused_backward_ext", "ext_order", "ext_outputs", "ext_served", "qk", "av",
+           "qk_backward", "av_backward", "torch_entry", "run_torch_call", "clear", "entries"]
 
 enabled = os.environ.get("NATTEN_CUPY_FAST_PATH", "1") != "0"
 
@@ -131,9 +132,9 @@ class Entry:
     workspaces."""
 
     __slots__ = ("problem", "plan", "calls", "device", "copies", "outputs", "workspaces",
-                 "workspace_bytes", "torch_out", "torch_device")
+                 "workspace_bytes", "torch_out", "torch_device", "order")
 
-    def __init__(self, problem, plan, device, copies, outputs, workspaces):
+    def __init__(self, problem, plan, device, copies, outputs, workspaces, order=None):
         self.problem = problem
         self.plan = plan
         self.calls = tuple(c for c in plan.calls if not c.empty)   # launched in this order
@@ -144,6 +145,9 @@ class Entry:
         self.workspace_bytes = tuple(_nbytes(s, d) for s, d in workspaces)
         self.torch_out = None         # (shape, torch dtype) per output and per workspace
         self.torch_device = None      # their torch.device
+        # The plan's operands as indices into (inputs, outputs, workspaces), where they are
+        # not in that order (the ops with a bias or additional tokens); None: as they are.
+        self.order = order
 
 
 def _nbytes(shape, dtype):
@@ -165,10 +169,12 @@ def _device(fam, x):
     return x.data.device_id if fam == "cupy" else x.device.index
 
 
-def _build(op, problem, backend, fam, inputs, outputs):
+def _build(op, problem, backend, fam, inputs, outputs, order=None, rows=None):
     """The Entry of a validated call, or _SLOW (None: not yet, see autotune). ``inputs``:
-    the op's input arrays in plan order (None for an absent optional one); ``outputs``:
-    (shape, numpy dtype) each."""
+    the op's input arrays (None for an absent optional one); ``outputs``: (shape, numpy
+    dtype) each. The plan takes the inputs then the outputs, or with ``order`` the operands
+    at those indices of (inputs, outputs) (see ``ext_order``); ``rows``: the inputs read by
+    16-byte rows (default: the backend's ``ROW_INPUTS`` of ``op``)."""
     planner = getattr(backend, "plan", None)
     present = [x for x in inputs if x is not None]
     if planner is None or profiling():
@@ -184,20 +190,28 @@ def _build(op, problem, backend, fam, inputs, outputs):
     _bind(fam)
     device = _device(fam, present[0])
     layouts = [None if x is None else _layout(fam, x) for x in inputs]
-    copies = tuple(i for i in backend.ROW_INPUTS[op] if not rows_ready(layouts[i]))
+    rows = backend.ROW_INPUTS[op] if rows is None else rows
+    copies = tuple(i for i in rows if not rows_ready(layouts[i]))
     layouts = [Layout.contiguous(lay.shape, lay.dtype) if i in copies else lay
                for i, lay in enumerate(layouts)]
     layouts += [Layout.contiguous(s, d) for s, d in outputs]
     if problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
+        if order is not None:
+            return _SLOW   # (a bias's gradient is zeroed there: the general path does it)
         e = Entry(problem, Plan(()), device, (), tuple(outputs), ())
     else:
         import cupy
+        if order is not None:
+            layouts = [layouts[i] for i in order]
         with cupy.cuda.Device(device):
             plan = planner(op, problem, layouts)
             if plan is None:
                 return _SLOW
             plan.prepare()
-        e = Entry(problem, plan, device, copies, tuple(outputs), plan.workspaces)
+        if order is not None:   # then the workspaces, after the inputs and outputs
+            n = len(inputs) + len(outputs)
+            order = tuple(order) + tuple(range(n, n + len(plan.workspaces)))
+        e = Entry(problem, plan, device, copies, tuple(outputs), plan.workspaces, order)
     if fam == "torch":
         e.torch_out = _torch_specs(e.outputs + e.workspaces)
         e.torch_device = present[0].device
@@ -267,6 +281,8 @@ def _run_cupy(e, inputs):
     if e.workspace_bytes:   # (kept alive until the kernels are queued)
         ws = [_cupy_alloc(n) for n in e.workspace_bytes]
         ptrs += [m.ptr for m in ws]
+    if e.order is not None:
+        ptrs = [ptrs[i] for i in e.order]
     stream = _cupy_stream(e.device).ptr
     for c in e.calls:
         c(ptrs, stream)
@@ -297,6 +313,8 @@ def run_torch(e, inputs):
         empty, dev = _torch_empty, e.torch_device
         made = [empty(s, dtype=d, device=dev) for s, d in e.torch_out]
     ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *made)]
+    if e.order is not None:
+        ptrs = [ptrs[i] for i in e.order]
     stream = _torch_stream(e.device)
     for c in e.calls:
         c(ptrs, stream)
@@ -325,14 +343,15 @@ def _select(op, problem, named, backend):
     return ops.select_backend(op, problem, array_module(named), backend)
 
 
-def _call(op, rank, names, arrays, options, backend, first):
+def _call(op, rank, names, arrays, options, backend, first, tag=None):
     """One array-level call through the fast path: the outputs (a list), or None where the
     general path must run it. ``first(rank, arrays, options)``, on a signature's first
     call, validates (raising what the general path raises) and returns the problem and the
-    outputs' (shape, numpy dtype)."""
+    outputs' (shape, numpy dtype), or with the plan's operand order and row inputs too
+    (``ext_order``). ``tag``: the signature's op name where it is not ``op``."""
     if not enabled:
         return None
-    fam, key = _signature(op, rank, arrays, options)
+    fam, key = _signature(tag or op, rank, arrays, options)
     if key is None:
         return None
     try:
@@ -355,9 +374,12 @@ def _first_call(op, rank, fam, names, arrays, options, backend, first):
     """The Entry for a signature's first call (_SLOW for mixed frameworks), or None."""
     if any(x is not None and _family(x) != fam for x in arrays):
         return _SLOW
-    problem, outputs = first(rank, arrays, options)
+    got = first(rank, arrays, options)
+    if got is None:
+        return _SLOW
+    problem, outputs, *shape = got
     be = _select(op, problem, list(zip(names, arrays)), backend)
-    return _build(op, problem, be, fam, arrays, outputs)
+    return _build(op, problem, be, fam, arrays, outputs, *shape)
 
 
 def _same(x, dt=None):
@@ -405,6 +427,82 @@ def _first_av_backward(rank, arrays, options):
     return problem, [_same(attn), _same(v)]
 
 
+# The fused ops with a relative positional bias and/or additional tokens take their inputs
+# as (q, k, v, rpb, keys, values) forward and (d_out, q, k, v, out, lse, rpb, keys, values)
+# backward, None for one not given, and give (out, lse) and (dq, dk, dv[, d_rpb][, d_keys,
+# d_values]); the plans take the operands in another order (``ext_order``).
+
+def ext_order(op, has_rpb, has_extra):
+    """(order, rows) of a fused op with a bias and/or additional tokens: the plan's operands
+    as indices into (inputs, outputs) (``backends.fused.plan``: forward q, k, v, out, lse
+    [, rpb] [, keys, values: then rpb's place is kept]; backward d_out, q, k, v, out, lse,
+    dq, dk, dv [, rpb, d_rpb] [, keys, values, d_keys, d_values]), and the inputs read by
+    16-byte rows. An absent rpb's place is taken by its input (None: a null pointer)."""
+    if op == "fused_forward":   # inputs 0-5, outputs out 6, lse 7
+        order = (0, 1, 2, 6, 7)
+        if has_extra:
+            order += (3, 4, 5)
+        elif has_rpb:
+            order += (3,)
+        return order, (0, 1, 2, 4, 5) if has_extra else (0, 1, 2)
+    # inputs 0-8, outputs dq 9, dk 10, dv 11, then d_rpb, then d_keys, d_values
+    order = (0, 1, 2, 3, 4, 5, 9, 10, 11)
+    grad = 12
+    if has_rpb:
+        order += (6, grad)
+        grad += 1
+    elif has_extra:
+        order += (6, 6)
+    if has_extra:
+        order += (7, 8, grad, grad + 1)
+    return order, (0, 1, 2, 3, 4, 7, 8) if has_extra else (0, 1, 2, 3, 4)
+
+
+def ext_outputs(op, problem, inputs):
+    """The outputs' (shape, numpy dtype) of a fused op with a bias and/or tokens."""
+    if op == "fused_forward":
+        q, v = inputs[0], inputs[2]
+        return [(tuple(q.shape[:-1]) + (v.shape[-1],), problem.dtype),
+                (tuple(q.shape[:-1]), accumulator_dtype(problem.dtype))]
+    q, k, v, _, _, rpb, keys, values = inputs[1:]
+    grads = [_same(q), _same(k), _same(v)]
+    if rpb is not None:
+        grads.append(_same(rpb))
+    if keys is not None:
+        grads += [_same(keys, problem.dtype), _same(values, problem.dtype)]
+    return grads
+
+
+def ext_served(problem, keys):
+    """Whether one plan runs an ext call: not where the general path zeroes gradients (no
+    query tokens; additional tokens of length 0 or no heads)."""
+    return problem.num_tokens > 0 and (keys is None or problem.has_extra)
+
+
+def _first_ext(op):
+    """The first-call function of a fused op with a bias and/or tokens (returning None where
+    ``ext_served`` says no)."""
+    def first(rank, arrays, options):
+        if op == "fused_forward":
+            q, k, v, rpb, keys, values = arrays
+            problem = _args.check_fused(rank, q, k, v, *options, rpb, keys, values)
+        else:
+            d_out, q, k, v, out, lse, rpb, keys, values = arrays
+            problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, *options, rpb,
+                                                 keys, values)
+        if not ext_served(problem, keys):
+            return None
+        order, rows = ext_order(op, rpb is not None, problem.has_extra)
+        return problem, ext_outputs(op, problem, arrays), order, rows
+    return first
+
+
+_EXT_NAMES = {"fused_forward": ("q", "k", "v", "rpb", "additional_keys", "additional_values"),
+              "fused_backward": ("d_out", "q", "k", "v", "out", "lse", "rpb",
+                                 "additional_keys", "additional_values")}
+_FIRST_EXT = {op: _first_ext(op) for op in _EXT_NAMES}
+
+
 def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
                   return_lse, allow_tf32, deterministic, tile):
     """``ops.fused_forward`` for a signature the fast path serves, else None."""
@@ -423,6 +521,30 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride, dilation
                 (d_out, q, k, v, out, lse),
                 (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
                  deterministic, tile), backend, _first_fused_backward)
+    return None if res is None else tuple(res)
+
+
+def fused_forward_ext(rank, q, k, v, rpb, keys, values, kernel_size, stride, dilation,
+                      is_causal, scale, backend, return_lse, allow_tf32, deterministic, tile):
+    """``ops.fused_forward`` with a bias and/or additional tokens, for a signature the fast
+    path serves, else None."""
+    res = _call("fused_forward", rank, _EXT_NAMES["fused_forward"], (q, k, v, rpb, keys, values),
+                (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+                 deterministic, tile), backend, _FIRST_EXT["fused_forward"], "fused_forward_ext")
+    if res is None:
+        return None
+    return tuple(res) if return_lse else res[0]
+
+
+def fused_backward_ext(rank, d_out, q, k, v, out, lse, rpb, keys, values, kernel_size, stride,
+                       dilation, is_causal, scale, backend, allow_tf32, deterministic, tile):
+    """``ops.fused_backward`` with a bias and/or additional tokens, for a signature the fast
+    path serves, else None: (dq, dk, dv[, d_rpb][, d_keys, d_values])."""
+    res = _call("fused_backward", rank, _EXT_NAMES["fused_backward"],
+                (d_out, q, k, v, out, lse, rpb, keys, values),
+                (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
+                 deterministic, tile), backend, _FIRST_EXT["fused_backward"],
+                "fused_backward_ext")
     return None if res is None else tuple(res)
 
 
@@ -458,14 +580,16 @@ def av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend,
 
 # ---- the torch layer --------------------------------------------------------------------
 
-def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
+def torch_entry(op, rank, tensors, options, problem_of, outputs_of, tag=None):
     """The Entry for a torch-layer call on CUDA tensors (``problem_of()`` validates and
     returns (problem, backend) on the first call of a signature; ``outputs_of(problem)``
-    gives the outputs' (shape, numpy dtype)), or None."""
+    gives the outputs' (shape, numpy dtype), or those with the plan's operand order and row
+    inputs (``ext_order``), or None where the fast path does not serve it), or None.
+    ``tag``: the signature's op name where it is not ``op``."""
     if not enabled or _recorders:   # (``profiling()``, without the call)
         return None
     try:   # (``_torch_sigs``' tuples, written out: one Python call fewer)
-        key = (op, rank, *[None if x is None else
+        key = (tag or op, rank, *[None if x is None else
                            (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
                             x.requires_grad, x.is_neg()) for x in tensors],
                _options_key(options))
@@ -474,9 +598,15 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of):
         return None
     if e is None:
         problem, be = problem_of()
-        e = _build(op, problem, be, "torch", tensors, outputs_of(problem))
-        if e is None:
-            return None
+        shape = outputs_of(problem)
+        if shape is None:
+            e = _SLOW
+        else:
+            if isinstance(shape, list):
+                shape = (shape,)
+            e = _build(op, problem, be, "torch", tensors, *shape)
+            if e is None:
+                return None
         _remember(key, e)
     return None if e is _SLOW else e
 

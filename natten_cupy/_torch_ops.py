@@ -815,6 +815,34 @@ def lse_grads_ext(q, k, v, out, lse, rpb, keys, values, d_lse, opts):
             None if values is None else torch.zeros_like(values))
 
 
+def _ext_grads(saved, opts, d_out, d_lse, warm=None):
+    """The gradients (dq, dk, dv, d_rpb, d_keys, d_values; None for an input not given) of
+    the ext forward from those of out and lse; ``opts``: the ops' option arguments; ``warm``:
+    a fast-path entry of the backward that serves out's gradient."""
+    q, k, v, rpb, keys, values, out, lse = saved
+    grads = None
+    if d_out is not None:
+        if warm is not None:
+            got = iter(_fast.run_torch_call(warm, (d_out, q, k, v, out, lse, rpb, keys,
+                                                   values)))
+            grads = [next(got), next(got), next(got), None if rpb is None else next(got)]
+            grads += [None, None] if keys is None else [next(got), next(got)]
+        else:
+            grads = _backward_ops_call(_fused_backward_ext, (d_out, q, k, v, out, lse, rpb,
+                                                             keys, values, *opts))
+    if d_lse is not None:
+        more = lse_grads_ext(q, k, v, out, lse, rpb, keys, values, d_lse, opts)
+        grads = more if grads is None else tuple(
+            b if a is None else a if b is None else a + b for a, b in zip(grads, more))
+    if grads is None:
+        return (None,) * 6
+    grads = list(grads)
+    for i, x in ((3, rpb), (4, keys), (5, values)):   # inputs not given: no gradient
+        if x is None:
+            grads[i] = None
+    return tuple(grads)
+
+
 class _FusedExtOp(torch.autograd.Function):
     """Autograd of ``na_fused_forward_ext``: gradients for q, k, v, rpb and the additional
     tokens, from out and lse."""
@@ -833,23 +861,65 @@ class _FusedExtOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, rpb, keys, values, out, lse = ctx.saved_tensors
-        opts = ctx.options
-        grads = None
+        return (*_ext_grads(ctx.saved_tensors, ctx.options, d_out, d_lse), None, None)
+
+
+# ---- warm eager calls of the ext ops ------------------------------------------------------
+
+def _ext_entry(op, tensors, options):
+    """The fast-path entry of an ext op on CUDA tensors (``tensors``: the ext op's inputs,
+    None where not given; ``options``: (rank, kernel_size, stride, dilation, is_causal,
+    scale, backend, allow_tf32, deterministic, tile) as the caller gave them), or None."""
+    rank = options[0]
+    rpb, keys, values = tensors[-3:]
+
+    def problem_of():
+        opts = _op_options(options)
+        return _ext_problem(op, tensors[:-3], rpb, keys, values, opts)
+
+    def outputs_of(problem):
+        if not _fast.ext_served(problem, keys):
+            return None   # the op zeroes the gradients there
+        order, rows = _fast.ext_order(op, rpb is not None, problem.has_extra)
+        return _fast.ext_outputs(op, problem, tensors), order, rows
+
+    return _fast.torch_entry(op, rank, tensors, options, problem_of, outputs_of, op + "_ext")
+
+
+class FusedExtNA(torch.autograd.Function):
+    """Eager fused NA with a bias and/or additional tokens on CUDA tensors through the fast
+    path (``_FusedExtOp`` without the op's dispatch and per-call validation); returns (out,
+    lse), gradients from both."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rpb, keys, values, entry, options):
+        out, lse = _fast.run_torch_call(entry, (q, k, v, rpb, keys, values))
+        ctx.save_for_backward(q, k, v, rpb, keys, values, out, lse)
+        ctx.options = options
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        saved = ctx.saved_tensors
+        warm = None
         if d_out is not None:
-            grads = _backward_ops_call(_fused_backward_ext, (d_out, q, k, v, out, lse, rpb, keys,
-                                                             values, *opts))
-        if d_lse is not None:
-            more = lse_grads_ext(q, k, v, out, lse, rpb, keys, values, d_lse, opts)
-            grads = more if grads is None else tuple(
-                a if b is None else a + b for a, b in zip(grads, more))
-        if grads is None:
-            return (None,) * 8
-        grads = list(grads)
-        for i, x in ((3, rpb), (4, keys), (5, values)):   # inputs not given: no gradient
-            if x is None:
-                grads[i] = None
-        return (*grads, None, None)
+            q, k, v, rpb, keys, values, out, lse = saved
+            warm = _ext_entry("fused_backward", (d_out, q, k, v, out, lse, rpb, keys, values),
+                              ctx.options)
+        return (*_ext_grads(saved, _op_options(ctx.options), d_out, d_lse, warm), None, None)
+
+
+def fused_ext_eager(q, k, v, rpb, keys, values, options):
+    """(out, lse) of an eager ext call through the fast path, or None where it does not
+    serve the call (``options`` as ``_ext_entry`` takes them)."""
+    e = _ext_entry("fused_forward", (q, k, v, rpb, keys, values), options)
+    if e is None:
+        return None
+    if _grad_enabled() and _any_requires_grad(
+            *[x for x in (q, k, v, rpb, keys, values) if x is not None]):
+        return FusedExtNA.apply(q, k, v, rpb, keys, values, e, options)
+    return tuple(_fast.run_torch_call(e, (q, k, v, rpb, keys, values)))
 
 
 def _fused_forward_ext_autograd(q, k, v, rpb, keys, values, kernel_size, stride, dilation,

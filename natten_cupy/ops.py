@@ -135,12 +135,15 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
                   scale=None, backend="auto", return_lse=False, allow_tf32=False,
                   deterministic=False, tile=None, rpb=None, additional_keys=None,
                   additional_values=None):
-    plain = rpb is None and additional_keys is None and additional_values is None
-    if plain:
+    if rpb is None and additional_keys is None and additional_values is None:
         hit = _fast.fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal,
                                   scale, backend, return_lse, allow_tf32, deterministic, tile)
-        if hit is not None:
-            return hit
+    else:
+        hit = _fast.fused_forward_ext(rank, q, k, v, rpb, additional_keys, additional_values,
+                                      kernel_size, stride, dilation, is_causal, scale, backend,
+                                      return_lse, allow_tf32, deterministic, tile)
+    if hit is not None:
+        return hit
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                                 backend, allow_tf32, deterministic, tile, rpb,
                                 additional_keys, additional_values)
@@ -164,13 +167,17 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
                    is_causal=False, scale=None, backend="auto", allow_tf32=False,
                    deterministic=False, tile=None, rpb=None, additional_keys=None,
                    additional_values=None):
-    plain = rpb is None and additional_keys is None and additional_values is None
-    if plain:
+    if rpb is None and additional_keys is None and additional_values is None:
         hit = _fast.fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                    dilation, is_causal, scale, backend, allow_tf32,
                                    deterministic, tile)
-        if hit is not None:
-            return hit
+    else:
+        hit = _fast.fused_backward_ext(rank, d_out, q, k, v, out, lse, rpb, additional_keys,
+                                       additional_values, kernel_size, stride, dilation,
+                                       is_causal, scale, backend, allow_tf32, deterministic,
+                                       tile)
+    if hit is not None:
+        return hit
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                          dilation, is_causal, scale, backend, allow_tf32,
                                          deterministic, tile, rpb, additional_keys,

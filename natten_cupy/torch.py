@@ -23,7 +23,8 @@ from torch import nn
 
 from . import _AXES, _args
 from ._torch_ops import (AV, QK, FusedNA, _av, _check_tensors, _forward_entry, _fused_forward,
-                         _fused_forward_ext, _qk, _unfused_entry, per_axis, tile_text)
+                         _fused_forward_ext, _qk, _unfused_entry, fused_ext_eager, per_axis,
+                         tile_text)
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",
@@ -85,6 +86,12 @@ def _na(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
     always carry it: an unused lse costs nothing there); ``rpb``: a relative positional
     bias, ``keys``/``values``: additional tokens, with their gradients."""
     if rpb is not None or keys is not None or values is not None:
+        if _validating():
+            got = fused_ext_eager(q, k, v, rpb, keys, values,
+                                  (rank, kernel_size, stride, dilation, is_causal, scale,
+                                   backend, allow_tf32, deterministic, tile))
+            if got is not None:
+                return got
         ks, st, dl, ca = per_axis(rank, kernel_size, dilation, is_causal, stride)
         return _fused_forward_ext(q, k, v, rpb, keys, values, ks, st, dl, ca,
                                   None if scale is None else float(scale), backend,

@@ -190,13 +190,15 @@ def _warm(fn, steps=3):
     torch.cuda.synchronize()
 
 
-def test_training_step_in_a_torch_cuda_graph():
+@pytest.mark.parametrize("rel_pos_bias", [False, True])
+def test_training_step_in_a_torch_cuda_graph(rel_pos_bias):
     """A NeighborhoodAttention2D training step (forward, backward, optimizer) captured in a
-    CUDA graph and replayed gives the gradients and parameters of eager steps."""
+    CUDA graph and replayed gives the gradients and parameters of eager steps (with a
+    relative positional bias: the ext ops' warm calls)."""
     from natten_cupy.torch import NeighborhoodAttention2D
     torch.manual_seed(0)
-    model = NeighborhoodAttention2D(dim=64, num_heads=2, kernel_size=5, dilation=(1, 2)).cuda()
-    twin = NeighborhoodAttention2D(dim=64, num_heads=2, kernel_size=5, dilation=(1, 2)).cuda()
+    model, twin = (NeighborhoodAttention2D(dim=64, num_heads=2, kernel_size=5, dilation=(1, 2),
+                                           rel_pos_bias=rel_pos_bias).cuda() for _ in range(2))
     twin.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
@@ -397,3 +399,114 @@ def test_torch_lse_and_extra_tokens_match_float64(dtype):
         for g, w in zip(got, want):
             err = (g - w).abs().max() / w.abs().max()
             assert err < tol, (dtype, float(err))
+
+
+# ---- a relative positional bias and additional tokens (the ext ops) ----------------------
+
+EXT_CASES = [  # (rank, spatial, kernel, options, with rpb, tokens T, their heads H_x)
+    (1, (37,), 7, {"is_causal": True}, True, 0, 0),
+    (2, (13, 11), (5, 3), {"dilation": (1, 2)}, True, 0, 0),
+    (3, (5, 7, 6), (3, 3, 3), {"is_causal": (True, False, False)}, True, 0, 0),
+    (2, (12, 11), 5, {"is_causal": (True, False)}, False, 7, 2),
+    (3, (5, 7, 6), (3, 3, 4), {"stride": (1, 2, 1)}, False, 5, 1),
+    (2, (9, 10), 3, {}, True, 4, 2),     # both: tokens merged in array math (general path)
+    (1, (20,), 5, {}, False, 0, 2),      # T = 0: the general path zeroes their gradients
+]
+SERVED = {0, 1, 2, 3, 4}   # EXT_CASES the warm calls run from one plan
+
+
+def _ext_inputs(case, dtype, device="cuda", heads=2, dim=32):
+    rank, spatial, kernel, opts, with_rpb, T, hx = case
+    gen = torch.Generator().manual_seed(11)
+    make = lambda *shape: torch.randn(shape, generator=gen).to(device, dtype)   # noqa: E731
+    q, k, v, d_out = (make(2, *spatial, heads, dim) for _ in range(4))
+    ks = (kernel,) * rank if isinstance(kernel, int) else kernel
+    rpb = make(heads, *(2 * n - 1 for n in ks)) if with_rpb else None
+    keys, values = (make(2, T, hx, dim), make(2, T, hx, dim)) if hx else (None, None)
+    return q, k, v, d_out, rpb, keys, values
+
+
+def _served_entries():
+    return sum(e is not _fast._SLOW for e in _fast._entries.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ci", range(len(EXT_CASES)))
+def test_torch_layer_ext_eager_equals_custom_op(monkeypatch, ci, dtype):
+    """Warm eager calls with a bias and/or tokens give what the ext ops give, bit for bit:
+    out, lse and the gradients of q, k, v, rpb and the tokens (from out's gradient, and
+    from lse's too, which takes the ops' backward)."""
+    from natten_cupy import torch as nt
+    case = EXT_CASES[ci]
+    rank, _, kernel, opts = case[:4]
+    if dtype == torch.float32:
+        opts = dict(opts, allow_tf32=True)   # (exact float32 fused kernels take no bias)
+    q, k, v, d_out, rpb, keys, values = _ext_inputs(case, dtype)
+    fn = getattr(nt, f"na{rank}d")
+
+    def run(with_lse):
+        leaves = [None if x is None else x.detach().clone().requires_grad_()
+                  for x in (q, k, v, rpb, keys, values)]
+        out, lse = fn(*leaves[:3], kernel, rpb=leaves[3], additional_keys=leaves[4],
+                      additional_values=leaves[5], return_lse=True, **opts)
+        loss = (out * d_out).sum() + (lse.sum() * 0.5 if with_lse else 0)
+        loss.backward()
+        return [out.detach(), lse.detach()] + [x.grad for x in leaves if x is not None]
+
+    for with_lse in (False, True):
+        _fast.clear()
+        runs = [run(with_lse) for _ in range(2)]
+        entries = _fast.entries()
+        runs.append(run(with_lse))
+        assert _fast.entries() == entries, "a warm call adds no entry"
+        assert _served_entries() == (2 if ci in SERVED else 0)   # forward and backward
+        with monkeypatch.context() as m:
+            _general(m)
+            want = run(with_lse)
+        for got in runs:
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g is not None and g.dtype == w.dtype and g.shape == w.shape
+                assert not torch.isnan(g).any()
+                assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("ci", range(len(EXT_CASES)))
+def test_array_api_ext_fast_equals_general(monkeypatch, ci, framework):
+    """The array API's warm calls with a bias and/or tokens (CuPy arrays and torch tensors,
+    inputs misaligned by 2 bytes where given as CuPy: copied first) equal the general path."""
+    import cupy
+    case = EXT_CASES[ci]
+    rank, _, kernel, opts = case[:4]
+    tensors = _ext_inputs(case, torch.float16)
+    if framework == "cupy":
+        def misaligned(t):
+            x = cupy.asarray(t)
+            buf = cupy.empty(x.size + 8, dtype=x.dtype)
+            y = buf[1:1 + x.size].reshape(x.shape)
+            y[...] = x
+            return y
+        tensors = [None if t is None else (misaligned(t) if i in (1, 5) else cupy.asarray(t))
+                   for i, t in enumerate(tensors)]
+    q, k, v, d_out, rpb, keys, values = tensors
+    fwd, bwd = _call(rank)
+    kw = dict(rpb=rpb, additional_keys=keys, additional_values=values, **opts)
+
+    def run():
+        out, lse = fwd(q, k, v, kernel, return_lse=True, **kw)
+        return (out, lse, *bwd(d_out, q, k, v, out, lse, kernel, **kw))
+
+    _fast.clear()
+    got = [run(), run()]
+    assert _served_entries() == (2 if ci in SERVED else 0)
+    with monkeypatch.context() as m:
+        _general(m)
+        want = run()
+    bits = (lambda x: x.view(f"u{x.dtype.itemsize}")) if framework == "cupy" else \
+        (lambda x: x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32))
+    for g_run in got:
+        assert len(g_run) == len(want)
+        for g, w in zip(g_run, want):
+            assert type(g) is type(w) and tuple(g.shape) == tuple(w.shape)
+            assert bool((bits(g) == bits(w)).all())

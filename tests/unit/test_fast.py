@@ -278,3 +278,38 @@ def test_warm_torch_call_allocates_like_torch_empty(monkeypatch):
         assert got[:4] == [first.data_ptr(), x.data_ptr(), outs[0].data_ptr(),
                            outs[1].data_ptr()]
         assert calls[-1]["stream"] == 9
+
+
+@pytest.mark.parametrize("op", ["fused_forward", "fused_backward"])
+@pytest.mark.parametrize("has_rpb,has_extra", [(True, False), (False, True), (True, True)])
+def test_ext_order_is_the_general_paths_operand_order(monkeypatch, op, has_rpb, has_extra):
+    """The warm ext calls hand the plan the operands the general path (``_operands``) hands
+    it, in its order, and copy the inputs it makes ready: both read off that path itself."""
+    from natten_cupy import _operands
+    made_ready, seen = [], []
+    monkeypatch.setattr(_operands, "ready_inputs", lambda xs: made_ready.extend(xs) or list(xs))
+    monkeypatch.setattr(_operands, "writable_outputs", lambda xs: list(xs))
+    monkeypatch.setattr(_operands, "_layouts", lambda xs: list(xs))
+    monkeypatch.setattr(_operands, "_workspaces", lambda plan: ())
+    monkeypatch.setattr(_operands, "copy_back", lambda *a: None)
+    monkeypatch.setattr(_launch, "run_plan_on", lambda plan, arrays: None)
+
+    def plan(problem, *layouts):
+        seen.append(layouts)
+    rpb = "rpb" if has_rpb else None
+    keys, values = ("keys", "values") if has_extra else (None, None)
+    if op == "fused_forward":
+        inputs, outputs = ["q", "k", "v", rpb, keys, values], ["out", "lse"]
+        _operands.run_forward(plan, None, "q", "k", "v", "out", "lse", rpb,
+                              (keys, values) if has_extra else None)
+    else:
+        inputs = ["d_out", "q", "k", "v", "out", "lse", rpb, keys, values]
+        outputs = ["dq", "dk", "dv"] + ["d_rpb"] * has_rpb + ["d_keys", "d_values"] * has_extra
+        _operands.run_backward(plan, None, "q", "k", "v", "out", "lse", "d_out", "dq", "dk",
+                               "dv", rpb, "d_rpb" if has_rpb else None,
+                               (keys, values) if has_extra else None,
+                               ("d_keys", "d_values") if has_extra else None)
+    order, rows = _fast.ext_order(op, has_rpb, has_extra)
+    names = inputs + outputs
+    assert len(seen) == 1 and tuple(names[i] for i in order) == tuple(seen[0])
+    assert sorted(names[i] for i in rows) == sorted(x for x in made_ready if x is not None)

@@ -112,14 +112,21 @@ def refuse(op, problem):
 
 # Inputs (in plan order) the kernels read by 16-byte rows; the fast path copies those that
 # cannot be read as they are (lse, read element-wise, is not among them).
-ROW_INPUTS = {"fused_forward": (0, 1, 2), "fused_backward": (0, 1, 2, 3, 4)}
+ROW_INPUTS = {"fused_forward": (0, 1, 2), "fused_backward": (0, 1, 2, 3, 4)}   # (plain ops)
 
 
 def plan(op, problem, layouts):
     """The launch Plan of ``op`` on the current device for operand layouts: (q, k, v, out,
-    lse) forward, (d_out, q, k, v, out, lse, dq, dk, dv) backward; None if an operand must
-    first be copied. ``problem.tile`` must not be "autotune" (see ``tuned``)."""
-    part = _part(_parts_for(op, problem))
+    lse) forward, (d_out, q, k, v, out, lse, dq, dk, dv) backward, then with a bias or
+    additional tokens theirs as the mma.sync parts take them (``plan_forward``,
+    ``plan_backward`` there); None if an operand must first be copied, or for a bias or
+    tokens the chosen part does not take (tokens merged in array math: ``runs_extra``).
+    ``problem.tile`` must not be "autotune" (see ``tuned``)."""
+    name = _parts_for(op, problem)
+    if (problem.has_rpb or problem.has_extra) and (
+            name != _MMA_PART[op] or (problem.has_extra and not runs_extra(op, problem))):
+        return None
+    part = _part(name)
     if op == "fused_forward":
         return part.plan_forward(problem, *layouts)
     return part.plan_backward(problem, *layouts)
