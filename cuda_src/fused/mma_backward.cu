@@ -111,10 +111,15 @@ __device__ __forceinline__ void bwd_pass(
   // (lse_s and dlt_s take slab_rows floats each in the dK/dV pass only.)
   bwd::BiasDesc* bdesc =
       reinterpret_cast<bwd::BiasDesc*>(lse_s + (OwnerIsKey ? 2 * slab_rows : 0));
+  // The dK/dV pass copies a head's whole table; the dQ pass only the CTA's box of it (the
+  // offsets its queries reach, bg.dim), and sums dS into per-warp boxes (bg.wdim: the
+  // offsets of one warp's patch), added into the CTA's box at the end.
+  const int tab_n = OwnerIsKey ? bg.tvol : bg.vol, wbox = bg.wvol + 32;
   float* btab = reinterpret_cast<float*>(bdesc + kWarps * kNB);
-  float* bacc = btab + (bg.tvol + 1) / 2 * 2;         // kWarps boxes + 32 spare words each
-  float* dstile = bacc + kWarps * (bg.vol + 32);      // kWarps x 16 x kTileStride
+  float* bacc = btab + (tab_n + 1) / 2 * 2;           // kWarps boxes + 32 spare words each
+  float* dstile = bacc + kWarps * wbox;               // kWarps x 16 x kTileStride
   int* own_as = reinterpret_cast<int*>(dstile + kWarps * 16 * kTileStride);  // kWarps x 16
+  int* wshift = own_as + kWarps * 16;  // per warp, its box's origin minus the CTA box's (x 4)
 
   // ---- this warp's patch (tile and patch extents are powers of two: shifts, no divisions) ----
   int wpos[3];
@@ -189,31 +194,38 @@ __device__ __forceinline__ void bwd_pass(
     for (int i = 0; i < 16; i += inner[a] * patch[a]) rep[a] |= 1u << i;
   }
 
-  // Relative positional bias: per axis the table stride rs (of the shared-memory copy), the
-  // key side's part of an index is sum key * rs, the query side's sum (query - kernel + 1) *
-  // rs; with keys as owners both are negated, so that the index is always gathered part -
-  // owner part. The dQ pass's box part of an owner also subtracts the CTA's origin (times
-  // the box strides).
+  // Relative positional bias: per axis the stride rs of the shared-memory table; the key
+  // side's part of an index is sum key * rs, the query side's sum (query - kernel + 1) * rs
+  // (in the dQ pass plus the CTA box's origin: its copy holds the box only); with keys as
+  // owners both are negated, so that the index is always gathered part - owner part. The
+  // warps' accumulator boxes index the same way with their strides and origins.
   int own_t[2] = {0, 0};
+  int origin[3] = {0, 0, 0};  // dQ pass: table coordinates of the CTA box's first entry
   bwd::BiasDesc* wbdesc = bdesc + warp * kNB;
-  float* wacc = bacc + warp * (bg.vol + 32);
+  float* wacc = bacc + warp * wbox;
   float* wtile = dstile + warp * 16 * kTileStride;
   float* const wtl = wtile + group * kTileStride + quad * 2;  // this lane's tile entries
   int* wown = own_as + warp * 16;
-  auto rs = [&](int a) { return bg.tst[a]; };
-  // Copies query head hq's table into btab, in log2 units (the caller syncs before use).
+  auto rs = [&](int a) { return OwnerIsKey ? bg.tst[a] : bg.bst[a]; };
+  // Copies query head hq's table (the dK/dV pass) or the CTA's box of it (the dQ pass; zero
+  // past the table) into btab, in log2 units (the caller syncs before use).
   auto stage_bias = [&](int hq) {
-    for (int i = threadIdx.x; i < bg.tvol; i += kWarps * 32) {
-      const int o0 = i / bg.tst[0], r = i - o0 * bg.tst[0], o1 = r / bg.tst[1], o2 = r - o1 * bg.tst[1];
-      btab[i] = to_float(rpb[hq * p.rpb[0] + o0 * p.rpb[1] + o1 * p.rpb[2] + o2 * p.rpb[3]]) *
-                bwd::kLog2e;
+    const int* st = OwnerIsKey ? bg.tst : bg.bst;
+    for (int i = threadIdx.x; i < tab_n; i += kWarps * 32) {
+      const int u0 = i / st[0], r = i - u0 * st[0], u1 = r / st[1], u2 = r - u1 * st[1];
+      const int o0 = u0 + origin[0], o1 = u1 + origin[1], o2 = u2 + origin[2];
+      const bool in = o0 < 2 * (int)p.kernel[0] - 1 && o1 < 2 * (int)p.kernel[1] - 1 &&
+                      o2 < 2 * (int)p.kernel[2] - 1;
+      btab[i] = in ? to_float(rpb[hq * p.rpb[0] + o0 * p.rpb[1] + o1 * p.rpb[2] +
+                                  o2 * p.rpb[3]]) * bwd::kLog2e : 0.f;
     }
   };
   if constexpr (BIAS) {
-    int origin[3];
+    if (!OwnerIsKey) {
 #pragma unroll
-    for (int a = 0; a < 3; ++a)
-      origin[a] = ax[a].at(tab, last[a]).x - last[a] + (int)p.kernel[a] - 1;
+      for (int a = 0; a < 3; ++a)
+        origin[a] = ax[a].at(tab, last[a]).x - last[a] + (int)p.kernel[a] - 1;
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       int c[3];
@@ -221,18 +233,29 @@ __device__ __forceinline__ void bwd_pass(
 #pragma unroll
       for (int a = 0; a < 3; ++a) {
         if (OwnerIsKey) own_t[hh] -= c[a] * rs(a);
-        else own_t[hh] += (c[a] - (int)p.kernel[a] + 1) * rs(a);
+        else own_t[hh] += (c[a] - (int)p.kernel[a] + 1 + origin[a]) * rs(a);
       }
     }
     if (!OwnerIsKey) {
-      for (int i = threadIdx.x; i < kWarps * (bg.vol + 32); i += kWarps * 32) bacc[i] = 0.f;
-      // Box parts of the warp's 16 owner rows, for the column adds (lane r: row r).
+      for (int i = threadIdx.x; i < kWarps * wbox; i += kWarps * 32) bacc[i] = 0.f;
+      // The warp box's origin: the table coordinates its last owner reaches first (windows
+      // are monotone, so no earlier owner reaches lower); a patch past the group's end has
+      // no rows and keeps a zero box.
+      int worg[3];
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        const int wl = max(min(wpos[a] + patch[a] - 1, glen[a] - 1), 0);
+        worg[a] = wpos[a] < glen[a] ? ax[a].at(tab, wl).x - wl + (int)p.kernel[a] - 1
+                                    : origin[a];
+        if (lane == 0) wshift[warp * 4 + a] = worg[a] - origin[a];
+      }
+      // Warp-box parts of the warp's 16 owner rows, for the column adds (lane r: row r).
       if (lane < 16) {
         int c[3], a_part = 0;
         owner_coords(lane, c);
 #pragma unroll
         for (int a = 0; a < 3; ++a)
-          a_part += (c[a] - (int)p.kernel[a] + 1 + origin[a]) * bg.bst[a];
+          a_part += (c[a] - (int)p.kernel[a] + 1 + worg[a]) * bg.wbst[a];
         wown[lane] = a_part;
       }
     }
@@ -344,7 +367,7 @@ __device__ __forceinline__ void bwd_pass(
           bd.t -= (c[a] - (int)p.kernel[a] + 1) * rs(a);
         } else {
           bd.t += c[a] * rs(a);
-          bd.a += c[a] * bg.bst[a];
+          bd.a += c[a] * bg.wbst[a];
         }
       }
       wbdesc[lane] = bd;
@@ -408,7 +431,7 @@ __device__ __forceinline__ void bwd_pass(
           const int ga = wbdesc[lane].a;
 #pragma unroll 4
           for (int r = 0; r < 16; ++r) {
-            float* slot = (m >> r) & 1u ? wacc + (ga - wown[r]) : wacc + bg.vol + lane;
+            float* slot = (m >> r) & 1u ? wacc + (ga - wown[r]) : wacc + bg.wvol + lane;
             *slot += wtile[r * kTileStride + lane];
             __syncwarp();
           }
@@ -524,15 +547,24 @@ __device__ __forceinline__ void bwd_pass(
     }
   }
 
-  // dQ pass with bias: this CTA's box, the warps' copies summed in warp order.
+  // dQ pass with bias: this CTA's box, the warps' boxes (placed at their origins) summed
+  // in warp order.
   if constexpr (BIAS && !OwnerIsKey) {
     __syncthreads();
     if (col0 == 0) {
       float* dst = bias_part + ((i64)bh * bg.ctas + blockIdx.x) * bg.vol;
       for (int i = threadIdx.x; i < bg.vol; i += kWarps * 32) {
+        const int u0 = i / bg.bst[0], r = i - u0 * bg.bst[0], u1 = r / bg.bst[1],
+                  u2 = r - u1 * bg.bst[1];
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += bacc[w * (bg.vol + 32) + i];
+        for (int w = 0; w < kWarps; ++w) {
+          const int x0 = u0 - wshift[w * 4], x1 = u1 - wshift[w * 4 + 1],
+                    x2 = u2 - wshift[w * 4 + 2];
+          if (x0 >= 0 && x0 < bg.wdim[0] && x1 >= 0 && x1 < bg.wdim[1] && x2 >= 0 &&
+              x2 < bg.wdim[2])
+            v += bacc[w * wbox + x0 * bg.wbst[0] + x1 * bg.wbst[1] + x2];
+        }
         dst[i] = v;
       }
     }

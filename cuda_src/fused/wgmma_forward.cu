@@ -155,12 +155,42 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
                                           int lo, int head_dim, int tid) {
   constexpr int CPR = D / 8, STEP = NT / CPR;
   static_assert(NT % CPR == 0 && STEP % 8 == 0, "rows per pass must be a multiple of 8");
+  int org[3] = {0, 0, 0};
+  if (BOX && lo >= 0) G.box_origin(lo, org);
+  if constexpr (ROWS <= NT) {
+    if (lo >= 0) {  // a key tile: each row's coordinates and offsets once
+      copy_rows2<T, D, ROWS, NT>(dst0, base0, dst1, base1, head_dim, tid,
+                                 [&](int r, long long& o0, long long& o1) {
+        int c[3];
+        bool ok;
+        if (BOX) {
+          const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
+          ok = true;
+#pragma unroll
+          for (int a = 0; a < 3; ++a) {
+            c[a] = org[a] + l[a];
+            ok = ok && c[a] < G.rk[a];
+            c[a] += G.rs[a];
+          }
+        } else {
+          ok = lo + r < G.total;
+          G.key(lo + r, c);
+#pragma unroll
+          for (int a = 0; a < 3; ++a) c[a] += G.rs[a];
+        }
+        if (ok) {
+          o0 = G.offset(p, st0, c[0], c[1], c[2]);
+          o1 = G.offset(p, st1, c[0], c[1], c[2]);
+        }
+        return ok;
+      });
+      return;
+    }
+  }
   const int ch = tid % CPR;
   int r = tid / CPR;
   unsigned at = (ch / 8) * (ROWS * 128) + swz128(r, ch % 8);
   const bool col_ok = ch * 8 < head_dim;
-  int org[3] = {0, 0, 0};
-  if (BOX && lo >= 0) G.box_origin(lo, org);
 #pragma unroll 1
   for (; r < ROWS; r += STEP) {
     int c[3];

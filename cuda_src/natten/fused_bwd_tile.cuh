@@ -39,6 +39,9 @@ struct BiasGeom {
   int ctas;        // dQ CTAs of head-dim chunk 0 per (batch, head): tiles x dilation groups
   int tst[3];      // row-major strides of one head's table [2k-1, ...] (its shared-memory copy)
   int tvol;        // entries of one head's table
+  int wdim[3];     // one warp's accumulator box per axis (the offsets its patch reaches)
+  int wbst[3];     // its row-major strides (wbst[2] = 1)
+  int wvol;        // wdim[0] * wdim[1] * wdim[2]
 };
 
 // Owner rows of a 16-row patch whose position on one axis lies in [x, y): the patch is

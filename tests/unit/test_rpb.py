@@ -156,15 +156,19 @@ def test_a_bias_too_large_for_the_fused_backward_is_refused_by_size():
 
 
 def test_bias_geometry_matches_the_c_struct():
-    """bwd::BiasGeom: 21 int32s in these fields, in this order (fused_bwd_tile.cuh)."""
+    """bwd::BiasGeom: 28 int32s in these fields, in this order (fused_bwd_tile.cuh)."""
     from natten_cupy.backends.fused import mma_backward
     g = mma_backward.BIAS_GEOM
-    assert g.itemsize == 21 * 4
+    assert g.itemsize == 28 * 4
     assert list(g.names) == ["dim", "bst", "tile", "ntile", "tab_off", "vol", "ctas", "tst",
-                             "tvol"]
-    # The box of a 2-D 7x7 window over 8x8 dQ tiles: min(13, 7 + 8 - 1) = 13 per axis.
+                             "tvol", "wdim", "wbst", "wvol"]
+    # The box of a 2-D 7x7 window over 8x8 dQ tiles: min(13, 7 + 8 - 1) = 13 per axis; a
+    # warp's 4x4 patch: min(13, 7 + 4 - 1) = 10.
     assert mma_backward._bias_box(_problem()) == (13, 13, 1)
+    assert mma_backward._bias_box(_problem(), 1) == (10, 10, 1)
     assert mma_backward._bias_box(_problem(kernel=(255,), spatial=(1000,))) == (255 + 63, 1, 1)
+    assert mma_backward._bias_box(_problem(kernel=(255,), spatial=(1000,)), 1) == \
+        (255 + 15, 1, 1)
 
 
 def test_kernel_instantiations_with_a_bias_are_listed():

@@ -53,6 +53,23 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
                                      first, end, col_ok, ch, r);
     load_strided<T, ROWS, NT, D / 8>(dst1 + at, base1 + G.g[0] * st1[1], p.dilation[0] * st1[1],
                                      first, end, col_ok, ch, r);
+  } else if constexpr (ROWS <= NT) {  // each row's coordinates and offsets once
+    copy_rows2<T, D, ROWS, NT>(dst0, base0, dst1, base1, head_dim, tid,
+                               [&](int rr, long long& o0, long long& o1) {
+      int c[3];
+      bool ok;
+      if (flat < 0) {
+        G.owner(rr, c, ok);
+      } else {
+        ok = flat + rr < G.total;
+        G.other(flat + rr, c);
+      }
+      if (ok) {
+        o0 = G.offset(p, st0, c[0], c[1], c[2]);
+        o1 = G.offset(p, st1, c[0], c[1], c[2]);
+      }
+      return ok;
+    });
   } else {
 #pragma unroll 1
     for (; r < ROWS; r += STEP) {

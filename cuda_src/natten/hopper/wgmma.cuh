@@ -62,6 +62,40 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
+
+// Copies ROWS (at most NT) rows of two tensors into two swizzled ROWS x D tiles (layout
+// above) with each row's index math done once: ``row_offsets(r, o0, o1)`` gives row r's element
+// offsets in both tensors and whether it is a row to copy (else it is zero-filled, as are
+// columns at or past head_dim). Thread t copies 16-byte chunk t % (D / 8) of rows
+// t / (D / 8) + i * STEP; those of one warp are the 32 / CPR * ITER rows its lanes work out,
+// lane l the row STEP * (l / RPW) + RPW * warp + l % RPW, read by the copies through shuffles
+// (the per-row chain of multiplies otherwise runs once per chunk copy, CPR times a row).
+template <typename T, int D, int ROWS, int NT, typename RowOffsets>
+__device__ __forceinline__ void copy_rows2(unsigned dst0, const T* base0, unsigned dst1,
+                                           const T* base1, int head_dim, int tid,
+                                           const RowOffsets& row_offsets) {
+  constexpr int CPR = D / 8, RPW = 32 / CPR, STEP = NT / CPR, ITER = ROWS / STEP;
+  static_assert(32 % CPR == 0 && NT % 32 == 0 && ROWS % STEP == 0 && ROWS <= NT,
+                "one row per lane at most");
+  const int lane = tid % 32, warp = tid / 32;
+  long long m0 = 0, m1 = 0;
+  int mok = 0;
+  if (lane < ITER * RPW)
+    mok = row_offsets(STEP * (lane / RPW) + RPW * warp + lane % RPW, m0, m1) ? 1 : 0;
+  const int ch = tid % CPR;
+  unsigned at = (ch / 8) * (ROWS * 128) + swz128(tid / CPR, ch % 8);
+  const bool col_ok = ch * 8 < head_dim;
+#pragma unroll 4
+  for (int i = 0; i < ITER; ++i) {
+    const int src = RPW * i + lane / CPR;
+    const long long o0 = __shfl_sync(0xffffffffu, m0, src), o1 = __shfl_sync(0xffffffffu, m1, src);
+    const bool ok = __shfl_sync(0xffffffffu, mok, src) && col_ok;
+    cp_async16(dst0 + at, ok ? base0 + o0 + ch * 8 : base0, ok);
+    cp_async16(dst1 + at, ok ? base1 + o1 + ch * 8 : base1, ok);
+    at += STEP * 128;
+  }
+}
+
 // mbarrier (shared::cta): init by one thread, then a CTA barrier before any use.
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");

@@ -74,7 +74,8 @@ BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
                          ("tile", numpy.int32, (3,)), ("ntile", numpy.int32, (3,)),
                          ("tab_off", numpy.int32, (3,)), ("vol", numpy.int32),
                          ("ctas", numpy.int32), ("tst", numpy.int32, (3,)),
-                         ("tvol", numpy.int32)], align=True)
+                         ("tvol", numpy.int32), ("wdim", numpy.int32, (3,)),
+                         ("wbst", numpy.int32, (3,)), ("wvol", numpy.int32)], align=True)
 
 
 def _bias_table_dims(problem):
@@ -83,17 +84,20 @@ def _bias_table_dims(problem):
 
 
 def _bias_smem(problem):
-    """Shared memory of the bias parts per pass: {owners are keys: bytes}."""
-    entries = math.prod(_bias_table_dims(problem))
-    table = 4 * (entries + entries % 2) + KWARPS * KNB * 8   # (the boxes start 8-aligned)
-    # dQ pass: per warp a box (+ 32 spare words), a 16 x 40 dS tile and 16 owner-row parts.
-    boxes = KWARPS * 4 * (math.prod(_bias_box(problem)) + 32 + 16 * (KNB + 8) + 16)
-    return {True: table, False: table + boxes}
+    """Shared memory of the bias parts per pass: {owners are keys: bytes}. The dK/dV pass
+    holds a head's table, the dQ pass the CTA's box of it and per warp a box of its patch's
+    offsets (+ 32 spare words), a 16 x 40 dS tile, 16 owner-row parts and its box's shift."""
+    def padded(n):   # (the boxes start 8-aligned)
+        return 4 * (n + n % 2) + KWARPS * KNB * 8
+    table = padded(math.prod(_bias_table_dims(problem)))
+    boxes = KWARPS * 4 * (math.prod(_bias_box(problem, 1)) + 32 + 16 * (KNB + 8) + 16 + 4)
+    return {True: table, False: padded(math.prod(_bias_box(problem))) + boxes}
 
 
-def _bias_box(problem):
-    """Per padded axis the offsets one dQ CTA's queries reach: min(2k - 1, k + tile - 1)."""
-    tile = TILES[problem.rank][0]
+def _bias_box(problem, level=0):
+    """Per padded axis the offsets one dQ CTA's queries reach (``level`` 0; one warp's patch:
+    ``level`` 1): min(2k - 1, k + extent - 1)."""
+    tile = TILES[problem.rank][level]
     ks = tuple(problem.kernel_size) + (1,) * (3 - problem.rank)
     return tuple(min(2 * k - 1, k + t - 1) for k, t in zip(ks, tile))
 
@@ -101,7 +105,7 @@ def _bias_box(problem):
 def refuse(problem):
     if problem.dtype == FLOAT32 and not problem.allow_tf32:
         return "exact float32 runs in exact_fp32"
-    if problem.has_rpb and _bias_smem(problem)[False] > BIAS_SMEM_BUDGET:
+    if problem.has_rpb and max(_bias_smem(problem).values()) > BIAS_SMEM_BUDGET:
         return (f"the bias table and bias-gradient boxes of kernel {problem.kernel_size} "
                 f"exceed {BIAS_SMEM_BUDGET // 1024} KB of shared memory (backend 'naive' "
                 "runs it)")
@@ -236,7 +240,8 @@ def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key, extra=0):
     """Rows of one gathered slab (the whole reach when it fits) and the bytes of dynamic
     shared memory: owner rows, two gathered tensors, step descriptors, lse/delta, and
     ``extra`` bytes after them (the bias parts). The budget leaves room for as many CTAs per
-    SM as the registers allow."""
+    SM as the registers allow (measured with a bias on M4/M7, H200: one CTA fewer with twice
+    the slab rows is 6-10% slower)."""
     budget = min(96 * 1024, SMEM_PER_SM // _resident(dp, owner_is_key) - 1024)
     row = (dp + 8) * itemsize * 2 + (8 if owner_is_key else 0)
     fixed = nwarps * 16 * (dp + 8) * itemsize * 2 + nwarps * 32 * 16 + extra
@@ -261,6 +266,10 @@ def _bias_geometry(problem, tab_off, per_axis):
     n = _bias_table_dims(problem)
     g["tst"] = (n[1] * n[2], n[2], 1)
     g["tvol"] = math.prod(n)
+    wdim = _bias_box(problem, 1)
+    g["wdim"] = wdim
+    g["wbst"] = (wdim[1] * wdim[2], wdim[2], 1)
+    g["wvol"] = math.prod(wdim)
     return g[()]
 
 

@@ -1,0 +1,109 @@
+"""Kernel times of the fused forward and backward per tile choice, side by side in one run.
+
+    python bench/probes/fused_times.py [--workloads 2D-33:fp16,M5:bf16] [--tiles wgmma,mma.sync]
+        [--reps 15] [--out times.json]
+
+Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and kernel family
+(``wgmma``: the Hopper parts, ``mma.sync``: the mma.sync parts, called directly; ``default``:
+the array API's own choice, warm calls), on the same inputs: forward and backward CUDA-event
+medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times
+that). Each backward's gradients are checked to be finite; correctness against the reference
+is the GPU tests' job.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+import cupy  # noqa: E402
+
+from natten_cupy import _args, ops  # noqa: E402
+from natten_cupy.profile import random_array  # noqa: E402
+from timing import event_ms  # noqa: E402
+from workloads import dtype_spec, probe_workload  # noqa: E402
+
+DEFAULT = "2D-33:fp16,M5:bf16,M4:bf16,M7:bf16,W2b:fp16,3D-D128:bf16,W1:fp16,SA:fp16"
+
+
+def _parts(family):
+    from natten_cupy.backends.fused import (mma_backward, mma_forward, wgmma_backward,
+                                            wgmma_forward)
+    return {"wgmma": (wgmma_forward, wgmma_backward),
+            "mma.sync": (mma_forward, mma_backward)}[family]
+
+
+def run(wid, dtype, family, reps):
+    w = probe_workload(wid)
+    spec = dtype_spec(dtype)
+    q, k, v, do = (random_array(cupy, w.shape, spec["name"], i) for i in range(4))
+    opts = dict(stride=w.stride, dilation=w.dilation, is_causal=w.causal,
+                allow_tf32=spec["tf32"], backend="fused")
+    row = dict(workload=wid, dtype=dtype, tile=family)
+    if family == "default":
+        def fwd_call():
+            return ops.fused_forward(w.rank, q, k, v, w.kernel, return_lse=True, **opts)
+
+        def bwd_call():
+            return ops.fused_backward(w.rank, do, q, k, v, out, lse, w.kernel, **opts)
+    else:
+        fpart, bpart = _parts(family)
+        problem = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal,
+                                    None, "fused", spec["tf32"])
+        why = fpart.refuse(problem) or bpart.refuse(problem)
+        if why:
+            row["error"] = f"refused: {why}"[:300]
+            return row
+        out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], cupy.float32)
+        grads = [cupy.empty_like(x) for x in (q, k, v)]
+
+        def fwd_call():
+            fpart.forward(problem, q, k, v, out, lse)
+            return out, lse
+
+        def bwd_call():
+            bpart.backward(problem, q, k, v, out, lse, do, *grads)
+            return grads
+    out, lse = fwd_call()
+    fwd = event_ms(fwd_call, reps=reps)
+    finite = all(bool(cupy.isfinite(g.astype(cupy.float32)).all()) for g in bwd_call())
+    bwd = event_ms(bwd_call, reps=reps)
+    flops = w.flops()
+    row.update(fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4), finite=finite,
+               fwd_tflops=round(flops / fwd / 1e9, 1),
+               bwd_tflops=round(2.5 * flops / bwd / 1e9, 1))
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=DEFAULT)
+    ap.add_argument("--tiles", default="wgmma,mma.sync")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for spec in args.workloads.split(","):
+        wid, dtype = spec.split(":")
+        for tile in args.tiles.split(","):
+            row = run(wid, dtype, tile, args.reps)
+            rows.append(row)
+            if "error" in row:
+                print(f"{wid:>10}:{dtype:<5} {tile:<9} {row['error'][:90]}", flush=True)
+            else:
+                print(f"{wid:>10}:{dtype:<5} {tile:<9} fwd {row['fwd_ms']:8.3f} ms "
+                      f"({row['fwd_tflops']:6.1f} TF)  bwd {row['bwd_ms']:8.3f} ms "
+                      f"({row['bwd_tflops']:6.1f} TF)  finite {row['finite']}", flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                           commit=os.environ.get("NATTEN_CUPY_COMMIT", ""), rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
