@@ -12,7 +12,9 @@ a warm call costs microseconds and can be captured in a CUDA graph of either fra
 
 Calls the fast path does not serve return None and take the general path of ``ops``: NumPy
 and JAX arrays, mixed frameworks, backends without plans (reference, naive, tiled), an active
-profiler, ``tile="autotune"`` before its winner is known, or ``NATTEN_CUPY_FAST_PATH=0``.
+profiler, ``tile="autotune"`` before its winner is known, a bias together with additional
+tokens or tokens the kernels do not take themselves (merged in array math), or
+``NATTEN_CUPY_FAST_PATH=0``.
 Inputs whose rows cannot be read as they are (misaligned, or a strided head dim) are copied
 in the caller's framework first, so the plan is that of contiguous inputs.
 """

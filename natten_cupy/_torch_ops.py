@@ -681,8 +681,9 @@ _refuse_double_backward("na_av_backward")
 #
 # Ops of their own (the plain fused ops' schemas stay as they are): rpb [H, 2k-1, ...] and
 # the additional tokens [B, T, H_x, D] (keys, values; given together) are optional inputs of
-# both, and the backward returns their gradients too (an empty tensor for one not given). No
-# warm-call entries yet: every call validates (``_ext_problem``).
+# both, and the backward returns their gradients too (an empty tensor for one not given). Eager
+# calls go through warm-call entries where one plan runs them (``FusedExtNA``, below); the ops
+# validate every call (``_ext_problem``).
 
 _LIB.define("na_fused_forward_ext(Tensor q, Tensor k, Tensor v, Tensor? rpb, "
             "Tensor? additional_keys, Tensor? additional_values, SymInt[] kernel_size, "
