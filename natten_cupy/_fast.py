@@ -30,7 +30,7 @@ from ._launch import Plan, _recorders, profiling
 from ._operands import Layout, rows_ready
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "fused_forward_ext",
-           "fused_backward_ext", "ext_order", "ext_outputs", "ext_served", "qk", "av",
+           "fused_backward_ext", "ext_order", "ext_outputs", "ext_shape", "qk", "av",
            "qk_backward", "av_backward", "torch_entry", "run_torch_call", "clear", "entries"]
 
 enabled = os.environ.get("NATTEN_CUPY_FAST_PATH", "1") != "0"
@@ -475,27 +475,27 @@ def ext_outputs(op, problem, inputs):
     return grads
 
 
-def ext_served(problem, keys):
-    """Whether one plan runs an ext call: not where the general path zeroes gradients (no
-    query tokens; additional tokens of length 0 or no heads)."""
-    return problem.num_tokens > 0 and (keys is None or problem.has_extra)
+def ext_shape(op, problem, inputs):
+    """(outputs, order, rows) of a validated ext call (``ext_outputs``, ``ext_order``), or
+    None where one plan does not run it: where the general path zeroes gradients (no query
+    tokens; additional tokens of length 0 or no heads)."""
+    rpb, keys = inputs[-3], inputs[-2]
+    if problem.num_tokens == 0 or (keys is not None and not problem.has_extra):
+        return None
+    order, rows = ext_order(op, rpb is not None, problem.has_extra)
+    return ext_outputs(op, problem, inputs), order, rows
 
 
 def _first_ext(op):
     """The first-call function of a fused op with a bias and/or tokens (returning None where
-    ``ext_served`` says no)."""
+    ``ext_shape`` does)."""
     def first(rank, arrays, options):
         if op == "fused_forward":
-            q, k, v, rpb, keys, values = arrays
-            problem = _args.check_fused(rank, q, k, v, *options, rpb, keys, values)
+            problem = _args.check_fused(rank, *arrays[:3], *options, *arrays[3:])
         else:
-            d_out, q, k, v, out, lse, rpb, keys, values = arrays
-            problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, *options, rpb,
-                                                 keys, values)
-        if not ext_served(problem, keys):
-            return None
-        order, rows = ext_order(op, rpb is not None, problem.has_extra)
-        return problem, ext_outputs(op, problem, arrays), order, rows
+            problem = _args.check_fused_backward(rank, *arrays[:6], *options, *arrays[6:])
+        shape = ext_shape(op, problem, arrays)
+        return None if shape is None else (problem, *shape)
     return first
 
 

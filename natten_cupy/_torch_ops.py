@@ -871,20 +871,12 @@ def _ext_entry(op, tensors, options):
     """The fast-path entry of an ext op on CUDA tensors (``tensors``: the ext op's inputs,
     None where not given; ``options``: (rank, kernel_size, stride, dilation, is_causal,
     scale, backend, allow_tf32, deterministic, tile) as the caller gave them), or None."""
-    rank = options[0]
-    rpb, keys, values = tensors[-3:]
-
     def problem_of():
-        opts = _op_options(options)
-        return _ext_problem(op, tensors[:-3], rpb, keys, values, opts)
+        return _ext_problem(op, tensors[:-3], *tensors[-3:], _op_options(options))
 
-    def outputs_of(problem):
-        if not _fast.ext_served(problem, keys):
-            return None   # the op zeroes the gradients there
-        order, rows = _fast.ext_order(op, rpb is not None, problem.has_extra)
-        return _fast.ext_outputs(op, problem, tensors), order, rows
-
-    return _fast.torch_entry(op, rank, tensors, options, problem_of, outputs_of, op + "_ext")
+    return _fast.torch_entry(op, options[0], tensors, options, problem_of,
+                             lambda problem: _fast.ext_shape(op, problem, tensors),
+                             op + "_ext")
 
 
 class FusedExtNA(torch.autograd.Function):
@@ -908,7 +900,9 @@ class FusedExtNA(torch.autograd.Function):
             q, k, v, rpb, keys, values, out, lse = saved
             warm = _ext_entry("fused_backward", (d_out, q, k, v, out, lse, rpb, keys, values),
                               ctx.options)
-        return (*_ext_grads(saved, _op_options(ctx.options), d_out, d_lse, warm), None, None)
+        # the ops' options only where an op runs (no warm entry, or lse's gradient)
+        opts = None if warm is not None and d_lse is None else _op_options(ctx.options)
+        return (*_ext_grads(saved, opts, d_out, d_lse, warm), None, None)
 
 
 def fused_ext_eager(q, k, v, rpb, keys, values, options):

@@ -157,27 +157,34 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
   static_assert(NT % CPR == 0 && STEP % 8 == 0, "rows per pass must be a multiple of 8");
   int org[3] = {0, 0, 0};
   if (BOX && lo >= 0) G.box_origin(lo, org);
+  // Tensor coordinates of tile row r (false: past the group or the region).
+  auto row_coords = [&](int r, int (&c)[3]) {
+    bool ok = true;
+    if (lo < 0) {
+      G.query(r, c, ok);
+      return ok;
+    }
+    if (BOX) {
+      const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        c[a] = org[a] + l[a];
+        ok = ok && c[a] < G.rk[a];
+      }
+    } else {
+      ok = lo + r < G.total;
+      G.key(lo + r, c);
+    }
+#pragma unroll
+    for (int a = 0; a < 3; ++a) c[a] += G.rs[a];
+    return ok;
+  };
   if constexpr (ROWS <= NT) {
     if (lo >= 0) {  // a key tile: each row's coordinates and offsets once
       copy_rows2<T, D, ROWS, NT>(dst0, base0, dst1, base1, head_dim, tid,
                                  [&](int r, long long& o0, long long& o1) {
         int c[3];
-        bool ok;
-        if (BOX) {
-          const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
-          ok = true;
-#pragma unroll
-          for (int a = 0; a < 3; ++a) {
-            c[a] = org[a] + l[a];
-            ok = ok && c[a] < G.rk[a];
-            c[a] += G.rs[a];
-          }
-        } else {
-          ok = lo + r < G.total;
-          G.key(lo + r, c);
-#pragma unroll
-          for (int a = 0; a < 3; ++a) c[a] += G.rs[a];
-        }
+        const bool ok = row_coords(r, c);
         if (ok) {
           o0 = G.offset(p, st0, c[0], c[1], c[2]);
           o1 = G.offset(p, st1, c[0], c[1], c[2]);
@@ -194,25 +201,7 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
 #pragma unroll 1
   for (; r < ROWS; r += STEP) {
     int c[3];
-    bool ok;
-    if (lo < 0) {
-      G.query(r, c, ok);
-    } else if (BOX) {
-      const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
-      ok = true;
-#pragma unroll
-      for (int a = 0; a < 3; ++a) {
-        c[a] = org[a] + l[a];
-        ok = ok && c[a] < G.rk[a];
-        c[a] += G.rs[a];
-      }
-    } else {
-      ok = lo + r < G.total;
-      G.key(lo + r, c);
-#pragma unroll
-      for (int a = 0; a < 3; ++a) c[a] += G.rs[a];
-    }
-    ok = ok && col_ok;
+    const bool ok = row_coords(r, c) && col_ok;
     cp_async16(dst0 + at, ok ? base0 + G.offset(p, st0, c[0], c[1], c[2]) + ch * 8 : base0, ok);
     if (lo >= 0)
       cp_async16(dst1 + at, ok ? base1 + G.offset(p, st1, c[0], c[1], c[2]) + ch * 8 : base1,

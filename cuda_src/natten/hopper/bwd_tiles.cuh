@@ -53,10 +53,9 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
                                      first, end, col_ok, ch, r);
     load_strided<T, ROWS, NT, D / 8>(dst1 + at, base1 + G.g[0] * st1[1], p.dilation[0] * st1[1],
                                      first, end, col_ok, ch, r);
-  } else if constexpr (ROWS <= NT) {  // each row's coordinates and offsets once
-    copy_rows2<T, D, ROWS, NT>(dst0, base0, dst1, base1, head_dim, tid,
-                               [&](int rr, long long& o0, long long& o1) {
-      int c[3];
+  } else {
+    // Tensor coordinates of tile row rr (false: past the group or the region).
+    auto row_coords = [&](int rr, int (&c)[3]) {
       bool ok;
       if (flat < 0) {
         G.owner(rr, c, ok);
@@ -64,29 +63,30 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
         ok = flat + rr < G.total;
         G.other(flat + rr, c);
       }
-      if (ok) {
-        o0 = G.offset(p, st0, c[0], c[1], c[2]);
-        o1 = G.offset(p, st1, c[0], c[1], c[2]);
-      }
       return ok;
-    });
-  } else {
+    };
+    if constexpr (ROWS <= NT) {  // each row's coordinates and offsets once
+      copy_rows2<T, D, ROWS, NT>(dst0, base0, dst1, base1, head_dim, tid,
+                                 [&](int rr, long long& o0, long long& o1) {
+        int c[3];
+        const bool ok = row_coords(rr, c);
+        if (ok) {
+          o0 = G.offset(p, st0, c[0], c[1], c[2]);
+          o1 = G.offset(p, st1, c[0], c[1], c[2]);
+        }
+        return ok;
+      });
+    } else {
 #pragma unroll 1
-    for (; r < ROWS; r += STEP) {
-      int c[3];
-      bool ok;
-      if (flat < 0) {
-        G.owner(r, c, ok);
-      } else {
-        ok = flat + r < G.total;
-        G.other(flat + r, c);
+      for (; r < ROWS; r += STEP) {
+        int c[3];
+        const bool ok = row_coords(r, c) && col_ok;
+        cp_async16(dst0 + at, ok ? base0 + G.offset(p, st0, c[0], c[1], c[2]) + ch * 8 : base0,
+                   ok);
+        cp_async16(dst1 + at, ok ? base1 + G.offset(p, st1, c[0], c[1], c[2]) + ch * 8 : base1,
+                   ok);
+        at += STEP * 128;
       }
-      ok = ok && col_ok;
-      cp_async16(dst0 + at, ok ? base0 + G.offset(p, st0, c[0], c[1], c[2]) + ch * 8 : base0,
-                 ok);
-      cp_async16(dst1 + at, ok ? base1 + G.offset(p, st1, c[0], c[1], c[2]) + ch * 8 : base1,
-                 ok);
-      at += STEP * 128;
     }
   }
 }
