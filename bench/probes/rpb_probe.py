@@ -2,9 +2,11 @@
 
 Per workload, side by side in one process on the same inputs:
 
-* fused forward and backward without a bias (the default kernels, and the mma.sync ones the
-  bias runs on: where the default is the Hopper kernel the two differ);
-* fused forward and backward with a bias (``rpb=``, d_rpb from the backward);
+* fused forward and backward without a bias (the default kernels, and the mma.sync ones:
+  where the default is a Hopper kernel the two differ);
+* fused forward and backward with a bias (``rpb=``, d_rpb from the backward; the forward
+  runs on the Hopper kernel where it takes the problem, the backward on mma.sync), and the
+  mma.sync forward with the bias;
 * the unfused chain with the same bias (qk with rpb, softmax, av; backward: av, softmax and
   qk backwards with d_rpb), the way the bias ran before the fused kernels took it.
 
@@ -105,12 +107,13 @@ def run_workload(wid, dtype, reps):
     row = dict(workload=wid, dtype=dtype, shape=list(w.shape), kernel=list(ks),
                dilation=list(dl), causal=list(ca))
 
-    # Which kernels run (the default may be Hopper without a bias, mma.sync with one).
+    # Which kernels run (the backward with a bias is mma.sync's whatever the default).
     problem = _args.check_fused(rank, q, k, v, ks, 1, dl, ca, None, "auto")
     biased = dataclasses.replace(problem, has_rpb=True)
     be = get_backend("fused")
     row["default_forward"] = fused._parts_for("fused_forward", problem)
     row["default_backward"] = fused._parts_for("fused_backward", problem)
+    row["forward_with_rpb"] = fused._parts_for("fused_forward", biased)
     row["refusal_with_rpb"] = {op: be.refuse(op, biased)
                                for op in ("fused_forward", "fused_backward")}
 
@@ -123,6 +126,9 @@ def run_workload(wid, dtype, reps):
     def mma_fwd():   # the mma.sync parts themselves, whatever the dispatch would pick
         mma_forward.forward(problem, q, k, v, o_m, l_m)
 
+    def mma_fwd_rpb():
+        mma_forward.forward(biased, q, k, v, o_m, l_m, rpb=rpb)
+
     def mma_bwd():
         mma_backward.backward(problem, q, k, v, out, lse, d_out, *grads)
 
@@ -130,6 +136,8 @@ def run_workload(wid, dtype, reps):
     t["fwd"] = kernel_ms(lambda: fwd(q, k, v, ks, **kw, return_lse=True), reps)
     t["fwd_mma"] = kernel_ms(mma_fwd, reps)
     t["fwd_rpb"] = kernel_ms(lambda: fwd(q, k, v, ks, **kw, return_lse=True, rpb=rpb), reps)
+    t["fwd_rpb_mma"] = kernel_ms(mma_fwd_rpb, reps)
+    row["err_out_rpb_vs_mma"] = _rel(out_b, (mma_fwd_rpb(), o_m)[1])
     t["bwd"] = kernel_ms(lambda: bwd(d_out, q, k, v, out, lse, ks, **kw), reps)
     t["bwd_mma"] = kernel_ms(mma_bwd, reps)
     t["bwd_rpb"] = kernel_ms(lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)

@@ -144,6 +144,66 @@ struct Geom {
   }
 };
 
+// Relative positional bias (BIAS): a CTA stages the part of its head's table rpb[h, 2k-1, ...]
+// that its scores reach, in log2 units: per axis the offsets key - query + kernel - 1 from org,
+// that of the last query's first key (a window's start minus its query never grows with the
+// query: the smallest), over min(2k - 1, kernel + tile - 1) entries, row-major with strides
+// bst (bst[RANK - 1] = 1). Entries past the table are 0 (no score reads them).
+struct BiasBox {
+  int org[3], dim[3], bst[3], vol;
+
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ void init(const Geom<RANK, T0, T1, T2>& G, const NAParams& p) {
+    const int tdim[3] = {T0, T1, T2};
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      org[a] = 0;
+      dim[a] = 1;
+      if (a < RANK) {
+        const Axis ax = axis_of(p, a);
+        const int last = min(G.q0[a] + tdim[a], G.glen[a]) - 1;
+        int s, e;
+        ax.window(last, G.glen[a], s, e);
+        org[a] = s - last + ax.kernel - 1;
+        dim[a] = min(2 * ax.kernel - 1, ax.kernel + tdim[a] - 1);
+      }
+    }
+    bst[2] = 1;
+    bst[1] = dim[2];
+    bst[0] = dim[1] * dim[2];
+    vol = dim[0] * bst[0];
+  }
+
+  // Row-major box index of query c's (in-group coordinates) offset to the region's origin.
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ int row(const Geom<RANK, T0, T1, T2>& G, const NAParams& p,
+                                     const int (&c)[3]) const {
+    int at = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a)
+      at += (G.rs[a] - min(c[a], G.glen[a] - 1) + (int)p.kernel[a] - 1 - org[a]) * bst[a];
+    return at;
+  }
+
+  // The table's entries into dst (log2 units), by threads [0, nt) of the caller's.
+  template <int RANK, typename T>
+  __device__ __forceinline__ void stage(float* dst, const T* __restrict__ rpb, int h,
+                                        const NAParams& p, int t, int nt) const {
+    for (int i = t; i < vol; i += nt) {
+      const int o[3] = {i / bst[0], (i % bst[0]) / bst[1], i % bst[1]};
+      bool ok = true;
+      i64 off = h * p.rpb[0];
+#pragma unroll
+      for (int a = 0; a < RANK; ++a) {
+        const int x = org[a] + o[a];
+        ok = ok && x < 2 * (int)p.kernel[a] - 1;
+        off += x * p.rpb[1 + a];
+      }
+      dst[i] = ok ? to_float(rpb[off]) * 1.4426950408889634f : 0.f;
+    }
+  }
+};
+
 // Rows of the query tile (lo < 0; one matrix) or of a key tile (keys and values together, one
 // index computation for both: region keys [lo, lo + ROWS), or with BOX key box lo) at their
 // tensor addresses, for rank 2 and 3 (rank 1 steps one pointer: load_tile); keys past the
@@ -243,21 +303,30 @@ struct RowBlock {
       RS<D>::run(acc_o, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
   }
 
-  // Scores of keys outside a row's in-group window [ws, we) become -inf.
-  __device__ __forceinline__ void mask(int lo, int quad, const int (&ws)[2], const int (&we)[2]) {
+  // The score walks below visit each of the thread's BN / 2 scores of a key tile as
+  // f(i, r, in, key): accumulator index i, its row r (0, 1), whether the key lies in row r's
+  // window, and the key's place along the bias box (region coordinates dotted with bst). A
+  // visitor that reads neither leaves their arithmetic to dead-code elimination.
+
+  // Rank 1: region keys lo + column; row r's window is [ws[r], we[r]) (region coordinates).
+  template <class F>
+  __device__ __forceinline__ void walk_1d(int lo, int quad, const int (&ws)[2],
+                                          const int (&we)[2], F&& f) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       const int col = lo + (i / 4) * 8 + 2 * quad + (i % 2), r = (i / 2) % 2;
-      if (col < ws[r] || col >= we[r]) acc_s[i] = negative_infinity<float>();
+      f(i, r, col >= ws[r] && col < we[r], col);
     }
   }
 
-  // Rank 2 and 3: the same over region coordinates; row r's window is [wl, wl + wn) per axis
-  // (region coordinates). The thread's columns 8i + 2 quad + e are visited in order, their
-  // coordinates carried forward (steps of 1 and 7 along the last axis of the rank).
-  template <int RANK>
-  __device__ __forceinline__ void mask_nd(int lo, int quad, const int (&rk)[3], int inner,
-                                          const int (&wl)[2][3], const int (&wn)[2][3]) {
+  // Rank 2 and 3, flat walk: region keys [lo, lo + BN) in row-major order; row r's window is
+  // [wl, wl + wn) per axis (region coordinates). The thread's columns 8i + 2 quad + e are
+  // visited in order, their coordinates carried forward (steps of 1 and 7 along the last
+  // axis of the rank).
+  template <int RANK, class F>
+  __device__ __forceinline__ void walk_nd(int lo, int quad, const int (&rk)[3], int inner,
+                                          const int (&wl)[2][3], const int (&wn)[2][3],
+                                          const int (&bst)[3], F&& f) {
     constexpr int LAST = RANK - 1;
     int c[3];
     const int f0 = lo + 2 * quad;
@@ -269,13 +338,16 @@ struct RowBlock {
     for (int jn = 0; jn < BN / 8; ++jn) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
+        int key = 0;
+#pragma unroll
+        for (int a = 0; a < RANK; ++a) key += a == LAST ? c[a] : c[a] * bst[a];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           bool in = true;
 #pragma unroll
           for (int a = 0; a < RANK; ++a)
             in = in && (unsigned)(c[a] - wl[r][a]) < (unsigned)wn[r][a];
-          if (!in) acc_s[4 * jn + 2 * r + e] = negative_infinity<float>();
+          f(4 * jn + 2 * r + e, r, in, key);
         }
         c[LAST] += e == 0 ? 1 : 7;
         while (c[LAST] >= rk[LAST]) {
@@ -296,12 +368,14 @@ struct RowBlock {
   // Box walk (rank 2, 3): key box with region origin org, shaped T0 x T1 x T2 like the query
   // box; column 8 jn + 2 quad + e is box-local key (8 jn / TL spread over the outer axes,
   // 8 jn % TL + 2 quad + e on the last, TL its extent), so only the last axis costs run time.
-  template <int RANK, int T0, int T1, int T2>
-  __device__ __forceinline__ void mask_box(const int (&org)[3], int quad, const int (&wl)[2][3],
-                                           const int (&wn)[2][3]) {
+  template <int RANK, int T0, int T1, int T2, class F>
+  __device__ __forceinline__ void walk_box(const int (&org)[3], int quad, const int (&wl)[2][3],
+                                           const int (&wn)[2][3], const int (&bst)[3], F&& f) {
     constexpr int TL = RANK == 3 ? T2 : T1;
     static_assert(TL % 8 == 0 && T0 * T1 * T2 == BN, "key boxes of BN keys, last axis by 8");
-    int lo[2][3];
+    int lo[2][3], kbase = 2 * quad;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a) kbase += a == RANK - 1 ? org[a] : org[a] * bst[a];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -310,6 +384,9 @@ struct RowBlock {
     for (int jn = 0; jn < BN / 8; ++jn) {
       const int outer = 8 * jn / TL, last = 8 * jn % TL;
       const int l[3] = {RANK == 3 ? outer / T1 : outer, RANK == 3 ? outer % T1 : last, last};
+      int key = kbase;
+#pragma unroll
+      for (int a = 0; a < RANK; ++a) key += a == RANK - 1 ? l[a] : l[a] * bst[a];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
 #pragma unroll
@@ -318,7 +395,7 @@ struct RowBlock {
 #pragma unroll
           for (int a = 0; a < RANK; ++a)
             in = in && (unsigned)(l[a] + (a == RANK - 1 ? e : 0) - lo[r][a]) < (unsigned)wn[r][a];
-          if (!in) acc_s[4 * jn + 2 * r + e] = negative_infinity<float>();
+          f(4 * jn + 2 * r + e, r, in, key + e);
         }
       }
     }
@@ -382,11 +459,14 @@ struct RowBlock {
 // PP (ping-pong, with PIPE): the compute warpgroups take turns to issue their GEMMs (named
 // barriers 1..WG), so that one's softmax runs while another's GEMMs hold the tensor cores,
 // instead of all of them contending at once.
+// BIAS: adds rpb[h, key - query + kernel - 1] (in-group offsets per axis) to each score
+// (BiasBox; stride 1).
 template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
-          int T1, int T2, bool BOX>
+          int T1, int T2, bool BOX, bool BIAS>
 __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k,
                                     const T* __restrict__ v, T* __restrict__ o,
-                                    float* __restrict__ lse, const NAParams& p) {
+                                    float* __restrict__ lse, const T* __restrict__ rpb,
+                                    const NAParams& p) {
   constexpr int BM = 64 * WG, NT = 128;  // NT: threads that load (warpgroup 0)
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!PP || (PIPE && WG >= 2), "PP needs PIPE and two compute warpgroups");
@@ -400,6 +480,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const unsigned sq = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sk = sq + Q_BYTES, sv = sk + STAGES * KV_BYTES;
   const unsigned full = sv + STAGES * KV_BYTES, empty = full + 8 * STAGES;  // mbarriers
+  const unsigned btab = empty + 8 * STAGES;  // the bias box, after the mbarriers
 
   Geom<RANK, T0, T1, T2> G;
   if (!G.init(p)) return;
@@ -461,13 +542,21 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 
     // This thread's two accumulator rows and their windows in region coordinates (rows past
     // a group: clamped); rank 1 keeps them as in-group ranges.
+    // With BIAS, bias_row[r] is row r's entry of the bias box for the region's origin.
     const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
     int ws[2], we[2], wl[2][3], wn[2][3];
+    BiasBox bb;
+    unsigned bias_row[2] = {btab, btab};
+    if (BIAS)
+      bb.init(G, p);
+    else
+      bb.bst[0] = bb.bst[1] = bb.bst[2] = 1;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       int c[3];
       bool valid;
       G.query(row0 + 8 * r, c, valid);
+      if (BIAS) bias_row[r] = btab + 4 * bb.row(G, p, c);
 #pragma unroll
       for (int a = 0; a < RANK; ++a) {
         int s0, e0;
@@ -481,20 +570,46 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       }
     }
     const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e): softmax in exp2
+    // With BIAS the walks turn the scores into log2 units and the softmax takes scale 1.
+    const float ssl = BIAS ? 1.f : sl;
+    if (BIAS) {
+      bb.stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))), rpb, h,
+                     p, tid - 128, 128 * WG);
+      named_sync(WG + 1, 128 * WG);  // the box staged (barriers 1..WG: the ping-pong's)
+    }
     const unsigned q_wg = sq + wg * 64 * 128;
     RowBlock<T, D, BN> rb;
     rb.init();
     float alpha[2];
+    // Scores of keys outside a row's window become -inf; with BIAS the others become
+    // scale * log2(e) * score + bias (log2 units; the softmax then runs with scale 1).
+    auto masked = [&](int i, int r, bool in, int key) {
+      if (!in)
+        rb.acc_s[i] = negative_infinity<float>();
+      else if (BIAS)
+        rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * key));
+    };
+    auto biased = [&](int i, int r, bool, int key) {
+      rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * key));
+    };
     auto mask_tile = [&](int j) {  // flat: region keys [j * BN, (j + 1) * BN); BOX: box j
       if constexpr (BOX) {
         int org[3];
         G.box_origin(j, org);
-        if (G.box_needs_mask(org)) rb.template mask_box<RANK, T0, T1, T2>(org, quad, wl, wn);
-      } else if (needs_mask(j)) {
-        if (RANK == 1)
-          rb.mask(j * BN, quad, ws, we);
-        else
-          rb.template mask_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn);
+        if (G.box_needs_mask(org))
+          rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, masked);
+        else if (BIAS)
+          rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, biased);
+      } else if (RANK == 1) {
+        if (needs_mask(j))
+          rb.walk_1d(j * BN, quad, ws, we, masked);
+        else if (BIAS)
+          rb.walk_1d(j * BN, quad, ws, we, biased);
+      } else {
+        if (needs_mask(j))
+          rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, masked);
+        else if (BIAS)
+          rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, biased);
       }
     };
 
@@ -508,7 +623,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         wgmma_wait<0>();
         fence_regs(rb.acc_s);
         mask_tile(j);
-        rb.softmax(sl, alpha);
+        rb.softmax(ssl, alpha);
         rb.rescale(alpha);
         rb.pack_p();
         wgmma_fence();
@@ -528,7 +643,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       wgmma_wait<0>();
       fence_regs(rb.acc_s);
       mask_tile(0);
-      rb.softmax(sl, alpha);  // O is still 0: nothing to rescale
+      rb.softmax(ssl, alpha);  // O is still 0: nothing to rescale
       rb.pack_p();
       for (int j = 1; j < num_tiles; ++j) {
         acquire(j);
@@ -543,7 +658,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         wgmma_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
         fence_regs(rb.acc_s);
         mask_tile(j);
-        rb.softmax(sl, alpha);
+        rb.softmax(ssl, alpha);
         wgmma_wait<0>();
         fence_regs(rb.acc_o);
         release(j - 1);
@@ -579,7 +694,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         }
         if (quad == 0)
           lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] =
-              (rb.m[r] * sl + __log2f(sum)) * 0.6931471805599453f;
+              (rb.m[r] * ssl + __log2f(sum)) * 0.6931471805599453f;
       }
     }
   };
@@ -588,9 +703,9 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   // 2-D and 3-D loaders do index math per row; 2-D at head dim 64 gives its loader 56 (at 40
   // it spilled 16 bytes once it computes the GQA kv head), its compute warpgroups fit in 224.
   constexpr int kLoaderRegs = WG == 2 ? (RANK == 1 ? kLoaderRegs1D
-                                         : RANK == 2 && D > 64 ? 40 : 56) : 32;
+                                         : (RANK == 2 || BIAS) && D > 64 ? 40 : 56) : 32;
   constexpr int kComputeRegs = WG == 2 ? (RANK == 1 ? kComputeRegs1D
-                                          : RANK == 2 && D > 64 ? 232 : 224) : 160;
+                                          : (RANK == 2 || BIAS) && D > 64 ? 232 : 224) : 160;
   static_assert(WG != 2 || kLoaderRegs + 2 * kComputeRegs <= 3 * 168, "over the CTA's registers");
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -622,11 +737,13 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 }  // namespace hopper
 
 template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
-          int T1, int T2, bool BOX>
+          int T1, int T2, bool BOX, bool BIAS>
 __global__ void __launch_bounds__(128 * (WG + 1), 1)
 na_fwd_hopper(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              T* __restrict__ o, float* __restrict__ lse, const NAParams p) {
-  hopper::fwd<T, D, WG, BN, STAGES, PIPE, PP, RANK, T0, T1, T2, BOX>(q, k, v, o, lse, p);
+              T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ rpb,
+              const NAParams p) {
+  hopper::fwd<T, D, WG, BN, STAGES, PIPE, PP, RANK, T0, T1, T2, BOX, BIAS>(q, k, v, o, lse, rpb,
+                                                                           p);
 }
 
 }  // namespace natten

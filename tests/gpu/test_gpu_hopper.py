@@ -56,40 +56,46 @@ def _skip_unless_hopper():
         pytest.skip("needs a compute capability 9.0 GPU")
 
 
-def _problem(x, case):
+def _problem(x, case, rpb=None):
     spatial, ks, st, dl, ca, _, _, _, scale = case
-    return _args.check_fused(len(spatial), x, x, x, ks, st, dl, ca, scale, "fused")
+    return _args.check_fused(len(spatial), x, x, x, ks, st, dl, ca, scale, "fused", rpb=rpb)
 
 
-def _reference(problem, q, k, v):
+def _reference(problem, q, k, v, rpb=None):
     out = numpy.empty(q.shape, q.dtype)
     lse = numpy.empty(q.shape[:-1], F64 if q.dtype == F64 else numpy.float32)
-    run_fused_forward(problem, get_backend("reference"), q, k, v, out, lse)
+    run_fused_forward(problem, get_backend("reference"), q, k, v, out, lse, rpb)
     return out.astype(F64), lse.astype(F64)
 
 
-def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None):
-    """Run one case; returns (out error, reference out error, lse error)."""
+def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None, bias=False):
+    """Run one case (with ``bias`` a random relative positional bias [H, 2k-1, ...]);
+    returns (out error, reference out error, lse error)."""
     import cupy as cp
-    spatial, _, _, _, _, heads, dim, dtype, _ = case
+    spatial, kernel, _, _, _, heads, dim, dtype, _ = case
     rank = len(spatial)
     shape = (2,) + tuple(spatial) + (heads, dim)
     host = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
+    kernel = (kernel,) * rank if isinstance(kernel, int) else kernel
+    rpb = (rng.standard_normal((heads, *(2 * x - 1 for x in kernel))) * 2).astype(dtype) \
+        if bias else None
     if layout == "heads_first":  # [B, H, *spatial, D] buffers seen as canonical (no copy)
         to_hf = (0, rank + 1) + tuple(range(1, rank + 1)) + (rank + 2,)
         back = tuple(numpy.argsort(to_hf))
         dev = [upload(cp, x.transpose(to_hf)).transpose(back) for x in host]
     else:
         dev = [upload(cp, x) for x in host]
-    prob = _problem(host[0], case)
+    prob = _problem(host[0], case, rpb)
     assert wgmma_forward.refuse(prob) is None, wgmma_forward.refuse(prob)
     out = upload(cp, numpy.full(shape, numpy.nan, dtype))
     lse = cp.full(shape[:-1], cp.nan, dtype=cp.float32)
-    wgmma_forward.forward(prob, *dev, out, lse, tile=tile, walk_boxes=walk_boxes)
+    wgmma_forward.forward(prob, *dev, out, lse, None if rpb is None else upload(cp, rpb),
+                          tile=tile, walk_boxes=walk_boxes)
     out, lse = to_host(out), to_host(lse)
     h64 = [x.astype(F64) for x in host]
-    ref_out, ref_lse = _reference(_problem(h64[0], case), *h64)
-    low_out, _ = _reference(prob, *host)
+    r64 = None if rpb is None else rpb.astype(F64)
+    ref_out, ref_lse = _reference(_problem(h64[0], case, r64), *h64, r64)
+    low_out, _ = _reference(prob, *host, rpb)
     assert not numpy.isnan(out).any(), "unwritten (NaN) elements in out"
     assert not numpy.isnan(lse).any(), "unwritten (NaN) elements in lse"
     err = float(numpy.abs(out.astype(F64) - ref_out).max())
@@ -150,3 +156,46 @@ def test_hopper_self_attention_equals_dense(rng):
     dense = (p / p.sum(-1, keepdims=True)) @ vf
     assert float(numpy.abs(to_host(out)[0].transpose(1, 0, 2) - dense).max()) < 3e-3
 
+
+
+# With a relative positional bias: the stride-1 cases above (1-D, 2-D, 3-D; causal, dilation,
+# even kernels, odd extents, head dims 40 to 128, self-attention) and both key walks where
+# they are built (rank 2, 3 at head dim 64; boxes only at 128).
+BIAS_CASES = [c for c in CASES if c[2] in (1, (1,) * len(c[0]))]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-"
+                         f"d{c[3]}-c{c[4]}-D{c[6]}-{numpy.dtype(c[7]).name}")
+def test_hopper_forward_with_bias_matches_reference(case, rng):
+    _skip_unless_hopper()
+    if len(case[0]) > 1 and case[6] <= 64:
+        for walk_boxes in (False, True):
+            check_case(case, rng, bias=True, walk_boxes=walk_boxes)
+    else:
+        check_case(case, rng, bias=True)
+
+
+@pytest.mark.parametrize("rank", (1, 2, 3))
+def test_biased_calls_run_the_hopper_forward(rank, rng):
+    """na{1,2,3}d with a bias in half precision at head dim 64 run the Hopper kernel and
+    agree with the float64 reference; the bias gradient (mma.sync backward) still flows."""
+    import cupy as cp
+    import natten_cupy
+    _skip_unless_hopper()
+    spatial, kernel = {1: ((300,), (31,)), 2: ((21, 30), (7, 9)),
+                       3: ((6, 13, 12), (3, 5, 5))}[rank]
+    shape = (2, *spatial, 4, 64)
+    host = [rng.standard_normal(shape).astype(F16) for _ in range(3)]
+    rpb = rng.standard_normal((4, *(2 * x - 1 for x in kernel))).astype(F16)
+    call = getattr(natten_cupy, f"na{rank}d")
+    with natten_cupy.profile() as prof:
+        out, lse = call(*(upload(cp, x) for x in host), kernel, rpb=upload(cp, rpb),
+                        return_lse=True)
+        cp.cuda.runtime.deviceSynchronize()
+    assert [r["name"] for r in prof.records] == ["na_fwd_hopper"]
+    h64 = [x.astype(F64) for x in host]
+    r64 = rpb.astype(F64)
+    case = (spatial, kernel, 1, 1, False, 4, 64, F16, None)
+    ref_out, ref_lse = _reference(_problem(h64[0], case, r64), *h64, r64)
+    assert float(numpy.abs(to_host(out).astype(F64) - ref_out).max()) < 1e-2
+    assert float(numpy.abs(to_host(lse) - ref_lse).max()) < 2e-3

@@ -130,10 +130,15 @@ def test_parts_that_take_a_bias_and_parts_that_refuse_it():
         assert mma_forward.refuse(p) is None and mma_backward.refuse(p) is None
         assert fused.refuse("fused_forward", p) is None
         assert fused.refuse("fused_backward", p) is None
-        # The Hopper parts have no bias: the dispatch never sends a biased problem there.
-        assert fused._parts_for("fused_forward", p) == "mma_forward"
+        # The Hopper backward has no bias: the dispatch never sends a biased problem there.
         assert fused._parts_for("fused_backward", p) == "mma_backward"
-    assert "relative positional bias" in wgmma_forward.refuse(half)
+    # The Hopper forward takes it (where the device is one; the last reason is the GPU).
+    assert not fused._hopper_serves(half, "wgmma_backward")
+    why = wgmma_forward.refuse(half)
+    assert why is None or "compute capability" in why
+    assert fused._parts_for("fused_forward", half) == (
+        "wgmma_forward" if why is None else "mma_forward")
+    assert fused._parts_for("fused_forward", tf32) == "mma_forward"
     assert "relative positional bias" in wgmma_backward.refuse(half)
     assert "exact-float32 kernels take no relative positional bias" in exact_fp32.refuse(exact)
     assert "exact-float32" in fused.refuse("fused_forward", exact)
@@ -153,6 +158,44 @@ def test_a_bias_too_large_for_the_fused_backward_is_refused_by_size():
     assert "shared memory" in mma_backward.refuse(big)
     assert mma_forward.refuse(big) is None   # the forward reads the table from global memory
     assert mma_backward.refuse(_problem(kernel=(2047,), spatial=(4096,))) is None
+
+
+def _hopper_problem(spatial, kernel, head_dim, bias=True):
+    q = numpy.zeros((1, *spatial, 2, head_dim), numpy.float16)
+    rpb = numpy.zeros((2, *(2 * x - 1 for x in kernel)), numpy.float16) if bias else None
+    return _args.check_fused(len(spatial), q, q, q, kernel, 1, 1, False, None, "auto",
+                             rpb=rpb)
+
+
+def test_the_hopper_forward_stages_the_bias_box_it_reaches():
+    """BiasBox in wgmma_forward.cu: per axis min(2k - 1, k + tile - 1) float32 entries of the
+    table, within the shared memory of the tile that runs with a bias (two stages at head
+    dim 128, whose three leave no room); a box too large for it is refused."""
+    from natten_cupy.backends.fused import wgmma_forward as w
+
+    def box(spatial, kernel, head_dim=64, bias=True):
+        p = _hopper_problem(spatial, kernel, head_dim, bias)
+        return w._bias_box(p, w._default_tile(p))
+    assert box((40, 40), (7, 7)) == min(13, 7 + 7) * min(13, 7 + 15)      # 8 x 16 queries
+    assert box((40, 40), (7, 5)) == 13 * 9
+    assert box((16, 40, 64), (5, 9, 9)) == 6 * 16 * 16                    # 2 x 8 x 8
+    assert box((1000,), (255,)) == 255 + 127
+    assert box((1000,), (255,), bias=False) == 0
+    for spatial, kernel in (((9000,), (4095,)), ((90, 90), (33, 33)),
+                            ((20, 30, 30), (9, 13, 13))):
+        for d in (64, 128):
+            p = _hopper_problem(spatial, kernel, d)
+            tile = w._default_tile(p)
+            assert (tile.stages == 2) == (d == 128)
+            assert w._smem(p, tile) <= w.SMEM_LIMIT, (spatial, d)
+    assert "bias box" in w.refuse(_hopper_problem((40000,), (30001,), 128))
+    # Rank 2 and 3 at head dim 128 walk key boxes with a bias, on the bias's tile only.
+    p128 = _hopper_problem((40, 40), (7, 7), 128)
+    assert w._plan(p128).name.endswith(", 2, true, true, 2, 8, 16, 1, true, true>")
+    with pytest.raises(ValueError, match="key boxes only"):
+        w._plan(p128, walk_boxes=False)
+    with pytest.raises(ValueError, match="runs"):
+        w._plan(p128, tile=w.DEFAULT_ND)
 
 
 def test_bias_geometry_matches_the_c_struct():

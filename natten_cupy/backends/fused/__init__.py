@@ -7,7 +7,8 @@ This module only dispatches; the kernels' launchers live in three parts:
 * ``mma_backward``: backward on tensor cores (same dtypes);
 * ``exact_fp32``: exact-float32 forward and backward (tiled FMA, no TF32);
 * ``wgmma_forward``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
-  above 32), taken over ``mma_forward`` where it accepts the problem;
+  above 32; with a bias, not with additional tokens), taken over ``mma_forward`` where it
+  accepts the problem;
 * ``wgmma_backward``: backward on Hopper's warpgroup MMA (same conditions), taken over
   ``mma_backward`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``).
 
@@ -56,9 +57,10 @@ def _part(name):
 def _hopper_serves(problem, name="wgmma_forward"):
     """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
     a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
-    and the part accepts the problem on this device."""
+    no additional tokens, no bias but in the forward, and the part accepts the problem on
+    this device."""
     if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32
-            or problem.has_rpb or problem.has_extra):   # nor bias nor additional tokens there
+            or problem.has_extra or (problem.has_rpb and name != "wgmma_forward")):
         return False
     part = _part(name)
     return part is not None and part.refuse(problem) is None
@@ -119,12 +121,14 @@ def plan(op, problem, layouts):
     """The launch Plan of ``op`` on the current device for operand layouts: (q, k, v, out,
     lse) forward, (d_out, q, k, v, out, lse, dq, dk, dv) backward, then with a bias or
     additional tokens theirs as the mma.sync parts take them (``plan_forward``,
-    ``plan_backward`` there); None if an operand must first be copied, or for a bias or
-    tokens the chosen part does not take (tokens merged in array math: ``runs_extra``).
-    ``problem.tile`` must not be "autotune" (see ``tuned``)."""
+    ``plan_backward`` there; the Hopper forward takes a bias in the same place); None if an
+    operand must first be copied, or for a bias or tokens the chosen part does not take
+    (tokens merged in array math: ``runs_extra``). ``problem.tile`` must not be "autotune"
+    (see ``tuned``)."""
     name = _parts_for(op, problem)
-    if (problem.has_rpb or problem.has_extra) and (
-            name != _MMA_PART[op] or (problem.has_extra and not runs_extra(op, problem))):
+    takes_bias = name in (_MMA_PART[op], "wgmma_forward")
+    if (problem.has_rpb and not takes_bias) or (problem.has_extra and (
+            name != _MMA_PART[op] or not runs_extra(op, problem))):
         return None
     part = _part(name)
     if op == "fused_forward":

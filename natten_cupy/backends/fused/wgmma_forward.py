@@ -8,6 +8,8 @@ end(last query)) by the window arithmetic, walked row-major in BN-key tiles that
 STAGES-deep cp.async pipeline stages in 128-byte-swizzled shared memory; only tiles not inside
 every window of the CTA are masked. Each warpgroup computes S = Q K^T (wgmma, both operands
 from shared memory), an online softmax in exp2, and O += P V (wgmma, P from registers).
+With a relative positional bias each CTA first stages the part of its head's table that
+its scores reach (``_bias_box``) in shared memory; each score then adds its entry.
 
 Tile configurations are data (``DEFAULT`` per head-dim bucket, ``ALTERNATIVES`` compiled
 for float16 for the probe); predictions and measurements: ``bench/results/NOTES-hopper-fwd.md``.
@@ -19,6 +21,7 @@ import dataclasses
 import functools
 import math
 
+import numpy
 
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT16, HALF_TYPES, c_type
@@ -61,6 +64,13 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
 }
 # The query box of 128 queries per rank (64 * wg with wg 2; rank 1 takes any wg).
 QUERY_BOX = {2: (8, 16, 1), 3: (2, 8, 8)}
+# With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
+# since three fill the 227 KiB a CTA may hold and leave no room for the bias box, and in 2-D
+# and 3-D the key-box walk only (the flat walk's index math spills there); 1-D at head dim
+# 64 two compute warpgroups (three spill). Rank 2 and 3 at 64 keep the defaults.
+BIAS_TILE = {(1, 64): T(2, 128, 3, True, True), (1, 128): T(2, 128, 2, True, True),
+             (2, 128): T(2, 128, 2, True, True), (3, 128): T(2, 128, 2, True, True)}
+SMEM_LIMIT = 227 * 1024   # opt-in shared memory per block on compute capability 9.0
 
 
 def _bucket(head_dim):
@@ -84,8 +94,8 @@ def _compute_capability():
 def refuse(problem):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused forward runs float16 and bfloat16, not {problem.dtype_name}"
-    if problem.has_rpb:
-        return "the Hopper fused forward takes no relative positional bias (rpb)"
+    if problem.has_extra:
+        return "the Hopper fused forward takes no additional tokens (the mma.sync kernels do)"
     if problem.v_dim != problem.head_dim:
         return (f"the Hopper fused forward takes one head dim for q, k and v, got "
                 f"{problem.head_dim} and {problem.v_dim}")
@@ -95,6 +105,9 @@ def refuse(problem):
         return f"the Hopper fused forward needs a positive scale, got {problem.scale}"
     if problem.heads > 65535 or problem.batch > 65535:
         return f"heads {problem.heads} or batch {problem.batch} over 65535"
+    if problem.has_rpb and _smem(problem, _default_tile(problem)) > SMEM_LIMIT:
+        return (f"the bias box of kernel {problem.kernel_size} does not fit the Hopper fused "
+                "forward's shared memory")
     cc = _compute_capability()
     if cc != (9, 0):
         return ("the Hopper fused forward needs compute capability 9.0, "
@@ -106,11 +119,24 @@ def _box(rank, tile):
     return (tile.bm, 1, 1) if rank == 1 else QUERY_BOX[rank]
 
 
-def _name(dtype, dp, tile, rank=1, walk_boxes=False):
+def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False):
     flags = ", ".join("true" if f else "false" for f in (tile.pipe, tile.pp))
     box = ", ".join(str(t) for t in _box(rank, tile))
     return (f"natten::na_fwd_hopper<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
-            f"{flags}, {rank}, {box}, {'true' if walk_boxes else 'false'}>")
+            f"{flags}, {rank}, {box}, {'true' if walk_boxes else 'false'}, "
+            f"{'true' if bias else 'false'}>")
+
+
+def _default_tile(problem):
+    dp = _bucket(problem.head_dim)
+    if problem.has_rpb and (problem.rank, dp) in BIAS_TILE:
+        return BIAS_TILE[(problem.rank, dp)]
+    return DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
+
+
+def _bias_walks(rank, dp):
+    """The key walks built with a bias (rank 2, 3): (False, True) = flat and boxes."""
+    return (True,) if (rank, dp) in BIAS_TILE else (False, True)
 
 
 def instantiations():
@@ -118,11 +144,32 @@ def instantiations():
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
             out.append((SOURCE, _name(dtype, dp, DEFAULT[dp])))
-            out += [(SOURCE, _name(dtype, dp, DEFAULT_ND, rank, walk))
-                    for rank in (2, 3) for walk in (False, True)]
+            out.append((SOURCE, _name(dtype, dp, BIAS_TILE[(1, dp)], bias=True)))
+            for rank in (2, 3):
+                out += [(SOURCE, _name(dtype, dp, DEFAULT_ND, rank, walk))
+                        for walk in (False, True)]
+                out += [(SOURCE, _name(dtype, dp, BIAS_TILE.get((rank, dp), DEFAULT_ND), rank,
+                                       walk, True)) for walk in _bias_walks(rank, dp)]
             if dtype == FLOAT16:
                 out += [(SOURCE, _name(dtype, dp, t)) for t in ALTERNATIVES[dp]]
     return sorted(set(out))
+
+
+def _bias_box(problem, tile):
+    """Entries of the bias box a CTA stages (per axis min(2k - 1, k + tile - 1)), 0 without
+    a bias (the kernel's BiasBox)."""
+    if not problem.has_rpb:
+        return 0
+    box = _box(problem.rank, tile)
+    return math.prod(min(2 * k - 1, k + t - 1) for k, t in zip(problem.kernel_size, box))
+
+
+def _smem(problem, tile):
+    """Dynamic shared memory of a launch: Q and the stages' K and V tiles, 1 KiB to align
+    them to 1024 bytes, the stages' mbarriers, and the bias box (float32)."""
+    dp = _bucket(problem.head_dim)
+    return (2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages
+            + 4 * _bias_box(problem, tile))
 
 
 def _walk_boxes(problem, box):
@@ -153,34 +200,42 @@ class Tiling:
 @functools.lru_cache(maxsize=512)
 def _plan(problem, tile=None, walk_boxes=None):
     dp = _bucket(problem.head_dim)
-    tile = tile or (DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND)
-    if problem.rank > 1 and tile != DEFAULT_ND:
-        raise ValueError(f"rank {problem.rank} runs {DEFAULT_ND} only, not {tile}")
+    default = _default_tile(problem)
+    tile = tile or default
+    if (problem.rank > 1 or problem.has_rpb) and tile != default:
+        raise ValueError(f"rank {problem.rank}{' with a bias' if problem.has_rpb else ''} "
+                         f"runs {default} only, not {tile}")
     box = _box(problem.rank, tile)
+    walks = _bias_walks(problem.rank, dp) if problem.has_rpb else (False, True)
     if walk_boxes is None:
-        walk_boxes = problem.rank > 1 and _walk_boxes(problem, box)
+        walk_boxes = problem.rank > 1 and (walks == (True,) or _walk_boxes(problem, box))
+    if problem.rank > 1 and walk_boxes not in walks:
+        raise ValueError(f"rank {problem.rank} with a bias at head dim {problem.head_dim} "
+                         "walks key boxes only")
     ctas = 1
     for a in range(problem.rank):
         L, d = problem.spatial[a], problem.dilation[a]
         ctas *= d * -(-(-(-L // d)) // box[a])  # groups x tiles of the longest group
-    smem = 2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages
-    return Tiling(_name(problem.dtype, dp, tile, problem.rank, walk_boxes), tile,
-                  (ctas, problem.heads, problem.batch), (tile.threads, 1, 1), smem)
+    return Tiling(_name(problem.dtype, dp, tile, problem.rank, walk_boxes, problem.has_rpb),
+                  tile, (ctas, problem.heads, problem.batch), (tile.threads, 1, 1),
+                  _smem(problem, tile))
 
 
-def forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
-    """out, lse = NA forward of q, k, v (CuPy arrays; outputs preallocated, all written).
+def forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None):
+    """out, lse = NA forward of q, k, v (CuPy arrays; outputs preallocated, all written),
+    with ``rpb`` (``problem.has_rpb``) the relative positional bias added to the scores.
 
     ``tile`` (a HopperTile among the instantiations, 1-D) and ``walk_boxes`` (rank 2, 3: key
     boxes or the flat walk) override the defaults, for probing and tests.
     """
     run_forward(functools.partial(plan_forward, tile=tile, walk_boxes=walk_boxes), problem,
-                q, k, v, out, lse)
+                q, k, v, out, lse, rpb)
 
 
-def plan_forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
+def plan_forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None):
     """The launch Plan of one forward on the current device for operand layouts (q, k, v,
-    out, lse), or None if one of q, k, v, out cannot be read as it is (the plan contract of
+    out, lse [, rpb: with ``problem.has_rpb``, read element by element at any strides]), or
+    None if one of q, k, v, out cannot be read as it is (the plan contract of
     ``natten_cupy._launch``; ``forward`` above takes arrays). ``tile`` / ``walk_boxes``: as
     for ``forward``."""
     if not all(rows_ready(x) for x in (q, k, v, out)):
@@ -189,9 +244,10 @@ def plan_forward(problem, q, k, v, out, lse, tile=None, walk_boxes=None):
     if plan.grid[0] >= 2 ** 31:
         raise ValueError(f"problem too large for one Hopper fused-forward launch "
                          f"({plan.grid[0]} query tiles)")
-    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
+    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb)
+    bias = Operand(5) if problem.has_rpb else numpy.uint64(0)
     call = KernelCall(get_kernel(SOURCE, plan.name, extra_options=OPTIONS), plan.grid,
-                      plan.block, (*map(Operand, range(5)), params), shared_mem=plan.smem,
+                      plan.block, (*map(Operand, range(5)), bias, params), shared_mem=plan.smem,
                       name="na_fwd_hopper", backend="fused",
                       tile=_box(problem.rank, plan.tile)[:problem.rank])
     return Plan((call,))

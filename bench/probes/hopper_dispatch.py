@@ -1,0 +1,85 @@
+"""Where the Hopper fused forward beats the mma.sync one: kernel times over a grid of shapes.
+
+    python bench/probes/hopper_dispatch.py [--reps 15] [--out dispatch.json]
+
+Per shape (1-D, 2-D and 3-D; windows from small to large; head dims 64 and 128; float16) and
+with and without a relative positional bias, both forward parts are called directly on the
+same inputs and timed kernels alone (CUDA events around each launch through the library's
+profiler hook, as ``rpb_probe.py`` does: host time between calls does not count; median
+after a warm-up), so that the dispatch rule of
+``natten_cupy.backends.fused._hopper_serves`` can be read off the table: the ratio
+mma.sync / wgmma is printed per row (above 1: the Hopper kernel is faster).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+import cupy  # noqa: E402
+
+from natten_cupy import _args  # noqa: E402
+from natten_cupy.profile import random_array  # noqa: E402
+from rpb_probe import kernel_ms  # noqa: E402
+
+# (spatial, kernel sizes to try, batch, heads)
+GRID = [
+    ((8192,), [(7,), (15,), (31,), (63,), (127,), (255,)], 4, 8),
+    ((64, 64), [(3, 3), (5, 5), (7, 7), (9, 9), (11, 11), (13, 13)], 4, 8),
+    ((56, 56), [(7, 7)], 8, 4),
+    ((8, 32, 32), [(3, 3, 3), (3, 5, 5), (3, 7, 7), (5, 7, 7)], 2, 8),
+]
+
+
+def run(spatial, kernel, batch, heads, dim, bias, reps):
+    from natten_cupy.backends.fused import mma_forward, wgmma_forward
+    rank = len(spatial)
+    shape = (batch, *spatial, heads, dim)
+    q, k, v = (random_array(cupy, shape, "float16", i) for i in range(3))
+    rpb = (random_array(cupy, (heads, *(2 * x - 1 for x in kernel)), "float16", 7)
+           if bias else None)
+    problem = _args.check_fused(rank, q, k, v, kernel, 1, 1, False, None, "fused", rpb=rpb)
+    row = dict(spatial=list(spatial), kernel=list(kernel), batch=batch, heads=heads, dim=dim,
+               bias=bias)
+    out, lse = cupy.empty_like(q), cupy.empty(shape[:-1], cupy.float32)
+    kw = {} if rpb is None else {"rpb": rpb}
+    for name, part in (("wgmma", wgmma_forward), ("mma.sync", mma_forward)):
+        why = part.refuse(problem)
+        if why:
+            row[name] = f"refused: {why}"[:200]
+            continue
+        row[name] = round(kernel_ms(lambda: part.forward(problem, q, k, v, out, lse, **kw),
+                                    reps), 4)
+    if isinstance(row["wgmma"], float) and isinstance(row["mma.sync"], float):
+        row["mma/wgmma"] = round(row["mma.sync"] / row["wgmma"], 3)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for spatial, kernels, batch, heads in GRID:
+        for kernel in kernels:
+            for dim in (64, 128):
+                for bias in (False, True):
+                    row = run(spatial, kernel, batch, heads, dim, bias, args.reps)
+                    rows.append(row)
+                    print(f"{str(tuple(spatial)):>14} k{str(tuple(kernel)):<12} D{dim:<4} "
+                          f"{'rpb ' if bias else '    '} wgmma {row['wgmma']!s:>8}  "
+                          f"mma.sync {row['mma.sync']!s:>8}  mma/wgmma "
+                          f"{row.get('mma/wgmma', '-')}", flush=True)
+    if args.out:
+        meta = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                    commit=os.environ.get("NATTEN_CUPY_COMMIT", ""))
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
