@@ -177,13 +177,13 @@ def test_hopper_forward_with_bias_matches_reference(case, rng):
 
 @pytest.mark.parametrize("rank", (1, 2, 3))
 def test_biased_calls_run_the_hopper_forward(rank, rng):
-    """na{1,2,3}d with a bias in half precision at head dim 64 run the Hopper kernel and
-    agree with the float64 reference; the bias gradient (mma.sync backward) still flows."""
+    """na{1,2,3}d with a bias in half precision at head dim 64, on windows where the Hopper
+    forward pays, run the Hopper kernel and agree with the float64 reference."""
     import cupy as cp
     import natten_cupy
     _skip_unless_hopper()
-    spatial, kernel = {1: ((300,), (31,)), 2: ((21, 30), (7, 9)),
-                       3: ((6, 13, 12), (3, 5, 5))}[rank]
+    spatial, kernel = {1: ((700,), (255,)), 2: ((23, 30), (17, 17)),
+                       3: ((6, 13, 12), (3, 7, 7))}[rank]
     shape = (2, *spatial, 4, 64)
     host = [rng.standard_normal(shape).astype(F16) for _ in range(3)]
     rpb = rng.standard_normal((4, *(2 * x - 1 for x in kernel))).astype(F16)
@@ -199,3 +199,18 @@ def test_biased_calls_run_the_hopper_forward(rank, rng):
     ref_out, ref_lse = _reference(_problem(h64[0], case, r64), *h64, r64)
     assert float(numpy.abs(to_host(out).astype(F64) - ref_out).max()) < 1e-2
     assert float(numpy.abs(to_host(lse) - ref_lse).max()) < 2e-3
+
+
+def test_small_windows_run_the_mma_sync_forward(rng):
+    """Below the measured break-even window (fused._hopper_fwd_pays) the default forward is
+    the mma.sync kernel: 2-D 7x7 at head dim 64, with and without a bias."""
+    import cupy as cp
+    import natten_cupy
+    _skip_unless_hopper()
+    q = upload(cp, rng.standard_normal((2, 20, 21, 2, 64)).astype(F16))
+    rpb = upload(cp, rng.standard_normal((2, 13, 13)).astype(F16))
+    for kw in ({}, {"rpb": rpb}):
+        with natten_cupy.profile() as prof:
+            natten_cupy.na2d(q, q, q, 7, **kw)
+            cp.cuda.runtime.deviceSynchronize()
+        assert [r["name"] for r in prof.records] == ["na_fwd_fused"], kw

@@ -132,12 +132,14 @@ def test_parts_that_take_a_bias_and_parts_that_refuse_it():
         assert fused.refuse("fused_backward", p) is None
         # The Hopper backward has no bias: the dispatch never sends a biased problem there.
         assert fused._parts_for("fused_backward", p) == "mma_backward"
-    # The Hopper forward takes it (where the device is one; the last reason is the GPU).
+    # The Hopper forward takes it (where the device is one; the last reason is the GPU), and
+    # runs it where the window pays (21x21 does, 7x7 does not).
     assert not fused._hopper_serves(half, "wgmma_backward")
     why = wgmma_forward.refuse(half)
     assert why is None or "compute capability" in why
-    assert fused._parts_for("fused_forward", half) == (
+    assert fused._parts_for("fused_forward", _problem(kernel=(21, 21))) == (
         "wgmma_forward" if why is None else "mma_forward")
+    assert fused._parts_for("fused_forward", half) == "mma_forward"
     assert fused._parts_for("fused_forward", tf32) == "mma_forward"
     assert "relative positional bias" in wgmma_backward.refuse(half)
     assert "exact-float32 kernels take no relative positional bias" in exact_fp32.refuse(exact)
@@ -196,6 +198,28 @@ def test_the_hopper_forward_stages_the_bias_box_it_reaches():
         w._plan(p128, walk_boxes=False)
     with pytest.raises(ValueError, match="runs"):
         w._plan(p128, tile=w.DEFAULT_ND)
+
+
+def test_the_hopper_forward_runs_where_its_window_pays(monkeypatch):
+    """fused._hopper_fwd_pays: from 128 neighbors at head dim 64 and 64 at 128, in 2-D with a
+    bias from 256 and 150 (the measured break-even points); below, the mma.sync forward."""
+    from natten_cupy.backends import fused
+    monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="wgmma_forward": True)
+
+    def pays(spatial, kernel, d, bias=False):
+        return fused._hopper_fwd_pays(_hopper_problem(spatial, kernel, d, bias))
+    assert not pays((8192,), (127,), 64) and pays((8192,), (128,), 64)
+    assert not pays((8192,), (63,), 128) and pays((8192,), (64,), 128)
+    assert not pays((64, 64), (11, 11), 64) and pays((64, 64), (13, 13), 64)
+    assert not pays((64, 64), (7, 7), 128) and pays((64, 64), (9, 9), 128)
+    assert not pays((64, 64), (15, 15), 64, True) and pays((64, 64), (17, 17), 64, True)
+    assert not pays((64, 64), (11, 11), 128, True) and pays((64, 64), (13, 13), 128, True)
+    assert not pays((8, 32, 32), (3, 5, 5), 64) and pays((8, 32, 32), (3, 7, 7), 64, True)
+    assert pays((8, 32, 32), (3, 5, 5), 128) and pays((16, 40, 64), (5, 9, 9), 64, True)
+    assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (7, 7), 64, False)) == \
+        "mma_forward"
+    assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (9, 9), 128, False)) == \
+        "wgmma_forward"
 
 
 def test_bias_geometry_matches_the_c_struct():

@@ -8,7 +8,7 @@ This module only dispatches; the kernels' launchers live in three parts:
 * ``exact_fp32``: exact-float32 forward and backward (tiled FMA, no TF32);
 * ``wgmma_forward``: forward on Hopper's warpgroup MMA (sm_90a; float16, bfloat16, head dims
   above 32; with a bias, not with additional tokens), taken over ``mma_forward`` where it
-  accepts the problem;
+  accepts the problem and its window was measured large enough to pay (``_hopper_fwd_pays``);
 * ``wgmma_backward``: backward on Hopper's warpgroup MMA (same conditions), taken over
   ``mma_backward`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``).
 
@@ -78,8 +78,29 @@ def _parts_for(op, problem):
     if problem.tile == MMA:
         return _MMA_PART[op]
     if op == "fused_forward":
-        return "wgmma_forward" if _hopper_serves(problem) else "mma_forward"
+        return "wgmma_forward" if _hopper_fwd_pays(problem) else "mma_forward"
     return "wgmma_backward" if _hopper_bwd_pays(problem) else "mma_backward"
+
+
+# Windows (neighbors per query) from which the Hopper forward beats the mma.sync one, per
+# head-dim bucket, and in 2-D with a bias. Kernels alone on the H200
+# (bench/results/hopper_dispatch.json; mma.sync / wgmma time): head dim 64, 1-D 63 keys
+# 0.94, 127 0.95, 255 1.13; 2-D 9x9 0.73, 11x11 1.02, 13x13 1.04, 15x15 1.22; 3-D 3x5x5 0.79,
+# 3x7x7 1.09. Head dim 128: 1-D 63 0.89, 127 1.14; 2-D 7x7 0.95, 9x9 1.05; 3-D 3x3x3 0.99,
+# 3x5x5 1.15. With a bias the 2-D kernels walk more (head dim 128: key boxes only) and
+# break even later: head dim 64 13x13 1.00, 15x15 1.01; 128 11x11 0.96, 13x13 1.07.
+HOPPER_FWD_FROM = {64: 128, 128: 64}
+HOPPER_FWD_FROM_2D_BIAS = {64: 256, 128: 150}
+
+
+def _hopper_fwd_pays(problem):
+    """Whether the forward goes to the Hopper part: where it accepts the problem and its
+    window is large enough (``HOPPER_FWD_FROM``) to beat the mma.sync forward."""
+    if not _hopper_serves(problem):
+        return False
+    dp = 64 if problem.head_dim <= 64 else 128
+    table = HOPPER_FWD_FROM_2D_BIAS if problem.has_rpb and problem.rank == 2 else HOPPER_FWD_FROM
+    return problem.num_neighbors >= table[dp]
 
 
 def _hopper_bwd_pays(problem):
