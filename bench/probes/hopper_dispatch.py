@@ -17,7 +17,7 @@ import os
 import sys
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+sys.path[:0] = [os.path.dirname(BENCH), BENCH, os.path.join(BENCH, "probes")]
 
 import cupy  # noqa: E402
 

@@ -572,9 +572,20 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e): softmax in exp2
     // With BIAS the walks turn the scores into log2 units and the softmax takes scale 1.
     const float ssl = BIAS ? 1.f : sl;
+    // The flat walk's unmasked tiles (rank 2, 3) read each key's box index from kidx (one
+    // int per region key, after the box) instead of carrying its coordinates.
+    const unsigned kidx = btab + 4 * bb.vol;
     if (BIAS) {
       bb.stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))), rpb, h,
                      p, tid - 128, 128 * WG);
+      if (!BOX && RANK > 1) {
+        int* const ki = reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw)));
+        for (int f = tid - 128; f < G.total; f += 128 * WG) {
+          int c[3];
+          G.key(f, c);
+          ki[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
+        }
+      }
       named_sync(WG + 1, 128 * WG);  // the box staged (barriers 1..WG: the ping-pong's)
     }
     const unsigned q_wg = sq + wg * 64 * 128;
@@ -609,7 +620,9 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         if (needs_mask(j))
           rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, masked);
         else if (BIAS)
-          rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, biased);
+          rb.walk_1d(j * BN, quad, ws, we, [&](int i, int r, bool, int f) {
+            rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * lds_s32(kidx + 4 * f)));
+          });
       }
     };
 

@@ -191,13 +191,18 @@ def test_the_hopper_forward_stages_the_bias_box_it_reaches():
             assert (tile.stages == 2) == (d == 128)
             assert w._smem(p, tile) <= w.SMEM_LIMIT, (spatial, d)
     assert "bias box" in w.refuse(_hopper_problem((40000,), (30001,), 128))
-    # Rank 2 and 3 at head dim 128 walk key boxes with a bias, on the bias's tile only.
-    p128 = _hopper_problem((40, 40), (7, 7), 128)
-    assert w._plan(p128).name.endswith(", 2, true, true, 2, 8, 16, 1, true, true>")
+    # 3-D at head dim 128 walks key boxes with a bias; 2-D both walks (the flat one with
+    # each region key's index in shared memory), on the bias's tile only.
+    p3 = _hopper_problem((8, 20, 20), (3, 5, 5), 128)
+    assert w._plan(p3).name.endswith(", 2, true, true, 3, 2, 8, 8, true, true>")
     with pytest.raises(ValueError, match="key boxes only"):
-        w._plan(p128, walk_boxes=False)
+        w._plan(p3, walk_boxes=False)
+    p2 = _hopper_problem((64, 64), (21, 21), 128)
+    flat = w._plan(p2, walk_boxes=False)
+    assert flat.name.endswith(", 2, true, true, 2, 8, 16, 1, false, true>")
+    assert flat.smem == w._plan(p2, walk_boxes=True).smem + 4 * (8 + 20) * (16 + 20)
     with pytest.raises(ValueError, match="runs"):
-        w._plan(p128, tile=w.DEFAULT_ND)
+        w._plan(p2, tile=w.DEFAULT_ND)
 
 
 def test_the_hopper_forward_runs_where_its_window_pays(monkeypatch):

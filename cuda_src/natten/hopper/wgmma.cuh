@@ -131,6 +131,12 @@ __device__ __forceinline__ float lds_f32(unsigned addr) {
   return x;
 }
 
+__device__ __forceinline__ int lds_s32(unsigned addr) {
+  int x;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(x) : "r"(addr));
+  return x;
+}
+
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }

@@ -65,9 +65,9 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
 # The query box of 128 queries per rank (64 * wg with wg 2; rank 1 takes any wg).
 QUERY_BOX = {2: (8, 16, 1), 3: (2, 8, 8)}
 # With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
-# since three fill the 227 KiB a CTA may hold and leave no room for the bias box, and in 2-D
-# and 3-D the key-box walk only (the flat walk's index math spills there); 1-D at head dim
-# 64 two compute warpgroups (three spill). Rank 2 and 3 at 64 keep the defaults.
+# since three fill the 227 KiB a CTA may hold and leave no room for the bias box, and in 3-D
+# the key-box walk only (the flat walk spills there); 1-D at head dim 64 two compute
+# warpgroups (three spill). Rank 2 and 3 at 64 keep the defaults.
 BIAS_TILE = {(1, 64): T(2, 128, 3, True, True), (1, 128): T(2, 128, 2, True, True),
              (2, 128): T(2, 128, 2, True, True), (3, 128): T(2, 128, 2, True, True)}
 SMEM_LIMIT = 227 * 1024   # opt-in shared memory per block on compute capability 9.0
@@ -136,7 +136,7 @@ def _default_tile(problem):
 
 def _bias_walks(rank, dp):
     """The key walks built with a bias (rank 2, 3): (False, True) = flat and boxes."""
-    return (True,) if (rank, dp) in BIAS_TILE else (False, True)
+    return (True,) if (rank, dp) == (3, 128) else (False, True)
 
 
 def instantiations():
@@ -164,12 +164,21 @@ def _bias_box(problem, tile):
     return math.prod(min(2 * k - 1, k + t - 1) for k, t in zip(problem.kernel_size, box))
 
 
-def _smem(problem, tile):
+def _region_max(problem, tile):
+    """Keys in the largest key region of a CTA (per axis min(group, tile + k - 1))."""
+    return math.prod(min(-(-L // d), t + k - 1) for L, d, t, k in
+                     zip(problem.spatial, problem.dilation, _box(problem.rank, tile),
+                         problem.kernel_size))
+
+
+def _smem(problem, tile, walk_boxes=True):
     """Dynamic shared memory of a launch: Q and the stages' K and V tiles, 1 KiB to align
-    them to 1024 bytes, the stages' mbarriers, and the bias box (float32)."""
+    them to 1024 bytes, the stages' mbarriers, the bias box (float32) and with the flat walk
+    (rank 2, 3) each region key's index into it (int32)."""
     dp = _bucket(problem.head_dim)
+    flat = problem.has_rpb and problem.rank > 1 and not walk_boxes
     return (2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages
-            + 4 * _bias_box(problem, tile))
+            + 4 * _bias_box(problem, tile) + (4 * _region_max(problem, tile) if flat else 0))
 
 
 def _walk_boxes(problem, box):
@@ -208,17 +217,22 @@ def _plan(problem, tile=None, walk_boxes=None):
     box = _box(problem.rank, tile)
     walks = _bias_walks(problem.rank, dp) if problem.has_rpb else (False, True)
     if walk_boxes is None:
-        walk_boxes = problem.rank > 1 and (walks == (True,) or _walk_boxes(problem, box))
+        walk_boxes = problem.rank > 1 and (
+            walks == (True,) or _walk_boxes(problem, box)
+            or _smem(problem, tile, False) > SMEM_LIMIT)   # the key indices do not fit
     if problem.rank > 1 and walk_boxes not in walks:
         raise ValueError(f"rank {problem.rank} with a bias at head dim {problem.head_dim} "
                          "walks key boxes only")
+    if _smem(problem, tile, walk_boxes) > SMEM_LIMIT:
+        raise ValueError(f"the flat walk's key indices for kernel {problem.kernel_size} do not "
+                         "fit the Hopper fused forward's shared memory (walk key boxes)")
     ctas = 1
     for a in range(problem.rank):
         L, d = problem.spatial[a], problem.dilation[a]
         ctas *= d * -(-(-(-L // d)) // box[a])  # groups x tiles of the longest group
     return Tiling(_name(problem.dtype, dp, tile, problem.rank, walk_boxes, problem.has_rpb),
                   tile, (ctas, problem.heads, problem.batch), (tile.threads, 1, 1),
-                  _smem(problem, tile))
+                  _smem(problem, tile, walk_boxes))
 
 
 def forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None):
