@@ -308,7 +308,8 @@ struct RowBlock {
   // window, and the key's place along the bias box (region coordinates dotted with bst). A
   // visitor that reads neither leaves their arithmetic to dead-code elimination.
 
-  // Rank 1: region keys lo + column; row r's window is [ws[r], we[r]) (region coordinates).
+  // Region keys lo + column in flat order: rank 1 (row r's window is [ws[r], we[r]), region
+  // coordinates), and the unmasked tiles of the rank 2, 3 flat walk (key: the flat index).
   template <class F>
   __device__ __forceinline__ void walk_1d(int lo, int quad, const int (&ws)[2],
                                           const int (&we)[2], F&& f) {
@@ -603,6 +604,9 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     auto biased = [&](int i, int r, bool, int key) {
       rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * key));
     };
+    auto biased_flat = [&](int i, int r, bool, int f) {  // box index of region key f: kidx
+      biased(i, r, true, lds_s32(kidx + 4 * f));
+    };
     auto mask_tile = [&](int j) {  // flat: region keys [j * BN, (j + 1) * BN); BOX: box j
       if constexpr (BOX) {
         int org[3];
@@ -620,9 +624,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         if (needs_mask(j))
           rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, masked);
         else if (BIAS)
-          rb.walk_1d(j * BN, quad, ws, we, [&](int i, int r, bool, int f) {
-            rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * lds_s32(kidx + 4 * f)));
-          });
+          rb.walk_1d(j * BN, quad, ws, we, biased_flat);
       }
     };
 

@@ -121,10 +121,8 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// Named CTA barriers (id 1..15; 0 is __syncthreads): sync waits for `threads` arrivals in all,
-// arrive counts this warp in without waiting.
-// A float from shared memory at a 32-bit shared address (volatile: never hoisted above the
-// barrier that publishes it).
+// A float / an int from shared memory at a 32-bit shared address (volatile: never hoisted
+// above the barrier that publishes it).
 __device__ __forceinline__ float lds_f32(unsigned addr) {
   float x;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
@@ -137,6 +135,8 @@ __device__ __forceinline__ int lds_s32(unsigned addr) {
   return x;
 }
 
+// Named CTA barriers (id 1..15; 0 is __syncthreads): sync waits for `threads` arrivals in all,
+// arrive counts this warp in without waiting.
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }

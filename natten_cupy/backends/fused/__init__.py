@@ -57,10 +57,10 @@ def _part(name):
 def _hopper_serves(problem, name="wgmma_forward"):
     """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
     a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
-    no additional tokens, no bias but in the forward, and the part accepts the problem on
-    this device."""
+    no additional tokens (the mma.sync kernels attend to them themselves), and the part
+    accepts the problem on this device (the backward refuses a bias)."""
     if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32
-            or problem.has_extra or (problem.has_rpb and name != "wgmma_forward")):
+            or problem.has_extra):
         return False
     part = _part(name)
     return part is not None and part.refuse(problem) is None
@@ -98,7 +98,7 @@ def _hopper_fwd_pays(problem):
     window is large enough (``HOPPER_FWD_FROM``) to beat the mma.sync forward."""
     if not _hopper_serves(problem):
         return False
-    dp = 64 if problem.head_dim <= 64 else 128
+    dp = _part("wgmma_forward")._bucket(problem.head_dim)
     table = HOPPER_FWD_FROM_2D_BIAS if problem.has_rpb and problem.rank == 2 else HOPPER_FWD_FROM
     return problem.num_neighbors >= table[dp]
 

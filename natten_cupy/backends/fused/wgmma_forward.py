@@ -94,8 +94,6 @@ def _compute_capability():
 def refuse(problem):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused forward runs float16 and bfloat16, not {problem.dtype_name}"
-    if problem.has_extra:
-        return "the Hopper fused forward takes no additional tokens (the mma.sync kernels do)"
     if problem.v_dim != problem.head_dim:
         return (f"the Hopper fused forward takes one head dim for q, k and v, got "
                 f"{problem.head_dim} and {problem.v_dim}")
