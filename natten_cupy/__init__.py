@@ -16,8 +16,9 @@ _FUSED_OPTIONS = """
     kernel_size, stride, dilation: int or per-axis tuple; is_causal: bool or
     per-axis tuple; ``scale`` defaults to ``D ** -0.5``. ``backend``: auto, reference, naive,
     fused. ``allow_tf32`` lets float32 inputs use TF32 tensor cores. ``tile``: the fused
-    forward's CTA query box (a tuple) or ``"autotune"``. ``deterministic`` is accepted; every
-    fused-op kernel is deterministic already (no atomics).
+    forward's CTA query box (a tuple) or ``"autotune"``. ``deterministic=True``: a backward
+    that is bitwise reproducible run to run; by default the Hopper backward may add dq by
+    float32 reductions in an order that varies (faster where it runs).
     """
 
 _UNFUSED_OPTIONS = """

@@ -171,10 +171,11 @@ _NA_DOC = """{n}-D fused neighborhood attention with autograd (NATTEN's calling 
     q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
     backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
     torch_compile) are accepted and have no effect. Keyword-only: ``allow_tf32`` lets float32
-    inputs use TF32 tensor cores; ``deterministic`` is accepted (every fused-op kernel is
-    deterministic already); ``tile``: the fused forward's CTA query box (a tuple) or
-    "autotune" (the fastest kernel and tile for the problem, forward and backward, timed once
-    and remembered), as in the array API; ``rpb``: a relative positional bias ``[H, 2k_0-1,
+    inputs use TF32 tensor cores; ``deterministic=True`` makes the backward bitwise
+    reproducible (by default the Hopper backward may add dq by float32 reductions);
+    ``tile``: the fused forward's CTA query box (a tuple) or "autotune" (the fastest kernel
+    and tile for the problem, forward and backward, timed once and remembered), as in the
+    array API; ``rpb``: a relative positional bias ``[H, 2k_0-1,
     ...]`` (stride 1) added to the scores, ``rpb[h, (j - i) / dilation + k - 1]`` per axis,
     which receives a gradient.
     """

@@ -45,7 +45,8 @@ RESULTS = {"compile": [], "sass": [], "check": [], "time": [], "log": []}
 # (workload id of bench/workloads.py, dtypes of workloads.DTYPES) in the order they run
 RUNS = (("SA", ("fp16", "bf16")), ("SA128", ("fp16", "bf16")), ("W1", ("fp16",)),
         ("M5", ("bf16",)), ("M4", ("bf16",)), ("M7", ("bf16",)), ("2D-D64", ("bf16",)),
-        ("2D-D64-7", ("fp16",)), ("3D-D128", ("bf16",)), ("1D-D64-small", ("fp16",)))
+        ("2D-D64-7", ("fp16",)), ("3D-D128", ("bf16",)), ("1D-D64-small", ("fp16",)),
+        ("M6", ("bf16",)))
 
 
 def log(*args):
@@ -207,7 +208,7 @@ def _workload(w, tname):
     wgmma_forward.forward(prob, cq, ck, cv, out, lse)
     grads = [cupy.full(cq.shape, cupy.nan, cq.dtype) for _ in range(3)]
     t = time.perf_counter()
-    H.backward(prob, cq, ck, cv, out, lse, cdo, *grads)
+    H.backward(prob, cq, ck, cv, out, lse, cdo, *grads, dq_atomic=False)
     cupy.cuda.runtime.deviceSynchronize()
     rec = {"id": wid, "dtype": tname, "first_call_s": time.perf_counter() - t,
            "nan": [int(cupy.isnan(x).sum()) for x in grads],
@@ -233,22 +234,22 @@ def _workload(w, tname):
     RESULTS["check"].append(rec)
     _dump()
     log("check", rec)
-    ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *grads))
+    ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *grads, dq_atomic=False))
     _rec(wid, tname, "hopper bwd (new, deterministic)", ms, flops)
-    if H.atomic_supported(rank, H._bucket(D)):
-        agrads = [cupy.full(cq.shape, cupy.nan, cq.dtype) for _ in range(3)]
-        H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads, dq_atomic=True)
-        arec = {"id": wid, "dtype": tname, "variant": "atomic dQ",
-                "nan": [int(cupy.isnan(x).sum()) for x in agrads],
-                "rel_vs_fused": [_rel(to(a), b) for a, b in zip(agrads, old)],
-                "rel_vs_deterministic": [_rel(to(a), b) for a, b in zip(agrads, new)],
-                "workspace_bytes": rec["workspace_bytes"] + int(math.prod(cq.shape)) * 4}
-        RESULTS["check"].append(arec)
-        log("check", arec)
-        ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads,
-                                      dq_atomic=True))
-        _rec(wid, tname, "hopper bwd (new, atomic dQ)", ms, flops)
-        del agrads
+    # the atomic dQ variant (every rank and head dim)
+    agrads = [cupy.full(cq.shape, cupy.nan, cq.dtype) for _ in range(3)]
+    H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads, dq_atomic=True)
+    arec = {"id": wid, "dtype": tname, "variant": "atomic dQ",
+            "nan": [int(cupy.isnan(x).sum()) for x in agrads],
+            "rel_vs_fused": [_rel(to(a), b) for a, b in zip(agrads, old)],
+            "rel_vs_deterministic": [_rel(to(a), b) for a, b in zip(agrads, new)],
+            "workspace_bytes": rec["workspace_bytes"] + int(math.prod(cq.shape)) * 4}
+    RESULTS["check"].append(arec)
+    log("check", arec)
+    ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads,
+                                  dq_atomic=True))
+    _rec(wid, tname, "hopper bwd (new, atomic dQ)", ms, flops)
+    del agrads
     ms = _time(fn, reps=5, warm=1)
     _rec(wid, tname, "fused bwd (mma.sync)", ms, flops)
     if dense:

@@ -21,16 +21,40 @@ struct BwdRegs {
   static_assert(loader + 2 * compute <= 3 * 168, "more registers than the CTA holds");
 };
 
-// The float32 dQ workspace of the atomic variant: contiguous [B, *spatial, H, head_dim].
-__device__ __forceinline__ i64 dq_ws_offset(const NAParams& p, i64 b, i64 x0, i64 x1, i64 x2,
-                                            i64 h) {
-  return ((((b * p.extent[0] + x0) * p.extent[1] + x1) * p.extent[2] + x2) * p.heads + h) *
-         p.head_dim;
+// The float32 dQ workspace of the atomic variant: [B, H, dilation group per axis, D / 64
+// column chunks, in-group coordinate per axis (the longest group's extents), 64], so that
+// queries consecutive along the last axis have consecutive rows of a chunk: a query tile's
+// rows are one run of memory per region row (1-D: one run), each one bulk add. Each row's
+// eight 8-float groups are permuted by the row (group j at j ^ (n0 + n1 + n2) % 8, n the
+// in-group coordinates): the staging tile, an image of the runs in shared memory, then takes
+// the accumulator's stores without bank conflicts. (Axes past the rank: one group of one.)
+template <int D>
+__device__ __forceinline__ i64 dq_ws_row(const NAParams& p, i64 b, i64 h, const int (&g)[3],
+                                         int chunk, const int (&n)[3]) {
+  i64 off = b * p.heads + h;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) off = off * p.dilation[a] + g[a];
+  off = off * (D / 64) + chunk;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) off = off * ((p.extent[a] + p.dilation[a] - 1) / p.dilation[a]) + n[a];
+  return off * 64;
+}
+__device__ __forceinline__ int dq_ws_key(const int (&n)[3]) { return (n[0] + n[1] + n[2]) % 8; }
+// Where 8-float group ch (columns 8 ch ..) of query row (b, x0, x1, x2, h) lies.
+template <int D>
+__device__ __forceinline__ i64 dq_ws_group(const NAParams& p, const i64 (&c)[5], int ch) {
+  int g[3], n[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    g[a] = (int)(c[1 + a] % p.dilation[a]);
+    n[a] = (int)(c[1 + a] / p.dilation[a]);
+  }
+  return dq_ws_row<D>(p, c[0], c[4], g, ch / 8, n) + (((ch % 8) ^ dq_ws_key(n)) * 8);
 }
 
 // delta[row] = sum over the head dim of dO * O in float32; D / 8 consecutive threads per row
 // (16 bytes each), rows flat over (batch, axis 0, 1, 2, head). With dq_ws (the atomic dQ
-// variant) the same threads zero the row's workspace.
+// variant) the same threads zero the row's workspace (all its D columns).
 template <typename T, int D>
 __device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* __restrict__ o,
                                            float* __restrict__ delta, float* __restrict__ dq_ws,
@@ -62,11 +86,10 @@ __device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* _
     const T* eb = reinterpret_cast<const T*>(&b);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum = fmaf(to_float(ea[e]), to_float(eb[e]), sum);
-    if (dq_ws) {
-      float4* at = reinterpret_cast<float4*>(dq_ws + dq_ws_offset(p, c[0], c[1], c[2], c[3],
-                                                                  c[4]) + ch * 8);
-      at[0] = at[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+  }
+  if (dq_ws && live) {
+    float4* at = reinterpret_cast<float4*>(dq_ws + dq_ws_group<D>(p, c, ch));
+    at[0] = at[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int w = 1; w < LANES; w *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, w);
@@ -92,8 +115,7 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
     x /= p.extent[a];
   }
   c[0] = x;
-  const float4* from =
-      reinterpret_cast<const float4*>(dq_ws + dq_ws_offset(p, c[0], c[1], c[2], c[3], c[4]) + ch * 8);
+  const float4* from = reinterpret_cast<const float4*>(dq_ws + dq_ws_group<D>(p, c, ch));
   const float4 a = from[0], b = from[1];
   T* at = dq + offset6(p.dq, c[0], c[1], c[2], c[3], c[4], 0) + ch * 8;
   const float sc = p.scale;
@@ -104,8 +126,10 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
 }
 
 // Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of 128 rows),
-// STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) a dS^T
-// tile of 64 x ROWS per compute warpgroup, then (dK/dV pass) STAGES pairs of float vectors of
+// STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) the dS^T
+// tiles of 64 x ROWS, one per compute warpgroup (at head dim 128 two sets, by step parity:
+// each warpgroup reads both), and per compute warpgroup a float32 staging tile of 64 dQ rows
+// of 64 columns (laid out as dq_ws_row's rows), then (dK/dV pass) STAGES pairs of float vectors of
 // ROWS (lse, delta), then the mbarriers (full, empty per stage). Every tile starts on a
 // 1024-byte boundary (the 128-byte swizzle's period).
 template <int D, int ROWS, int STAGES, bool VALUES, bool DS = false>
@@ -113,17 +137,21 @@ struct BwdSmem {
   static constexpr unsigned OWNER = 128 * D * 2, TILE = ROWS * D * 2;
   static constexpr unsigned VEC = VALUES ? ROWS * 4 : 0;
   static constexpr unsigned DS_TILE = DS ? 64 * ROWS * 2 : 0;  // per compute warpgroup
-  static constexpr unsigned BYTES =
-      2 * OWNER + STAGES * (2 * TILE + 2 * VEC) + 2 * DS_TILE + 16 * STAGES + 1024;
-  static_assert(OWNER % 1024 == 0 && TILE % 1024 == 0, "tiles on 1024-byte boundaries");
+  static constexpr int DS_SETS = D > 64 ? 2 : 1;
+  static constexpr unsigned STAGE = DS ? 64 * 64 * 4 : 0;  // per compute warpgroup
+  static constexpr unsigned BYTES = 2 * OWNER + STAGES * (2 * TILE + 2 * VEC) +
+                                    2 * DS_SETS * DS_TILE + 2 * STAGE + 16 * STAGES + 1024;
+  static_assert(OWNER % 1024 == 0 && TILE % 1024 == 0 && STAGE % 1024 == 0,
+                "tiles on 1024-byte boundaries");
   static_assert(BYTES <= 227 * 1024, "sm_90 gives a CTA at most 227 KB of shared memory");
-  unsigned own0, own1, reg0, ds, vecs, full, empty;
+  unsigned own0, own1, reg0, ds, stage, vecs, full, empty;
   __device__ __forceinline__ void init(unsigned char* raw) {
     own0 = (smem_u32(raw) + 1023u) & ~1023u;
     own1 = own0 + OWNER;
     reg0 = own1 + OWNER;
     ds = reg0 + STAGES * 2 * TILE;
-    vecs = ds + 2 * DS_TILE;
+    stage = ds + 2 * DS_SETS * DS_TILE;
+    vecs = stage + 2 * STAGE;
     full = vecs + STAGES * 2 * VEC;
     empty = full + 8 * STAGES;
   }
@@ -131,15 +159,23 @@ struct BwdSmem {
   __device__ __forceinline__ unsigned tile1(int j) const { return tile0(j) + TILE; }
   __device__ __forceinline__ unsigned vec0(int j) const { return vecs + (j % STAGES) * 2 * VEC; }
   __device__ __forceinline__ unsigned vec1(int j) const { return vec0(j) + VEC; }
+  // The dS^T tile of compute warpgroup w at step j.
+  __device__ __forceinline__ unsigned ds_tile(int j, int w) const {
+    return ds + ((j % DS_SETS) * 2 + w) * DS_TILE;
+  }
 };
 
 // dK, dV: keys own the CTA (128 keys, two compute warpgroups of 64), the region is the
 // queries of their inverse windows, walked in BQ-query tiles: per tile S^T = K Q^T and dP^T =
 // V dO^T (wgmma from shared memory), P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T
 // (dP^T - delta), dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q N-major).
-// ATOMIC: also dQ += dS K for the tile's queries (dS^T through shared memory, both operands
-// MN-major, in 64-column rounds), added to the float32 workspace dq_ws with float2 atomics:
-// no dQ pass, but the sums' order varies from run to run.
+// ATOMIC: also dQ += dS K for the tile's queries, added to the float32 workspace dq_ws by
+// bulk reductions: no dQ pass, but the sums' order varies from run to run. dS^T goes through
+// shared memory (wgmma reads it and K MN-major, as stored). Head dim 64: each warpgroup adds
+// dS K over its own 64 keys; 128: warpgroup w adds columns 64w..64w+63 of dS K over all 128
+// keys (both warpgroups' dS^T, a barrier between them; half the bytes to reduce). The 64 x 64
+// float32 result is staged in shared memory and warp 0 of the warpgroup issues one bulk add
+// per query row (cp.reduce.async.bulk, up to 256 bytes), waiting for their reads a step later.
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
@@ -219,17 +255,29 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-  int j = 0;
-  for (int g = 0; g < group; ++g)
-  for (int jt = 0; jt < num_tiles; ++jt, ++j) {
-    mbar_wait(sm.full + 8 * (j % STAGES), (j / STAGES) & 1);
+  // PIPE (head dim 64): the next step's S^T and dP^T GEMMs are queued behind this step's
+  // dV, dK (and dQ) GEMMs, so the tensor cores need not wait for this warpgroup's work
+  // between them (the atomic variant's dQ staging runs under them). At 128 their
+  // accumulators would not fit beside dK and dV.
+  constexpr bool PIPE = D <= 64;
+  constexpr bool SPLIT = D > 64;  // atomic: dQ's columns split between the warpgroups
+  const int steps = group * num_tiles;  // query tile jt of head g is step g * num_tiles + jt
+  const int wrow = ((tid / 32) % 4) * 16 + lane / 4, wwarp = (tid / 32) % 4;
+  typedef typename Kind<T>::type kind;
+  float acc_s[BQ / 2], acc_dp[BQ / 2];
+  auto issue_ss = [&](int jj) {  // S^T = K Q^T, dP^T = V dO^T of step jj, once resident
+    mbar_wait(sm.full + 8 * (jj % STAGES), (jj / STAGES) & 1);
     fence_proxy_async();
-    const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
-    float acc_s[BQ / 2], acc_dp[BQ / 2];
     wgmma_fence();
-    gemm_ss<T, D, BQ, 128>(acc_s, k_wg, sq);
-    gemm_ss<T, D, BQ, 128>(acc_dp, v_wg, sdo);
+    gemm_ss<T, D, BQ, 128>(acc_s, k_wg, sm.tile0(jj));
+    gemm_ss<T, D, BQ, 128>(acc_dp, v_wg, sm.tile1(jj));
     wgmma_commit();
+  };
+  if (PIPE) issue_ss(0);
+  for (int j = 0; j < steps; ++j) {
+    const int g = j / num_tiles, jt = j - g * num_tiles;
+    const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
+    if (!PIPE) issue_ss(j);
     wgmma_wait<0>();
     fence_regs(acc_s);
     fence_regs(acc_dp);
@@ -254,13 +302,15 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     unsigned pa[BQ / 16][4], da[BQ / 16][4];
     pack_a<T, BQ>(acc_s, pa);
     pack_a<T, BQ>(acc_dp, da);
-    const unsigned ds_wg = sm.ds + wg * Smem::DS_TILE;
     wgmma_fence();
     gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
     gemm_rs<T, D, BQ>(acc_dk, da, sq);
     wgmma_commit();
-    if constexpr (ATOMIC) {  // dS^T as stored: key rows of this warpgroup, query columns
-      const int wrow = ((tid / 32) % 4) * 16 + lane / 4;
+    float acc_q[32];  // ATOMIC: this step's dQ columns (64 queries x 64)
+    if constexpr (ATOMIC) {
+      // dS^T as stored: key rows of this warpgroup, query columns (stored while the RS GEMMs
+      // read the same registers: that kept NVRTC 13.0's 1-D D128 kernel within 232).
+      const unsigned ds_wg = sm.ds_tile(j, wg);
 #pragma unroll
       for (int s = 0; s < BQ / 16; ++s)
 #pragma unroll
@@ -269,58 +319,83 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
                        :: "r"(ds_wg + swz128(wrow + 8 * (x % 2), 2 * s + x / 2) + 4 * quad),
                           "r"(da[s][x]) : "memory");
       fence_proxy_async();
-      named_sync(1 + wg, 128);
-      // dQ rows of the tile's queries, 64 columns at a time: rows 16 w + group + 8 h of
-      // accumulator d[4 i + 2 h + e], columns 64 half + 8 i + 2 quad + e. P^T and dS^T
-      // leave the registers first (the D128 accumulators need them); storing dS^T while the
-      // RS GEMMs read the same registers kept NVRTC 13.0's 1-D D128 kernel within 232.
-      typedef typename Kind<T>::type kind;
-      wgmma_wait<0>();
-      fence_regs(acc_dv);
-      fence_regs(acc_dk);
-      const int qrow = ((tid / 32) % 4) * 16 + lane / 4;
+      // The staging tile is free once the previous step's bulk adds have read it (warps 0
+      // and 1 issued them); the barrier says so, and publishes the dS^T tiles.
+      if (wwarp < 2) bulk_wait_read();
+      if (SPLIT)
+        named_sync(3, 256);  // both warpgroups' dS^T of this step
+      else
+        named_sync(1 + wg, 128);
+      // dQ's GEMM queued behind the dK/dV ones (the tensor cores run them in order).
 #pragma unroll
-      for (int half = 0; half < D / 64; ++half) {
-        float acc_q[32];
+      for (int i = 0; i < 32; ++i) acc_q[i] = 0.f;
+      constexpr int KSTEPS = SPLIT ? 8 : 4;  // 16 keys a step
+      // The operands' addresses, opaque to the compiler: else it keeps all 2 x KSTEPS
+      // descriptors live over the walk (D128: a 20-36 byte spill).
+      unsigned a_ds = sm.ds_tile(j, SPLIT ? 0 : wg), b_k = SPLIT ? sm.own0 + wg * (128 * 128) : k_wg;
+      asm volatile("" : "+r"(a_ds), "+r"(b_k));
+      wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 32; ++i) acc_q[i] = 0.f;
-#pragma unroll
-        for (int s = 0; s < 4; ++s)  // 64 keys of this warpgroup, 16 per step
-          SSTT64::run(acc_q, desc128(ds_wg + s * 2048, 64 * 128, 1024),
-                      desc128(k_wg + half * (128 * 128) + s * 2048, 128 * 128, 1024), s > 0,
-                      kind());
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc_q);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int f = jt * BQ + qrow + 8 * r;
-          if (f >= G.total) continue;  // past the region: nothing to add
-          int c[3], x[3] = {0, 0, 0};
-          G.other(f, c);
-#pragma unroll
-          for (int a = 0; a < RANK; ++a) x[a] = G.g[a] + (int)p.dilation[a] * c[a];
-          float* at = dq_ws + dq_ws_offset(p, b, x[0], x[1], x[2], h0 + g) + 64 * half + 2 * quad;
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (64 * half + 8 * i + 2 * quad < hd)
-              atomicAdd(reinterpret_cast<float2*>(at + 8 * i),
-                        make_float2(acc_q[4 * i + 2 * r], acc_q[4 * i + 2 * r + 1]));
-        }
-      }
+      for (int s = 0; s < KSTEPS; ++s)
+        SSTT64::run(acc_q, desc128(a_ds + (s / 4) * Smem::DS_TILE + (s % 4) * 2048, 64 * 128, 1024),
+                    desc128(b_k + s * 2048, 128 * 128, 1024), s > 0, kind());
+      wgmma_commit();
     }
-    wgmma_wait<0>();
+    if (PIPE && j + 1 < steps) {
+      issue_ss(j + 1);
+      wgmma_wait<1>();  // this step's GEMMs done; the next step's S^T, dP^T may run on
+    } else {
+      wgmma_wait<0>();
+    }
     fence_regs(acc_dv);
     fence_regs(acc_dk);
+    if constexpr (ATOMIC) {
+      fence_regs(acc_q);
+      // Accumulator d[4 i + 2 h + e] is query row wrow + 8 h, column 8 i + 2 quad + e; the
+      // staging tile holds the rows as dq_ws_row lays them out, by their key.
+      const unsigned st_wg = sm.stage + wg * Smem::STAGE;
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int row = wrow + 8 * h2;
+        int c[3];
+        G.other(jt * BQ + row, c);  // (rows past the region: any key)
+        const int m = dq_ws_key(c);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                       :: "r"(st_wg + row * 256 + ((i ^ m) * 8 + 2 * quad) * 4),
+                          "f"(acc_q[4 * i + 2 * h2]), "f"(acc_q[4 * i + 2 * h2 + 1]) : "memory");
+      }
+      fence_proxy_async();
+      named_sync(1 + wg, 128);
+      if (wwarp < 2) {  // the lane of a run's first row adds the run (rows of one region row)
+        const int row = 32 * wwarp + lane, f = jt * BQ + row;
+        constexpr int LAST = RANK - 1;
+        int c[3];
+        G.other(f, c);
+        const int pos = c[LAST] - G.rs[LAST];  // along the region row
+        if (f < G.total && (row == 0 || pos == 0)) {
+          const int len = min(min(G.rk[LAST] - pos, BQ - row), G.total - f);
+          bulk_add_f32(dq_ws + dq_ws_row<D>(p, b, h0 + g, G.g, SPLIT ? wg : 0, c),
+                       st_wg + row * 256, 256u * (unsigned)len);
+        }
+        bulk_commit();
+      }
+    }
     mbar_arrive(sm.empty + 8 * (j % STAGES));
   }
+  if (ATOMIC && (tid / 32) % 4 < 2) bulk_wait();  // the bulk adds done before the CTA ends
 
-  // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group.
+  // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group. (The row
+  // is worked out again from an opaque thread index: carried over the walk it spilled.)
+  int etid = tid;
+  asm volatile("" : "+r"(etid));
+  const int erow = wg * 64 + ((etid / 32) % 4) * 16 + (etid % 32) / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     int c[3];
     bool valid;
-    G.owner(row0 + 8 * r, c, valid);
+    G.owner(erow + 8 * r, c, valid);
     if (!valid) continue;
     T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
     T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);

@@ -25,10 +25,9 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
         for r in reports:
             print(f"  {r.name:<70} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
                   f"spill {r.spill_bytes}")
-    atomic = sum(H.atomic_supported(r, dp) for r in (1, 2, 3) for dp in H.BUCKETS)
     # per dtype: delta and the dq store per head dim, two passes per rank and head dim, and
-    # the atomic dK/dV kernels
-    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + atomic)
+    # the atomic dK/dV kernels (every rank and head dim)
+    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2)
     assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in reports if "serialized" in r.log]
     assert not [r.name for r in reports if "C7508" in r.log or "setmaxnreg" in r.log.lower()]
@@ -57,8 +56,7 @@ def test_hopper_bwd_instantiations_cover_every_plan():
         for dp in H.BUCKETS:
             for rank in (1, 2, 3):
                 assert set(H._names(dtype, dp, rank)) <= names
-                if H.atomic_supported(rank, dp):
-                    assert set(H._names(dtype, dp, rank, dq_atomic=True)) <= names
+                assert set(H._names(dtype, dp, rank, dq_atomic=True)) <= names
 
 
 class _FakeKernel:
@@ -93,7 +91,7 @@ def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
     H._geometry.cache_clear()
     lay = Layout.contiguous(shape, numpy.float16)
     lse = Layout.contiguous(shape[:-1], numpy.float32)
-    plan = H.plan_backward(prob, lay, lay, lay, lay, lay, lse, lay, lay, lay)
+    plan = H.plan_backward(prob, lay, lay, lay, lay, lay, lse, lay, lay, lay, dq_atomic=False)
     assert plan.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),)
     delta, kv, q = plan.calls
     ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
@@ -121,7 +119,7 @@ def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
 @pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
 def test_hopper_bwd_atomic_plan_on_layouts(case, monkeypatch):
     """The atomic dQ variant: delta (zeroing the float32 dQ workspace), dK/dV adding dQ, the
-    workspace stored as dq; two workspaces; none at rank 3 with head dim 128."""
+    workspace stored as dq; two workspaces; shared memory as the .cu lays it out."""
     from natten_cupy._launch import Operand
     shape, ks, st, dl, ca = case
     rank = len(shape) - 3
@@ -131,22 +129,27 @@ def test_hopper_bwd_atomic_plan_on_layouts(case, monkeypatch):
     lay = Layout.contiguous(shape, numpy.float16)
     lse = Layout.contiguous(shape[:-1], numpy.float32)
     args = (prob, lay, lay, lay, lay, lay, lse, lay, lay, lay)
-    if not H.atomic_supported(rank, H._bucket(shape[-1])):
-        with pytest.raises(ValueError, match="no atomic dQ variant"):
-            H.plan_backward(*args, dq_atomic=True)
-        return
     plan = H.plan_backward(*args, dq_atomic=True)
+    ws_shape, ws_dtype = H.dq_workspace(prob, H._bucket(shape[-1]))
     assert plan.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),
-                               (tuple(shape), numpy.dtype(numpy.float32)))
+                               (ws_shape, ws_dtype))
+    assert ws_dtype == numpy.float32 and numpy.prod(ws_shape) >= numpy.prod(shape)
+    # every in-group query of every dilation group has a row of each 64-column chunk
+    dp = H._bucket(shape[-1])
+    groups = tuple(-(-L // d) for L, d in zip(shape[1:-2], prob.dilation))
+    assert ws_shape == (shape[0], shape[-2], *prob.dilation, dp // 64, *groups, 64)
     delta, kv, dq = plan.calls
     ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
     assert ops(delta) == (0, 4, 9, 10)
     assert ops(kv) == (1, 2, 3, 0, 5, 9, 7, 8, 10)
     assert ops(dq) == (10, 6)
     assert dq.grid == delta.grid and kv.shared_mem <= 227 * 1024
-    plain = H.plan_backward(*args)
+    plain = H.plan_backward(*args, dq_atomic=False)
     assert kv.grid == plain.calls[1].grid
-    assert kv.shared_mem == plain.calls[1].shared_mem + 2 * 64 * 64 * 2
+    dp = H._bucket(shape[-1])
+    # the dS^T tiles (two sets at head dim 128) and the float32 staging tiles
+    ds = (2 if dp == 128 else 1) * 2 * 64 * 64 * 2
+    assert kv.shared_mem == plain.calls[1].shared_mem + ds + 2 * 64 * 64 * 4
     assert plain.calls[0].args[3] == numpy.uint64(0)  # no workspace to zero: a null pointer
 
 
@@ -158,3 +161,33 @@ def test_hopper_bwd_plan_refuses_unreadable_rows(monkeypatch):
     strided = Layout(shape, lay.strides[:-1] + (4,), lay.dtype, True)
     lse = Layout.contiguous(shape[:-1], numpy.float32)
     assert H.plan_backward(prob, lay, strided, lay, lay, lay, lse, lay, lay, lay) is None
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
+def test_hopper_bwd_default_plan_follows_determinism(case, monkeypatch):
+    """Without ``dq_atomic``: deterministic=True always plans the three deterministic
+    launches (the dQ pass, one workspace); deterministic=False the atomic variant exactly
+    where ``atomic_pays`` says so (its float32 dQ workspace and store launch)."""
+    import dataclasses
+    shape, ks, st, dl, ca = case
+    rank = len(shape) - 3
+    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    H._geometry.cache_clear()
+    lay = Layout.contiguous(shape, numpy.float16)
+    lse = Layout.contiguous(shape[:-1], numpy.float32)
+    for det in (True, False):
+        prob = dataclasses.replace(_problem(shape, rank, ks, st, dl, ca), deterministic=det)
+        plan = H.plan_backward(prob, lay, lay, lay, lay, lay, lse, lay, lay, lay)
+        atomic = H.atomic_pays(prob)
+        assert not (det and atomic)
+        assert len(plan.workspaces) == (2 if atomic else 1)
+        assert plan.calls[-1].name == ("na_bwd_hopper_dq" if atomic else "na_bwd_hopper_q")
+
+
+def test_hopper_bwd_atomic_dq_where_it_measured_faster():
+    """``atomic_pays``: never with deterministic=True; by default at head dim 128 only."""
+    import dataclasses
+    for D, want in ((64, False), (40, False), (72, True), (128, True)):
+        prob = _problem((1, 300, 2, D), 1, 65)
+        assert H.atomic_pays(prob) is want, D
+        assert H.atomic_pays(dataclasses.replace(prob, deterministic=True)) is False

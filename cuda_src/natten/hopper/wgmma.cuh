@@ -1,6 +1,7 @@
 // Hopper (sm_90a) warpgroup building blocks in inline PTX: wgmma.mma_async for the shapes the
 // fused forward uses, its fences, shared-memory matrix descriptors (128-byte swizzle), the
-// async-proxy fence, the 16-byte cp.async with zero fill, mbarriers and setmaxnreg. No kernels.
+// async-proxy fence, the 16-byte cp.async with zero fill, bulk reductions, mbarriers and
+// setmaxnreg. No kernels.
 //
 // Shared-memory tiles (every operand): a tile of R rows of C 16-bit elements is stored as
 // C / 64 column blocks of R x 64 elements (R * 128 bytes each, 1024-byte aligned); row r of a
@@ -119,6 +120,25 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Bulk reduction into global memory (the async proxy's TMA engine, no tensor map): adds
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) of float32 at shared address src
+// element-wise into dst, as one bulk-group operation of this thread. The source may be
+// rewritten once bulk_wait_read says the thread's groups have read it; bulk_wait says they
+// are complete (before the thread exits).
+__device__ __forceinline__ void bulk_add_f32(float* dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // A float / an int from shared memory at a 32-bit shared address (volatile: never hoisted

@@ -10,7 +10,9 @@ This module only dispatches; the kernels' launchers live in three parts:
   above 32; with a bias, not with additional tokens), taken over ``mma_forward`` where it
   accepts the problem and its window was measured large enough to pay (``_hopper_fwd_pays``);
 * ``wgmma_backward``: backward on Hopper's warpgroup MMA (same conditions), taken over
-  ``mma_backward`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``).
+  ``mma_backward`` where it accepts the problem and was measured faster (``_hopper_bwd_pays``);
+  with ``deterministic=False`` it adds dQ in its dK/dV pass where that measured faster
+  (``wgmma_backward.atomic_pays``).
 
 Each part provides ``refuse(problem) -> str | None``, ``forward``/``backward`` (whichever it
 implements) and ``instantiations()``; a part with several tile configurations lists them in

@@ -1,7 +1,7 @@
 """Fused backward for Hopper (compute capability 9.0, ``cuda_src/fused/wgmma_backward.cu``):
-float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D, deterministic (no atomics).
+float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D.
 
-Three launches:
+Deterministic (bitwise reproducible; ``deterministic=True`` always runs it), three launches:
 
 1. ``na_bwd_hopper_delta``: delta = rowsum(dO * O), float32 [B, *spatial, H] (a workspace);
 2. ``na_bwd_hopper_kv``: dK, dV. A CTA owns 128 in-group keys of one dilation group (1-D
@@ -11,9 +11,14 @@ Three launches:
    dV += P^T dO, dK += dS^T Q in registers;
 3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys.
 
+With dQ added in the dK/dV pass (``dq_atomic``; where ``atomic_pays``, for
+``deterministic=False``): the delta launch also zeroes a float32 dQ workspace, the dK/dV pass
+adds each query tile's dS K into it by bulk reductions (``cp.reduce.async.bulk``), and
+``na_bwd_hopper_dq`` writes dq = scale * workspace: five GEMMs per tile pair instead of seven.
+
 A loader warpgroup stages the tiles (cp.async into 128-byte-swizzled shared memory,
-mbarriers, STAGES deep) in both passes. Not yet dispatched by ``fused.py``: design, floors and
-what to check first on a GPU are in ``bench/results/NOTES-hopper-bwd.md``.
+mbarriers, STAGES deep) in both passes. ``fused.py`` dispatches it where it measured faster
+than the mma.sync backward; design and measurements: ``bench/results/NOTES-hopper-bwd.md``.
 """
 
 from __future__ import annotations
@@ -100,31 +105,25 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False):
     return f"natten::na_bwd_hopper_delta<{ct}, {dp}>", kv, dq
 
 
-def atomic_supported(rank, dp):
-    """Where the atomic dQ variant is built: rank 1, and ranks 2 and 3 at head dim 64; at
-    128 they spill under NVRTC 13.0 within the register split the CTA holds (loader 40,
-    compute 232; see BwdRegs in the .cu): rank 3 always, rank 2 by 24 bytes once the walk
-    loops over a GQA group's query heads."""
-    return rank == 1 or dp == 64
-
-
 def instantiations():
     out = []
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
             for rank in (1, 2, 3):
-                for atomic in (False, True) if atomic_supported(rank, dp) else (False,):
+                for atomic in (False, True):
                     out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic)]
     return sorted(set(out))
 
 
 def smem_bytes(dp, rows, stages, values, ds=False):
     """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, the atomic
-    variant's dS^T tiles, lse/delta vectors, mbarriers, 1 KiB to align the tiles."""
+    variant's dS^T tiles (two sets at head dim 128) and dQ staging tiles, lse/delta vectors,
+    mbarriers, 1 KiB to align the tiles."""
     vec = rows * 4 if values else 0
-    ds_tile = 64 * rows * 2 if ds else 0
-    return (2 * OWNER_ROWS * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + 2 * ds_tile
-            + 16 * stages + 1024)
+    ds_tiles = (2 if dp > 64 else 1) * 2 * 64 * rows * 2 if ds else 0
+    staging = 2 * 64 * 64 * 4 if ds else 0
+    return (2 * OWNER_ROWS * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + ds_tiles
+            + staging + 16 * stages + 1024)
 
 
 def owner_ctas(problem):
@@ -149,19 +148,30 @@ def _geometry(problem, tile):
     return dp, tile, ctas, delta_blocks
 
 
-def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_atomic=False):
+def atomic_pays(problem):
+    """Whether a backward that need not be reproducible (``deterministic=False``, the
+    default) adds dQ in the dK/dV pass (``dq_atomic``) instead of running the dQ pass: at
+    head dim 128, where it measured faster (H200, bench/probes/hopper_bwd_dq.py: 2-D 21x21
+    1.54 vs 1.84 ms, dense 16K 13.6 vs 14.1, 1-D 16K window 4096 6.59 vs 6.65); at 64 it
+    measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window 2047 3.38 vs 2.83, 3-D 5x9x9 8.20
+    vs 7.80)."""
+    return not problem.deterministic and _bucket(problem.head_dim) == 128
+
+
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_atomic=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
     then the workspaces: delta, and with ``dq_atomic`` the float32 dQ), or None if an operand
     other than lse is not ``rows_ready`` (the plan contract of ``natten_cupy._launch``).
 
-    Deterministic (the default): delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the
-    dQ workspace), dK/dV with dQ added by float32 atomics, dq = scale * workspace; not
-    bitwise reproducible."""
+    Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
+    dK/dV adding dQ into it (bulk float32 reductions), dq = scale * workspace; five GEMMs
+    where the deterministic passes run seven, not bitwise reproducible. None: where
+    ``atomic_pays``."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
+    if dq_atomic is None:
+        dq_atomic = atomic_pays(problem)
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
-    if dq_atomic and not atomic_supported(problem.rank, dp):
-        raise ValueError(f"no atomic dQ variant for rank {problem.rank} at head dim {dp}")
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta)
@@ -194,14 +204,23 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_a
                                 name="na_bwd_hopper_q", backend="fused", tile=box))
     workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
     if dq_atomic:
-        workspaces.append((tuple(dq.shape), numpy.dtype(numpy.float32)))
+        workspaces.append(dq_workspace(problem, dp))
     return Plan(tuple(calls), workspaces=tuple(workspaces))
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None, dq_atomic=False):
+def dq_workspace(problem, dp):
+    """(shape, dtype) of the atomic variant's float32 dQ workspace (``dq_ws_row`` in the
+    .cu): [B, H, *dilation, dp / 64, *longest group's extents, 64], queries consecutive along
+    the last axis in consecutive rows of a column chunk."""
+    groups = tuple(-(-L // d) for L, d in zip(problem.spatial, problem.dilation))
+    return ((problem.batch, problem.heads, *problem.dilation, dp // 64, *groups, 64),
+            numpy.dtype(numpy.float32))
+
+
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None, dq_atomic=None):
     """dq, dk, dv (CuPy arrays, preallocated, every element written) of the NA forward that
-    gave out and lse (natural log), for the upstream gradient d_out. ``dq_atomic``: dQ by
-    float32 atomics in the dK/dV pass (not bitwise reproducible; see plan_backward)."""
+    gave out and lse (natural log), for the upstream gradient d_out. ``dq_atomic``: dQ added
+    in the dK/dV pass (not bitwise reproducible; see plan_backward)."""
     if problem.is_empty:
         return
     run_backward(functools.partial(plan_backward, tile=tile, dq_atomic=dq_atomic), problem,
