@@ -243,7 +243,8 @@ def _workload(w, tname):
             "nan": [int(cupy.isnan(x).sum()) for x in agrads],
             "rel_vs_fused": [_rel(to(a), b) for a, b in zip(agrads, old)],
             "rel_vs_deterministic": [_rel(to(a), b) for a, b in zip(agrads, new)],
-            "workspace_bytes": rec["workspace_bytes"] + int(math.prod(cq.shape)) * 4}
+            "workspace_bytes": rec["workspace_bytes"]
+            + int(math.prod(H.dq_workspace(prob, H._bucket(D))[0])) * 4}
     RESULTS["check"].append(arec)
     log("check", arec)
     ms = _time(lambda: H.backward(prob, cq, ck, cv, out, lse, cdo, *agrads,

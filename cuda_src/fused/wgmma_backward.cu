@@ -137,7 +137,10 @@ struct BwdSmem {
   static constexpr unsigned OWNER = 128 * D * 2, TILE = ROWS * D * 2;
   static constexpr unsigned VEC = VALUES ? ROWS * 4 : 0;
   static constexpr unsigned DS_TILE = DS ? 64 * ROWS * 2 : 0;  // per compute warpgroup
-  static constexpr int DS_SETS = D > 64 ? 2 : 1;
+  // The atomic variant at head dim 128: dQ's columns split between the warpgroups, each
+  // reading both warpgroups' dS^T (two sets of them, by step parity).
+  static constexpr bool SPLIT_DQ = D > 64;
+  static constexpr int DS_SETS = SPLIT_DQ ? 2 : 1;
   static constexpr unsigned STAGE = DS ? 64 * 64 * 4 : 0;  // per compute warpgroup
   static constexpr unsigned BYTES = 2 * OWNER + STAGES * (2 * TILE + 2 * VEC) +
                                     2 * DS_SETS * DS_TILE + 2 * STAGE + 16 * STAGES + 1024;
@@ -174,8 +177,9 @@ struct BwdSmem {
 // shared memory (wgmma reads it and K MN-major, as stored). Head dim 64: each warpgroup adds
 // dS K over its own 64 keys; 128: warpgroup w adds columns 64w..64w+63 of dS K over all 128
 // keys (both warpgroups' dS^T, a barrier between them; half the bytes to reduce). The 64 x 64
-// float32 result is staged in shared memory and warp 0 of the warpgroup issues one bulk add
-// per query row (cp.reduce.async.bulk, up to 256 bytes), waiting for their reads a step later.
+// float32 result is staged in shared memory as dq_ws_row lays its rows out, and warps 0 and 1
+// of the warpgroup issue one bulk add (cp.reduce.async.bulk) per run of the tile's rows along
+// the region's last axis (1-D: one), waiting for their reads a step later.
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
@@ -260,7 +264,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   // between them (the atomic variant's dQ staging runs under them). At 128 their
   // accumulators would not fit beside dK and dV.
   constexpr bool PIPE = D <= 64;
-  constexpr bool SPLIT = D > 64;  // atomic: dQ's columns split between the warpgroups
+  constexpr bool SPLIT = Smem::SPLIT_DQ;
   const int steps = group * num_tiles;  // query tile jt of head g is step g * num_tiles + jt
   const int wrow = ((tid / 32) % 4) * 16 + lane / 4, wwarp = (tid / 32) % 4;
   typedef typename Kind<T>::type kind;
