@@ -30,6 +30,9 @@ def main(argv=None):
     ap.add_argument("--backward", action="store_true", help="profile the backward call")
     ap.add_argument("--rpb", action="store_true", help="with a relative positional bias")
     ap.add_argument("--tile", default=None, help="tile option (wgmma, mma.sync, a box)")
+    ap.add_argument("--hopper-dq", choices=("passes", "atomic"), default=None,
+                    help="run the Hopper backward itself, dQ by its own pass or added in the "
+                         "dK/dV pass (wgmma_backward's dq_atomic), whatever the dispatch picks")
     args = ap.parse_args(argv)
     w = probe_workload(args.workload)
     spec = dtype_spec(args.dtype)
@@ -45,8 +48,18 @@ def main(argv=None):
              backend="fused", tile=tile, rpb=rpb)
     out, lse = ops.fused_forward(w.rank, q, k, v, w.kernel, return_lse=True, **c)
 
+    if args.hopper_dq:
+        from natten_cupy import _args
+        from natten_cupy.backends.fused import wgmma_backward
+        prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal,
+                                 None, "fused")
+        grads = [cupy.empty(q.shape, q.dtype) for _ in range(3)]
+
     def call():
-        if args.backward:
+        if args.hopper_dq:
+            wgmma_backward.backward(prob, q, k, v, out, lse, do, *grads,
+                                    dq_atomic=args.hopper_dq == "atomic")
+        elif args.backward:
             ops.fused_backward(w.rank, do, q, k, v, out, lse, w.kernel, **c)
         else:
             ops.fused_forward(w.rank, q, k, v, w.kernel, return_lse=True, **c)

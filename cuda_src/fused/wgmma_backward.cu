@@ -14,8 +14,7 @@ namespace hopper {
 // compute must stay within 3 x 168 = 504 (more and the compute warpgroups would wait forever).
 // 40 / 232: the geometry sits in shared memory, the 1-D loader steps one pointer at a time;
 // 48 / 232 would not fit, and the loaders spilled at 24-32, the D128 dK/dV compute warpgroups at
-// 224 (NVRTC 13.0). The atomic dQ variant is built where this split has no spill (all but rank
-// 3 at head dim 128: wgmma_backward.atomic_supported).
+// 224 (NVRTC 13.0). The atomic dQ variant fits it too, at every rank and head dim.
 struct BwdRegs {
   static constexpr int loader = 40, compute = 232;
   static_assert(loader + 2 * compute <= 3 * 168, "more registers than the CTA holds");
