@@ -31,7 +31,8 @@ from ._operands import Layout, rows_ready
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "fused_forward_ext",
            "fused_backward_ext", "ext_order", "ext_outputs", "ext_shape", "qk", "av",
-           "qk_backward", "av_backward", "torch_entry", "run_torch_call", "clear", "entries"]
+           "qk_backward", "av_backward", "torch_entry", "torch_after", "run_torch_call", "clear",
+           "entries"]
 
 enabled = os.environ.get("NATTEN_CUPY_FAST_PATH", "1") != "0"
 
@@ -134,7 +135,7 @@ class Entry:
     workspaces."""
 
     __slots__ = ("problem", "plan", "calls", "device", "copies", "outputs", "workspaces",
-                 "workspace_bytes", "torch_out", "torch_device", "order")
+                 "workspace_bytes", "torch_out", "torch_device", "order", "after")
 
     def __init__(self, problem, plan, device, copies, outputs, workspaces, order=None):
         self.problem = problem
@@ -150,6 +151,9 @@ class Entry:
         # The plan's operands as indices into (inputs, outputs, workspaces), where they are
         # not in that order (the ops with a bias or additional tokens); None: as they are.
         self.order = order
+        # Entries of later calls on this call's tensors, by the signature of the one tensor
+        # they add (``torch_after``: the torch layer's backward after its forward).
+        self.after = {}
 
 
 def _nbytes(shape, dtype):
@@ -298,14 +302,17 @@ def _torch_specs(specs):
     return tuple((s, by_name[d.name]) for s, d in specs)
 
 
-def run_torch(e, inputs):
+def run_torch(e, inputs, ptrs=None, kept=None):
     """Run entry ``e`` on CUDA torch tensors (outputs allocated by torch, torch's current
-    stream of their device); returns the outputs."""
+    stream of their device); returns the outputs. ``ptrs``: the inputs' data pointers where
+    the caller has read them; ``kept``: a list that receives the data pointers of the inputs
+    and outputs (``torch_after`` checks them)."""
     if e.copies:
         import torch
         inputs = list(inputs)
         for i in e.copies:
             inputs[i] = inputs[i].clone(memory_format=torch.contiguous_format)
+        ptrs = None
     # outputs then workspaces, in one pass (the workspaces live until return); new_empty
     # parses less than torch.empty, but a subclass's may return the subclass
     first = inputs[0]
@@ -314,7 +321,12 @@ def run_torch(e, inputs):
     else:
         empty, dev = _torch_empty, e.torch_device
         made = [empty(s, dtype=d, device=dev) for s, d in e.torch_out]
-    ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *made)]
+    if ptrs is None:
+        ptrs = [0 if x is None else x.data_ptr() for x in (*inputs, *made)]
+    else:
+        ptrs = [*ptrs, *[x.data_ptr() for x in made]]
+    if kept is not None:
+        kept += ptrs[:len(inputs) + len(e.outputs)]
     if e.order is not None:
         ptrs = [ptrs[i] for i in e.order]
     stream = _torch_stream(e.device)
@@ -327,14 +339,14 @@ def run_torch(e, inputs):
 _RUN = {"cupy": _run_cupy, "torch": run_torch}
 
 
-def _run(fam, e, inputs):
+def _run(fam, e, inputs, *more):
     """Run ``e`` on its device (made current for the call where another one is)."""
     if not _one_gpu:
         import cupy
         if cupy.cuda.runtime.getDevice() != e.device:
             with cupy.cuda.Device(e.device):
-                return _RUN[fam](e, inputs)
-    return _RUN[fam](e, inputs)
+                return _RUN[fam](e, inputs, *more)
+    return _RUN[fam](e, inputs, *more)
 
 
 # ---- array-level calls ------------------------------------------------------------------
@@ -613,8 +625,39 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of, tag=None):
     return None if e is _SLOW else e
 
 
-def run_torch_call(e, tensors):
+def torch_after(first, kept, x, saved, make):
+    """(entry, data pointers) for a call on CUDA tensors ``(x, *saved)`` where ``saved`` are
+    tensors a call served by entry ``first`` took or made and ``kept`` their data pointers
+    then (``run_torch``'s ``kept``), or (None, None) where the fast path does not serve it.
+
+    While ``saved`` still lie at those pointers (a saved-tensor hook may have moved them)
+    their layouts are those ``first``'s signature fixed, so the entry is found by ``x``'s
+    signature alone among ``first.after``; else ``make()`` (a full-signature lookup such as
+    ``torch_entry``) gives it and it is remembered there. The pointers: x's, then saved's."""
+    if not enabled or _recorders:
+        return None, None
+    ptrs = [t.data_ptr() for t in saved]
+    if ptrs != kept:
+        return None, None
+    try:
+        p = x.data_ptr()
+        key = (x.shape, x.stride(), x.dtype, p & 15, x.get_device(), x.requires_grad,
+               x.is_neg())
+        e = first.after.get(key)
+    except Exception:
+        return None, None
+    if e is None:
+        e = make()
+        if e is None:
+            return None, None
+        if len(first.after) >= 64:
+            first.after.clear()
+        first.after[key] = e
+    return e, [p, *ptrs]
+
+
+def run_torch_call(e, tensors, ptrs=None, kept=None):
     """``run_torch`` on the entry's device."""
     if _one_gpu:   # one GPU: it is the current device (no query)
-        return run_torch(e, tensors)
-    return _run("torch", e, tensors)
+        return run_torch(e, tensors, ptrs, kept)
+    return _run("torch", e, tensors, ptrs, kept)

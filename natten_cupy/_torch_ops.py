@@ -308,28 +308,58 @@ def fused_grads(q, k, v, out, lse, d_out, d_lse, forward, backward, scale):
 class FusedNA(torch.autograd.Function):
     """Eager fused NA on CUDA tensors: the fast path's forward and backward, no custom-op
     dispatch (``natten_cupy.torch`` takes the custom op under torch.compile, where graphs
-    need it). Returns (out, lse); gradients flow from both (lse: see ``lse_grad_terms``)."""
+    need it). Returns (out, lse); gradients flow from both (lse: see ``lse_grad_terms``).
+    Where no saved-tensor hook is pushed, the backward finds its warm entry from the
+    forward's (``_fast.torch_after``: d_out's signature and the saved tensors' pointers)."""
 
     @staticmethod
     def forward(ctx, q, k, v, entry, options):
-        out, lse = _fast.run_torch_call(entry, (q, k, v))
+        kept = []
+        out, lse = _fast.run_torch_call(entry, (q, k, v), None, kept)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
+        ctx.served = (entry, kept) if _saved_hooks(True) is None else None
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors
         opts = ctx.options
         if d_lse is None and d_out is not None:   # the common case: out's gradient alone
-            dq, dk, dv = _fused_backward_no_grad((d_out, q, k, v, out, lse), opts)
+            tensors = (d_out, *saved)
+            e = ptrs = None
+            if ctx.served is not None:
+                e, ptrs = _fast.torch_after(*ctx.served, d_out, saved,
+                                            lambda: _backward_entry(tensors, opts))
+            if e is not None:
+                return (*_fast.run_torch_call(e, tensors, ptrs), None, None)
+            dq, dk, dv = _fused_backward_no_grad(tensors, opts)
         else:
+            q, k, v, out, lse = saved
             dq, dk, dv = fused_grads(
                 q, k, v, out, lse, d_out, d_lse,
                 lambda q, k, v: _fused_no_grad(q, k, v, opts),
                 lambda *t: _fused_backward_no_grad(t, opts), _softmax_scale(q, opts[5]))
         return dq, dk, dv, None, None
+
+
+def _applier(cls):
+    """``cls.apply`` without the Python-level wrapper some torch versions put around it
+    (2.11: ``Function.apply`` binds setup-context defaults and checks for functorch
+    transforms and dead functorch wrappers before the C ``apply``). These Functions have no
+    setup context and take only tensors the fast path has read (a functorch wrapper has no
+    data pointer, so it never gets here); the transforms are checked per call, and the
+    wrapper runs while one is active. Where ``apply`` is the C one, it is that."""
+    if not isinstance(torch.autograd.Function.__dict__.get("apply"), classmethod):
+        return cls.apply
+    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
+    wrapped = cls.apply
+    transforms = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return wrapped(*args) if transforms() else c_apply(*args)
+    return apply
 
 
 # ---- ops torch.ops.natten_cupy.* (per-axis options arrive as lists) ---------------------
@@ -346,6 +376,10 @@ class FusedNA(torch.autograd.Function):
 _LIB = torch.library.Library("natten_cupy", "FRAGMENT")
 _BELOW = torch._C._AutoDispatchBelowAutograd
 _grad_enabled = torch.is_grad_enabled
+# The top saved-tensor hooks (None: tensors are saved as they are); its argument: ignore
+# whether dynamo is tracing.
+_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                       lambda ignore_tracing: ())
 _any_requires_grad = torch._C._any_requires_grad
 _OPTIONS3 = ("SymInt[] kernel_size, SymInt[] dilation, bool[] is_causal, str backend, "
              "bool allow_tf32")
@@ -911,9 +945,8 @@ def fused_ext_eager(q, k, v, rpb, keys, values, options):
     e = _ext_entry("fused_forward", (q, k, v, rpb, keys, values), options)
     if e is None:
         return None
-    if _grad_enabled() and _any_requires_grad(
-            *[x for x in (q, k, v, rpb, keys, values) if x is not None]):
-        return FusedExtNA.apply(q, k, v, rpb, keys, values, e, options)
+    if records(q, k, v, rpb, keys, values):
+        return fused_ext_apply(q, k, v, rpb, keys, values, e, options)
     return tuple(_fast.run_torch_call(e, (q, k, v, rpb, keys, values)))
 
 
@@ -931,3 +964,16 @@ def _fused_forward_ext_autograd(q, k, v, rpb, keys, values, kernel_size, stride,
 
 _LIB.impl("na_fused_forward_ext", _fused_forward_ext_autograd, "Autograd")
 _refuse_double_backward("na_fused_backward_ext")
+
+
+def records(*tensors):
+    """Whether autograd records a call on ``tensors`` (grad mode on and one of them, None
+    for an absent one, requires grad): else an eager call skips its Function."""
+    return _grad_enabled() and _any_requires_grad(*[t for t in tensors if t is not None])
+
+
+# The eager Functions' apply (``_applier``), for natten_cupy.torch.
+fused_na_apply = _applier(FusedNA)
+qk_apply = _applier(QK)
+av_apply = _applier(AV)
+fused_ext_apply = _applier(FusedExtNA)

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from . import _AXES, _args
-from ._torch_ops import (AV, QK, FusedNA, _av, _check_tensors, _forward_entry, _fused_forward,
-                         _fused_forward_ext, _qk, _unfused_entry, fused_ext_eager, per_axis,
-                         tile_text)
+from . import _fast
+from ._torch_ops import (_av, _check_tensors, _forward_entry, _fused_forward, _fused_forward_ext,
+                         _qk, _unfused_entry, av_apply, fused_ext_eager, fused_na_apply,
+                         per_axis, qk_apply, records, tile_text)
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",
@@ -102,7 +103,9 @@ def _na(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
                    deterministic, tile)
         e = _forward_entry(q, k, v, options)
         if e is not None:
-            return FusedNA.apply(q, k, v, e, options)
+            if records(q, k, v):
+                return fused_na_apply(q, k, v, e, options)
+            return _fast.run_torch_call(e, (q, k, v))
         _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                           backend, allow_tf32, deterministic, tile)
         _check_tensors([("q", q), ("k", k), ("v", v)])
@@ -137,7 +140,9 @@ def na_qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, bac
         options = (rank, kernel_size, dilation, is_causal, backend, allow_tf32)
         e = _unfused_entry("qk", (q, k, rpb), options)
         if e is not None:
-            return QK.apply(q, k, rpb, e, options)
+            if records(q, k, rpb):
+                return qk_apply(q, k, rpb, e, options)
+            return _fast.run_torch_call(e, (q, k, rpb))[0]
         _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend, allow_tf32)
         _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
     ks, _, dl, ca = per_axis(rank, kernel_size, dilation, is_causal)
@@ -151,7 +156,9 @@ def na_av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="a
         options = (rank, kernel_size, dilation, is_causal, backend, allow_tf32)
         e = _unfused_entry("av", (attn, v), options)
         if e is not None:
-            return AV.apply(attn, v, e, options)
+            if records(attn, v):
+                return av_apply(attn, v, e, options)
+            return _fast.run_torch_call(e, (attn, v))[0]
         _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend, allow_tf32)
         _check_tensors([("attn", attn), ("v", v)])
     ks, _, dl, ca = per_axis(rank, kernel_size, dilation, is_causal)

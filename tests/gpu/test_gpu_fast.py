@@ -180,6 +180,57 @@ def test_torch_layer_save_on_cpu(rng):
         assert torch.equal(g, w)
 
 
+def _saved_pointers_moved(grad_fn):
+    """Re-save every tensor grad_fn saved so that it comes back at another address and with
+    other strides (heads before tokens in memory), same values."""
+    def unpack(x):
+        perm = (0, x.dim() - 2, *range(1, x.dim() - 2), x.dim() - 1)
+        return x.permute(perm).contiguous().permute(tuple(numpy.argsort(perm)))
+    for saved in grad_fn._raw_saved_tensors:
+        saved.register_hooks(lambda x: x, unpack)
+
+
+def test_torch_backward_found_from_its_forward(rng):
+    """The eager backward finds its warm entry from the forward's (d_out's signature alone)
+    and computes what the full lookup computes; a d_out of other strides gets its own
+    entry; tensors a hook moved take the full lookup; calls without grad skip autograd."""
+    from natten_cupy import torch as nt
+    q, k, v, d_out = (torch.randn(2, 9, 10, 3, 32, device="cuda", dtype=torch.float16)
+                      for _ in range(4))
+    fn = lambda q, k, v: nt.na2d(q, k, v, (3, 5), dilation=(2, 1))   # noqa: E731
+    _fast.clear()
+    want = _layer_grads(fn, q, k, v, d_out)
+    n = _fast.entries()
+    assert n > 0
+    qs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*qs)
+    first = out.grad_fn.served[0]
+    assert len(first.after) == 1   # found there, by the first call's backward
+    out.backward(d_out)
+    assert _fast.entries() == n and len(first.after) == 1
+    for g, w in zip((out.detach(), *[x.grad for x in qs]), want):
+        assert torch.equal(g, w)
+    # d_out with heads before tokens in memory: another signature, the same gradients
+    d_perm = d_out.permute(0, 3, 1, 2, 4).contiguous().permute(0, 2, 3, 1, 4)
+    got = _layer_grads(fn, q, k, v, d_perm)
+    assert len(first.after) == 2
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # saved tensors moved by a per-tensor hook: the full lookup, the same gradients
+    qs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*qs)
+    _saved_pointers_moved(out.grad_fn)
+    out.backward(d_out)
+    for g, w in zip((out.detach(), *[x.grad for x in qs]), want):
+        assert torch.equal(g, w)
+    # without grad (inputs that need none, or no_grad): no graph, the same output
+    plain = fn(q, k, v)
+    assert plain.grad_fn is None and torch.equal(plain, want[0])
+    with torch.no_grad():
+        plain = fn(*[x.detach().requires_grad_() for x in (q, k, v)])
+    assert plain.grad_fn is None and torch.equal(plain, want[0])
+
+
 def _warm(fn, steps=3):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

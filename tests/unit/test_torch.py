@@ -227,6 +227,29 @@ def test_saved_tensors_go_through_save_for_backward(rng):
     assert _packed(lambda: nt.na2d_av(attn, v, 3)) == 2         # attn, v
 
 
+def test_applier_is_apply_without_the_python_wrapper():
+    """``_applier(F)`` runs F's forward and backward as ``F.apply`` does (the C apply where
+    torch wraps it in Python), outputs and gradients alike."""
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, factor):
+            ctx.factor = factor
+            return x * factor
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.factor, None
+
+    apply = _torch_ops._applier(Twice)
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = apply(x, 3.0)
+    assert type(y.grad_fn).__name__ == "TwiceBackward"
+    y.sum().backward()
+    assert torch.equal(y.detach(), x.detach() * 3)
+    assert torch.equal(x.grad, torch.full((5,), 3.0, dtype=torch.float64))
+    assert callable(_torch_ops.fused_na_apply) and callable(_torch_ops.fused_ext_apply)
+
+
 def test_save_on_cpu(rng):
     inputs = _qkv(rng, (6, 5), requires_grad=True)
     opts = {"dilation": (2, 1), "is_causal": (True, False)}
