@@ -436,7 +436,9 @@ def test_profiler_kernels_add_up(backend, path, dtype, tf32, spatial):
     cupy.cuda.Device().synchronize()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     with natten_cupy.profile() as prof:
-        spin((1,), (1,), (numpy.int64(20_000_000),))   # ~10 ms of queue ahead of the host
+        # ~50 ms of queue ahead of the host (10 ms was not always enough beside 13 other
+        # test workers)
+        spin((1,), (1,), (numpy.int64(100_000_000),))
         start.record()
         step()
         stop.record()
