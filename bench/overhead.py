@@ -16,11 +16,9 @@ problem for scale.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import json
 import os
-import pstats
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,18 +28,6 @@ import timing  # noqa: E402
 
 SHAPE = (1, 8, 8, 1, 32)
 KERNEL = 3
-
-
-def _python_calls(fn, n=20):
-    """Python function calls made by one warm call of ``fn`` (cProfile, mean over n)."""
-    fn()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        fn()
-    prof.disable()
-    stats = pstats.Stats(prof)
-    return stats.total_calls / n, len(stats.stats)
 
 
 def main(argv=None):
@@ -150,24 +136,15 @@ def main(argv=None):
     profiles = {}
     if args.profile:
         for name, fn in rows[:2] + rows[6:7]:
-            fn()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                fn()
-            prof.disable()
-            st = pstats.Stats(prof)
-            top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]
-            profiles[name] = [dict(function=f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}",
-                                   calls=v[1] / 200, tottime_us=v[2] / 200 * 1e6)
-                              for k, v in top]
+            profiles[name] = timing.python_profile(fn)["top"]
 
     kernel_fwd = timing.graph_ms(lambda: nt.na2d(tq, tk, tv, KERNEL)) * 1e3
     kernel_fb = timing.graph_ms(layer_fwd_bwd) * 1e3
     calls = {}
     for label, enabled in (("fast", True), ("general", False)):
         _fast.enabled = enabled
-        calls[label] = _python_calls(lambda: natten_cupy.na2d(cq, ck, cv, KERNEL))
+        got = timing.python_profile(lambda: natten_cupy.na2d(cq, ck, cv, KERNEL), n=20, top=0)
+        calls[label] = got["calls"], got["functions"]
     _fast.enabled = True
 
     flex_us = None

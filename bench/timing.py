@@ -9,7 +9,11 @@
 * ``graph_ms(fn)``: ``fn`` captured once in a torch CUDA graph, replays timed the same way:
   the kernels alone, without host overhead.
 * ``wall_us(fn)``: host wall time per call over ``calls`` calls and one final synchronize,
-  median of ``reps``: the per-call overhead on problems whose kernels are tiny.
+  median of ``reps``: the per-call overhead on problems whose kernels are tiny;
+* ``python_profile(fn)``: the Python calls one warm call of ``fn`` makes and the functions
+  with the most own time (cProfile, which inflates small calls): where that overhead goes;
+* ``profiled_once(fn)``: one warm-up call, then one between cudaProfilerStart and Stop (what
+  ``ncu --profile-from-start off`` profiles).
 
 The events go on the stream the caller's work runs on: torch's current stream when the caller
 has imported torch (the suite, the torch layer, the peers), else CuPy's current stream (the
@@ -23,7 +27,8 @@ import statistics
 import sys
 import time
 
-__all__ = ["event_ms", "event_times", "graph_ms", "wall_us", "sync"]
+__all__ = ["event_ms", "event_times", "graph_ms", "wall_us", "python_profile", "profiled_once",
+           "sync"]
 
 
 class _TorchClock:
@@ -134,3 +139,35 @@ def wall_us(fn, *, calls=500, reps=5, warmup=20, host=False):
     if host:
         return statistics.median(walls), statistics.median(hosts)
     return statistics.median(walls)
+
+
+def python_profile(fn, n=200, top=12):
+    """{calls, functions, top} of one warm call of ``fn`` (cProfile over ``n`` calls after
+    one): Python calls per call, distinct functions, and the ``top`` functions by own time
+    (function, calls and own microseconds per call)."""
+    import cProfile
+    import pstats
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    best = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return dict(calls=st.total_calls / n, functions=len(st.stats),
+                top=[dict(function=f"{f[0].rsplit('/', 1)[-1]}:{f[1]}:{f[2]}", calls=v[1] / n,
+                          tottime_us=v[2] / n * 1e6) for f, v in best])
+
+
+def profiled_once(fn):
+    """``fn()`` once to warm up, then once between cudaProfilerStart and cudaProfilerStop."""
+    import cupy
+    fn()
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.start()
+    try:
+        fn()
+        cupy.cuda.Device().synchronize()
+    finally:
+        cupy.cuda.profiler.stop()

@@ -30,12 +30,14 @@ RUNS = (("SA", "float16"), ("W1", "float16"), ("M4", "bfloat16"), ("M7", "bfloat
         ("M6", "bfloat16"), ("M5", "bfloat16"), ("3D-D128", "bfloat16"))
 
 
-def run(wid, tname):
+def backward_inputs(wid, tname):
+    """(workload, problem, q, k, v, d_out, out, lse) of a probe workload: seeded random
+    inputs of dtype ``tname`` (torch's name) as CuPy arrays, out and lse from the Hopper
+    forward."""
     import cupy
     import torch
     from natten_cupy import _args
-    from natten_cupy.backends.fused import mma_backward, wgmma_forward
-    from natten_cupy.backends.fused import wgmma_backward as H
+    from natten_cupy.backends.fused import wgmma_forward
     w = wl.probe_workload(wid)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, d_out = (cupy.from_dlpack(torch.randn(*w.shape, device="cuda",
@@ -45,6 +47,14 @@ def run(wid, tname):
                              "fused")
     out, lse = cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:-1], cupy.float32)
     wgmma_forward.forward(prob, q, k, v, out, lse)
+    return w, prob, q, k, v, d_out, out, lse
+
+
+def run(wid, tname):
+    import cupy
+    from natten_cupy.backends.fused import mma_backward
+    from natten_cupy.backends.fused import wgmma_backward as H
+    w, prob, q, k, v, d_out, out, lse = backward_inputs(wid, tname)
     grads = [cupy.empty(q.shape, q.dtype) for _ in range(3)]
     ways = [("deterministic", lambda: H.backward(prob, q, k, v, out, lse, d_out, *grads,
                                                  dq_atomic=False)),

@@ -38,7 +38,7 @@ PROBES = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(PROBES)
 sys.path[:0] = [os.path.dirname(BENCH), BENCH, PROBES]   # natten_cupy, bench/, probes/
 
-import workloads as wl  # noqa: E402
+from hopper_bwd_dq import backward_inputs  # noqa: E402
 from rpb_probe import _launches  # noqa: E402
 
 RUNS = (("SA", "float16"), ("W1", "float16"), ("SA128", "float16"), ("M4", "bfloat16"),
@@ -122,19 +122,8 @@ def _split(fn, reps=5):
 
 def run(wid, tname, sources):
     import cupy
-    import torch
-    from natten_cupy import _args
     from natten_cupy.backends.fused import wgmma_backward as H
-    from natten_cupy.backends.fused import wgmma_forward
-    w = wl.probe_workload(wid)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, d_out = (cupy.from_dlpack(torch.randn(*w.shape, device="cuda",
-                                                   dtype=getattr(torch, tname), generator=g))
-                      for _ in range(4))
-    prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal, None,
-                             "fused")
-    out, lse = cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:-1], cupy.float32)
-    wgmma_forward.forward(prob, q, k, v, out, lse)
+    _, prob, q, k, v, d_out, out, lse = backward_inputs(wid, tname)
     rows, ref = [], {}
     for vname, src in sources.items():
         H.SOURCE = src

@@ -17,9 +17,9 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy),
 
 import cupy  # noqa: E402
 
-import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
 from natten_cupy.profile import random_array  # noqa: E402
+from timing import profiled_once  # noqa: E402
 from workloads import dtype_spec, probe_workload  # noqa: E402
 
 
@@ -64,12 +64,7 @@ def main(argv=None):
         else:
             ops.fused_forward(w.rank, q, k, v, w.kernel, return_lse=True, **c)
 
-    call()
-    cupy.cuda.Device().synchronize()
-    cupy.cuda.profiler.start()
-    call()
-    cupy.cuda.Device().synchronize()
-    cupy.cuda.profiler.stop()
+    profiled_once(call)
     return 0
 
 

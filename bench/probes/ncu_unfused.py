@@ -19,6 +19,7 @@ import cupy  # noqa: E402
 import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
 from natten_cupy.profile import random_array  # noqa: E402
+from timing import profiled_once  # noqa: E402
 from workloads import WORKLOADS, dtype_spec  # noqa: E402
 
 
@@ -42,12 +43,7 @@ def main(argv=None):
         d_logits = natten_cupy.softmax_backward(attn, d_attn, scale)
         ops.qk_backward(w.rank, d_logits, q, k, w.kernel, **c)
 
-    chain()
-    cupy.cuda.Device().synchronize()
-    cupy.cuda.profiler.start()
-    chain()
-    cupy.cuda.Device().synchronize()
-    cupy.cuda.profiler.stop()
+    profiled_once(chain)
     return 0
 
 

@@ -20,10 +20,8 @@ JSON to ``--out``; a table on stdout.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -50,18 +48,9 @@ def _per_call_us(fn, n=2000):
     return us
 
 
-def _top(fn, n=200, k=14):
-    fn()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        fn()
-    prof.disable()
-    st = pstats.Stats(prof)
-    top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:k]
-    return dict(calls=st.total_calls / n,
-                top=[dict(function=f"{f[0].rsplit('/', 1)[-1]}:{f[1]}:{f[2]}", calls=v[1] / n,
-                          tottime_us=v[2] / n * 1e6) for f, v in top])
+def _top(fn):
+    got = timing.python_profile(fn, top=14)
+    return dict(calls=got["calls"], top=got["top"])
 
 
 def main(argv=None):
