@@ -23,7 +23,7 @@ Per workload: the Hopper forward for out and lse, then each variant's determinis
 bulk-reduction (``dq_atomic``) backward split into kernels (profiler launch events, median
 of 5). JSON to --out.
 
-    python bench/probes/hopper_bwd_fence.py [--only SA,W1] --out hopper_bwd_fence.json
+    python bench/probes/hopper_bwd_fence.py [--only SA,W1] [--variants shipped,...] --out f.json
 """
 
 from __future__ import annotations
@@ -157,6 +157,8 @@ def run(wid, tname, sources):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="workload ids, comma-separated")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from natten_cupy._compile import cuda_src_dir
@@ -164,7 +166,9 @@ def main(argv=None):
     shipped = H.SOURCE
     made = []
     sources = {}
-    for name in VARIANTS:
+    chosen = [x for x in args.variants.split(",") if x]
+    assert set(chosen) <= set(VARIANTS) and "shipped" in chosen, chosen
+    for name in chosen:
         if name == "shipped":
             sources[name] = shipped
             continue

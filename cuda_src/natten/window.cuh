@@ -33,9 +33,23 @@ struct Axis {
   }
 
   // In-group query range [lo, hi) whose windows contain in-group key jg. Window starts and
-  // ends never decrease with the query index, so the range is contiguous; two bisections
-  // find it without a closed form for each (causal, stride, border) case.
+  // ends never decrease with the query index, so the range is contiguous. Stride 1 has a
+  // closed form (no bisection on a kernel's critical path): causal windows [i - k + 1, i]
+  // hold jg for i in [jg, jg + k); non-causal ones start at clamp(i - k / 2, 0, glen - k),
+  // so the first query whose start reaches t is 0 for t <= 0, i = t + k / 2 up to
+  // t = glen - k, none past it. Other strides: two bisections.
   __device__ __forceinline__ void inverse_window(int jg, int glen, int& lo, int& hi) const {
+    if (stride == 1 && glen >= kernel) {
+      if (causal) {
+        lo = jg;
+        hi = min(jg + kernel, glen);
+      } else {
+        const int t = jg - kernel + 1;  // the earliest start that still holds jg
+        lo = t <= 0 ? 0 : t + kernel / 2;
+        hi = jg + 1 > glen - kernel ? glen : jg + 1 + kernel / 2;
+      }
+      return;
+    }
     int a = 0, b = glen;  // first query whose window ends after jg
     while (a < b) {
       const int mid = (a + b) >> 1;

@@ -94,10 +94,11 @@ struct BwdGeom {
     }
   }
 
-  // In-group coordinates of flat region index f (valid when f < total).
+  // In-group coordinates of flat region index f (valid when f < total). (Rank 1: f itself,
+  // without the integer division by inner = 1 that the compiler cannot see.)
   __device__ __forceinline__ void other(int f, int (&c)[3]) const {
-    c[0] = f / inner;
-    const int rem = f - c[0] * inner;
+    c[0] = RANK == 1 ? f : f / inner;
+    const int rem = RANK == 1 ? 0 : f - c[0] * inner;
     c[1] = RANK == 3 ? rem / rk[2] : rem;
     c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
 #pragma unroll
