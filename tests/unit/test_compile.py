@@ -32,8 +32,9 @@ ALLOWED_SPILLS = {
 }
 # The naive dK/dV kernel reads the bias in its loop over a key's queries; at rank 1 that
 # pushes its 2 x 32 accumulators past the register file (the naive backend is the plain
-# baseline, one thread per output chunk, not a kernel tuned for speed).
-ALLOWED_SPILLS.update({(f"na_bwd_dkdv_naive<{t}, 1>", arch): 460
+# baseline, one thread per output chunk, not a kernel tuned for speed). 452-460 bytes with
+# bisected inverse windows, 448-472 with the stride-1 closed form (NVRTC 13.0).
+ALLOWED_SPILLS.update({(f"na_bwd_dkdv_naive<{t}, 1>", arch): 480
                        for t in ("float", "__half", "__nv_bfloat16") for arch in ARCHS})
 ALLOWED_SPILLS.update({(f"na_bwd_dkdv_naive<{t}, 3>", "sm_80"): 16
                        for t in ("float", "__half", "__nv_bfloat16")})
