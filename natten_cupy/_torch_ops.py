@@ -318,7 +318,7 @@ class FusedNA(torch.autograd.Function):
         out, lse = _fast.run_torch_call(entry, (q, k, v), None, kept)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
-        ctx.served = (entry, kept) if _saved_hooks(True) is None else None
+        ctx.served = (entry, kept) if _saved_hooks() is None else None
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -376,11 +376,22 @@ def _applier(cls):
 _LIB = torch.library.Library("natten_cupy", "FRAGMENT")
 _BELOW = torch._C._AutoDispatchBelowAutograd
 _grad_enabled = torch.is_grad_enabled
-# The top saved-tensor hooks (None: tensors are saved as they are); its argument: ignore
-# whether dynamo is tracing.
-_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
-                       lambda ignore_tracing: ())
 _any_requires_grad = torch._C._any_requires_grad
+
+
+def _saved_hooks_reader():
+    """A function giving the top saved-tensor hooks (None: tensors are saved as they are),
+    from torch's private reader (its argument: ignore whether dynamo is tracing); where this
+    torch lacks it or it takes other arguments, one that always answers "hooked"."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        top(True)
+    except Exception:  # (None is not callable either)
+        return lambda: ()
+    return lambda: top(True)
+
+
+_saved_hooks = _saved_hooks_reader()
 _OPTIONS3 = ("SymInt[] kernel_size, SymInt[] dilation, bool[] is_causal, str backend, "
              "bool allow_tf32")
 _SCHEMAS = {
