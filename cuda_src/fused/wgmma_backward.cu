@@ -167,6 +167,23 @@ struct BwdSmem {
   }
 };
 
+// Thread 0 decodes the CTA's geometry and sets up the stage barriers (a stage is full
+// after the loader's FULL arrivals, empty after the compute warpgroups' EMPTY); then the
+// whole CTA learns whether it has work.
+template <int STAGES, int FULL, int EMPTY, typename Geom>
+__device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, unsigned empty,
+                                          const NAParams& p) {
+  if (threadIdx.x == 0) {
+    live = G.init(p);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, FULL);
+      mbar_init(empty + 8 * s, EMPTY);
+    }
+  }
+  __syncthreads();
+  return live;
+}
+
 // dK, dV: keys own the CTA (128 keys, two compute warpgroups of 64), the region is the
 // queries of their inverse windows, walked in BQ-query tiles: per tile S^T = K Q^T and dP^T =
 // V dO^T (wgmma from shared memory), P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T
@@ -217,15 +234,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const float* lseb = lse + b * p.lse[0] + h0 * p.lse[4];
   const float* deltab = delta + b * p.delta[0] + h0 * p.delta[4];
 
-  if (tid == 0) {
-    live = G.init(p);
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(sm.full + 8 * s, NT);
-      mbar_init(sm.empty + 8 * s, 128 * WG);
-    }
-  }
-  __syncthreads();
-  if (!live) return;
+  if (!begin_cta<STAGES, NT, 128 * WG>(G, live, sm.full, sm.empty, p)) return;
   const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
@@ -445,15 +454,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const T* vb = v + b * p.v[0] + hk * p.v[4];
   const T* dob = d_o + b * p.d_o[0] + h * p.d_o[4];
 
-  if (tid == 0) {
-    live = G.init(p);
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(sm.full + 8 * s, NT);
-      mbar_init(sm.empty + 8 * s, 128 * WG);
-    }
-  }
-  __syncthreads();
-  if (!live) return;
+  if (!begin_cta<STAGES, NT, 128 * WG>(G, live, sm.full, sm.empty, p)) return;
   const int num_tiles = (G.total + BN - 1) / BN;
 
   if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
