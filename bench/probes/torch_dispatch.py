@@ -37,8 +37,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # natten_cupy, bench/
 
+import timing  # noqa: E402
 import torch  # noqa: E402
 
 NS = "natten_cupy_dispatch_probe"
@@ -227,15 +229,7 @@ def per_call_us(fn, calls, reps=7, sync=lambda: None):
 
 def python_calls(fn, n=50):
     """Python function calls per call of ``fn`` (cProfile; deterministic, unlike times)."""
-    import cProfile
-    import pstats
-    fn()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        fn()
-    prof.disable()
-    return pstats.Stats(prof).total_calls / n
+    return timing.python_profile(fn, n=n, top=0)["calls"]
 
 
 def rows_for(name, op, q, k, v, g, qg, kg, vg, backends):
