@@ -407,7 +407,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   for (int r = 0; r < 2; ++r) {
     int c[3];
     bool valid;
-    G.owner(erow + 8 * r, c, valid);
+    G.own_row(erow + 8 * r, c, valid);
     if (!valid) continue;
     T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
     T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
@@ -480,7 +480,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   for (int r = 0; r < 2; ++r) {
     int c[3];
     bool valid;
-    G.owner(row0 + 8 * r, c, valid);
+    G.own_row(row0 + 8 * r, c, valid);
     ll[r] = valid ? lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] *
                         1.4426950408889634f
                   : 0.f;
@@ -528,7 +528,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   for (int r = 0; r < 2; ++r) {
     int c[3];
     bool valid;
-    G.owner(row0 + 8 * r, c, valid);
+    G.own_row(row0 + 8 * r, c, valid);
     if (!valid) continue;
     T* at = dq + b * p.dq[0] + h * p.dq[4] + G.offset(p, p.dq, c[0], c[1], c[2]);
 #pragma unroll

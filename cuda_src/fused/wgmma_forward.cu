@@ -4,6 +4,7 @@
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
+#include "natten/hopper/tile_box.cuh"
 
 namespace natten {
 namespace hopper {
@@ -50,9 +51,9 @@ __device__ __forceinline__ void load_tile(unsigned dst, const T* src, i64 stride
 // (no index arithmetic per key, and boxes inside every window need no mask). Region
 // coordinates are relative to the region's start.
 template <int RANK, int T0, int T1, int T2>
-struct Geom {
-  int g[3], q0[3], glen[3], rs[3], rk[3];
-  int ilo[3], ihi[3];  // per axis, the region coordinates inside every query's window
+struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
+  typedef TileBox<RANK, T0, T1, T2> Box;
+  using Box::g, Box::o0, Box::glen, Box::rs, Box::rk, Box::ilo, Box::ihi, Box::own_row;
   int nb[3];           // key boxes per axis
   int total;       // keys in the region
   int inner;       // keys per axis-0 row of the region (rk1 * rk2)
@@ -75,11 +76,11 @@ struct Geom {
       g[a] = x % ax.dilation;
       x /= ax.dilation;
       glen[a] = ax.group_len(g[a]);
-      q0[a] = tile[a] * tdim[a];
-      if (q0[a] >= glen[a]) return false;
+      o0[a] = tile[a] * tdim[a];
+      if (o0[a] >= glen[a]) return false;
       int fs, fe, ls, le;
-      ax.window(q0[a], glen[a], fs, fe);
-      ax.window(min(q0[a] + tdim[a], glen[a]) - 1, glen[a], ls, le);
+      ax.window(o0[a], glen[a], fs, fe);
+      ax.window(min(o0[a] + tdim[a], glen[a]) - 1, glen[a], ls, le);
       rs[a] = fs;
       rk[a] = le - fs;
       ilo[a] = ls - fs;
@@ -114,27 +115,6 @@ struct Geom {
     return !inside;
   }
 
-  // Element offset of in-group coordinates c (axes beyond RANK are 0) in a tensor of strides st.
-  __device__ __forceinline__ i64 offset(const NAParams& p, const i64* st, int c0, int c1,
-                                        int c2) const {
-    const int c[3] = {c0, c1, c2};
-    i64 off = 0;
-#pragma unroll
-    for (int a = 0; a < RANK; ++a) off += (i64)(g[a] + p.dilation[a] * c[a]) * st[1 + a];
-    return off;
-  }
-
-  // In-group coordinates of row r of the query tile (valid: inside the group on every axis).
-  __device__ __forceinline__ void query(int r, int (&c)[3], bool& valid) const {
-    const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
-    valid = true;
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-      c[a] = q0[a] + l[a];
-      valid = valid && c[a] < glen[a];
-    }
-  }
-
   // Region coordinates of flat region index f.
   __device__ __forceinline__ void key(int f, int (&c)[3]) const {
     c[0] = f / inner;
@@ -161,7 +141,7 @@ struct BiasBox {
       dim[a] = 1;
       if (a < RANK) {
         const Axis ax = axis_of(p, a);
-        const int last = min(G.q0[a] + tdim[a], G.glen[a]) - 1;
+        const int last = min(G.o0[a] + tdim[a], G.glen[a]) - 1;
         int s, e;
         ax.window(last, G.glen[a], s, e);
         org[a] = s - last + ax.kernel - 1;
@@ -221,7 +201,7 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
   auto row_coords = [&](int r, int (&c)[3]) {
     bool ok = true;
     if (lo < 0) {
-      G.query(r, c, ok);
+      G.own_row(r, c, ok);
       return ok;
     }
     if (BOX) {
@@ -499,7 +479,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const int d0 = (int)p.dilation[0];
   auto load_q = [&]() {
     if (RANK == 1)
-      load_tile<T, D, BM, NT, LOAD_UNROLL>(sq, qb + G.g[0] * p.q[1], d0 * p.q[1], G.q0[0],
+      load_tile<T, D, BM, NT, LOAD_UNROLL>(sq, qb + G.g[0] * p.q[1], d0 * p.q[1], G.o0[0],
                                            G.glen[0], hd, tid);
     else
       load_rows<T, D, BM, NT, BOX>(sq, qb, p.q, sq, qb, p.q, G, p, -1, hd, tid);
@@ -556,7 +536,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     for (int r = 0; r < 2; ++r) {
       int c[3];
       bool valid;
-      G.query(row0 + 8 * r, c, valid);
+      G.own_row(row0 + 8 * r, c, valid);
       if (BIAS) bias_row[r] = btab + 4 * bb.row(G, p, c);
 #pragma unroll
       for (int a = 0; a < RANK; ++a) {
@@ -697,7 +677,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       int c[3];
       bool valid;
-      G.query(row0 + 8 * r, c, valid);
+      G.own_row(row0 + 8 * r, c, valid);
       if (valid) {
         const float inv = 1.f / sum;
         T* at = o + b * p.o[0] + h * p.o[4] + G.offset(p, p.o, c[0], c[1], c[2]);

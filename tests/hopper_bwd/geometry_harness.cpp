@@ -45,7 +45,7 @@ long long run(const NAParams& p, int ctas, int* pairs, long long points, long lo
           const int col = j * N + (i / 4) * 8 + 2 * quad + (i % 2), r = (i / 2) % 2;
           int co[3], cr[3];
           bool valid;
-          G.owner(row0 + 8 * r, co, valid);
+          G.own_row(row0 + 8 * r, co, valid);
           if (!valid) continue;  // rows past the group are never stored
           if (col >= G.total) {  // an unmasked score past the region
             ++errors;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "../common.cuh"
+#include "tile_box.cuh"
 
 namespace natten {
 namespace hopper {
@@ -24,9 +25,9 @@ __device__ __forceinline__ void reach(const Axis& ax, int i, int glen, int& s, i
 
 // Owner box T0 x T1 x T2 (rank padded to 3 with inert axes) and its region.
 template <int RANK, int T0, int T1, int T2, bool INV>
-struct BwdGeom {
-  int g[3], o0[3], glen[3], rs[3], rk[3];
-  int ilo[3], ihi[3];  // per axis, the region coordinates every owner row reaches
+struct BwdGeom : TileBox<RANK, T0, T1, T2> {
+  typedef TileBox<RANK, T0, T1, T2> Box;
+  using Box::g, Box::o0, Box::glen, Box::rs, Box::rk, Box::ilo, Box::ihi, Box::own_row;
   int total;           // rows of the region
   int inner;           // region rows per axis-0 row (rk1 * rk2)
   bool rows_only;      // every owner row reaches all of axes 1 and 2: masks depend on rows only
@@ -73,27 +74,6 @@ struct BwdGeom {
     return lo < ilo[0] * inner || lo + n > ihi[0] * inner;
   }
 
-  // Element offset of in-group coordinates c (axes beyond RANK are 0) in a tensor of strides st.
-  __device__ __forceinline__ i64 offset(const NAParams& p, const i64* st, int c0, int c1,
-                                        int c2) const {
-    const int c[3] = {c0, c1, c2};
-    i64 off = 0;
-#pragma unroll
-    for (int a = 0; a < RANK; ++a) off += (i64)(g[a] + p.dilation[a] * c[a]) * st[1 + a];
-    return off;
-  }
-
-  // In-group coordinates of row r of the owner tile (valid: inside the group on every axis).
-  __device__ __forceinline__ void owner(int r, int (&c)[3], bool& valid) const {
-    const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
-    valid = true;
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-      c[a] = o0[a] + l[a];
-      valid = valid && c[a] < glen[a];
-    }
-  }
-
   // In-group coordinates of flat region index f (valid when f < total). (Rank 1: f itself,
   // without the integer division by inner = 1 that the compiler cannot see.)
   __device__ __forceinline__ void other(int f, int (&c)[3]) const {
@@ -111,7 +91,7 @@ struct BwdGeom {
                                             int (&wn)[3]) const {
     int c[3];
     bool valid;
-    owner(r, c, valid);
+    own_row(r, c, valid);
 #pragma unroll
     for (int a = 0; a < RANK; ++a) {
       int s0, e0;

@@ -58,7 +58,7 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
     auto row_coords = [&](int rr, int (&c)[3]) {
       bool ok;
       if (flat < 0) {
-        G.owner(rr, c, ok);
+        G.own_row(rr, c, ok);
       } else {
         ok = flat + rr < G.total;
         G.other(flat + rr, c);
