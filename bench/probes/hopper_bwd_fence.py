@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 PROBES = os.path.dirname(os.path.abspath(__file__))
@@ -39,7 +38,7 @@ BENCH = os.path.dirname(PROBES)
 sys.path[:0] = [os.path.dirname(BENCH), BENCH, PROBES]   # natten_cupy, bench/, probes/
 
 from hopper_bwd_dq import backward_inputs  # noqa: E402
-from rpb_probe import _launches  # noqa: E402
+from rpb_probe import kernel_split  # noqa: E402
 
 RUNS = (("SA", "float16"), ("W1", "float16"), ("SA128", "float16"), ("M4", "bfloat16"),
         ("M6", "bfloat16"), ("M5", "bfloat16"))
@@ -110,16 +109,6 @@ def variant_source(name):
 VARIANTS = ("shipped", "no_fence", "loader_fence", "loader_fence_reorder")
 
 
-def _split(fn, reps=5):
-    fn()
-    runs = [list(_launches(fn)) for _ in range(reps)]
-    out = {}
-    for name in dict.fromkeys(n for n, _ in runs[0]):
-        out[name] = round(statistics.median(sum(ms for n, ms in r if n == name) for r in runs),
-                          4)
-    return out
-
-
 def run(wid, tname, sources):
     import cupy
     from natten_cupy.backends.fused import wgmma_backward as H
@@ -132,7 +121,7 @@ def run(wid, tname, sources):
 
             def fn():
                 H.backward(prob, q, k, v, out, lse, d_out, *grads, dq_atomic=atomic)
-            split = _split(fn)
+            split = kernel_split(fn, reps=5)
             row = dict(id=wid, dtype=tname, variant=vname, dq_atomic=atomic, kernels_ms=split,
                        total_ms=round(sum(split.values()), 4))
             if vname != "no_fence":

@@ -61,13 +61,18 @@ def _launches(fn):
     return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in rec.events]
 
 
-def kernel_split(fn):
-    """{kernel name: ms} of one call of ``fn`` (after a warm-up)."""
+def kernel_split(fn, reps=1):
+    """{kernel name: ms} of a call of ``fn`` (after a warm-up): per kernel name, the median
+    over ``reps`` calls of its launches' summed times."""
     fn()
-    out = {}
-    for name, ms in _launches(fn):
-        out[name] = round(out.get(name, 0.0) + ms, 4)
-    return out
+    runs = []
+    for _ in range(reps):
+        run = {}
+        for name, ms in _launches(fn):
+            run[name] = run.get(name, 0.0) + ms
+        runs.append(run)
+    return {name: round(statistics.median(r.get(name, 0.0) for r in runs), 4)
+            for name in runs[0]}
 
 
 def kernel_ms(fn, reps):

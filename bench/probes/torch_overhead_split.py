@@ -48,11 +48,6 @@ def _per_call_us(fn, n=2000):
     return us
 
 
-def _top(fn):
-    got = timing.python_profile(fn, top=14)
-    return dict(calls=got["calls"], top=got["top"])
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -174,8 +169,9 @@ def main(argv=None):
     for i, c in enumerate(fe.calls):
         fptrs = [x.data_ptr() for x in (*det, out, lse)]
         rows[f"forward: launch {i} ({c.name})"] = _per_call_us(lambda c=c: c(fptrs, stream))
-    profiles = {"backward body": _top(body_bwd), "forward body": _top(body_fwd),
-                "array API backward": _top(array_bwd), "forward with grad": _top(ours_fwd)}
+    profiles = {name: timing.python_profile(fn, top=14) for name, fn in (
+        ("backward body", body_bwd), ("forward body", body_fwd),
+        ("array API backward", array_bwd), ("forward with grad", ours_fwd))}
     report = dict(problem=dict(shape=SHAPE, kernel=KERNEL, dtype="float16"),
                   device=torch.cuda.get_device_name(), torch=torch.__version__,
                   commit=os.environ.get("NATTEN_CUPY_COMMIT", ""),
