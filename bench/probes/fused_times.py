@@ -1,17 +1,19 @@
 """Kernel times of the fused forward and backward per tile choice, side by side in one run.
 
     python bench/probes/fused_times.py [--workloads 2D-33:fp16,M5:bf16] [--tiles wgmma,mma.sync]
-        [--reps 15] [--out times.json]
+        [--reps 15] [--out times.json] [--baseline fused/mma_forward.cu=fused/old.cu]
 
 Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and kernel family
 (``wgmma``: the Hopper parts, ``mma.sync``: the mma.sync parts, called directly; ``default``:
-the array API's own choice, warm calls), on the same inputs: forward and backward CUDA-event
+the array API's own choice, warm calls; ``F@base``: family F built from other kernel sources,
+``--baseline``), on the same inputs: forward and backward CUDA-event
 medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times
 that). Each backward's gradients are checked to be finite; correctness against the reference
 is the GPU tests' job.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,10 +35,33 @@ def _parts(family):
     from natten_cupy.backends.fused import (mma_backward, mma_forward, wgmma_backward,
                                             wgmma_forward)
     return {"wgmma": (wgmma_forward, wgmma_backward),
-            "mma.sync": (mma_forward, mma_backward)}[family]
+            "mma.sync": (mma_forward, mma_backward)}[family.split("@")[0]]
 
 
-def run(wid, dtype, family, reps):
+@contextlib.contextmanager
+def _source(family, baselines):
+    """Family ``F@base`` runs F's kernels compiled from the ``--baseline`` sources instead of
+    the shipped ones (A/B of a kernel change in one run); plain F the shipped ones."""
+    if "@" not in family:
+        yield
+        return
+    parts = _parts(family)
+    saved = [m.SOURCE for m in parts]
+    try:
+        for m in parts:
+            m.SOURCE = baselines.get(m.SOURCE, m.SOURCE)
+        yield
+    finally:
+        for m, src in zip(parts, saved):
+            m.SOURCE = src
+
+
+def run(wid, dtype, family, reps, baselines=None):
+    with _source(family, baselines or {}):
+        return _run(wid, dtype, family, reps)
+
+
+def _run(wid, dtype, family, reps):
     w = probe_workload(wid)
     spec = dtype_spec(dtype)
     q, k, v, do = (random_array(cupy, w.shape, spec["name"], i) for i in range(4))
@@ -84,12 +109,17 @@ def main(argv=None):
     ap.add_argument("--tiles", default="wgmma,mma.sync")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--baseline", action="append", default=[], metavar="SHIPPED=OTHER",
+                    help="for tiles F@base: compile cuda_src/OTHER in place of cuda_src/SHIPPED "
+                         "(e.g. fused/mma_forward.cu=fused/mma_forward_base.cu, the file "
+                         "of an earlier commit); repeatable")
     args = ap.parse_args(argv)
+    baselines = dict(b.split("=", 1) for b in args.baseline)
     rows = []
     for spec in args.workloads.split(","):
         wid, dtype = spec.split(":")
         for tile in args.tiles.split(","):
-            row = run(wid, dtype, tile, args.reps)
+            row = run(wid, dtype, tile, args.reps, baselines)
             rows.append(row)
             if "error" in row:
                 print(f"{wid:>10}:{dtype:<5} {tile:<9} {row['error'][:90]}", flush=True)

@@ -265,20 +265,27 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       }
       return;
     }
-    const int f0 = ch * ck, nk = min(ck, total - f0);
-    for (int i = tid; i < nk * CPR; i += NT) {
-      const int r = i / CPR, c = i % CPR;
-      const int f = f0 + r;
-      int x0, x1, x2;
-      hsplit(f, x0, x1, x2);
-      const i64 c0 = grp[0] + (i64)ax[0].dilation * (hs[0] + x0);
-      const i64 c1 = RANK > 1 ? grp[1] + (i64)ax[1].dilation * (hs[1] + x1) : 0;
-      const i64 c2 = RANK > 2 ? grp[2] + (i64)ax[2].dilation * (hs[2] + x2) : 0;
-      const bool ok = (i64)c * EPC < hd;
-      const int dst = r * DP + fused::swizzle_chunk<CPR>(r, c) * EPC;
-      const i64 e = (i64)c * EPC;
-      tc::cp_async16(ks + dst, ok ? k + kbase + c0 * p.k[1] + c1 * p.k[2] + c2 * p.k[3] + e : k, ok);
-      tc::cp_async16(vs + dst, ok ? v + vbase + c0 * p.v[1] + c1 * p.v[2] + c2 * p.v[3] + e : v, ok);
+    // Each thread copies one fixed 16-byte column (hc) of every RSTEP-th row (no division
+    // per copy); a row's tensor offsets are 32 x 64-bit products of its halo
+    // coordinates.
+    static_assert(NT % CPR == 0, "a CTA's threads cover whole rows");
+    constexpr int RSTEP = NT / CPR;
+    const int hc = threadIdx.x % CPR, f0 = ch * ck, nk = min(ck, total - f0);
+    const bool hok = hc * EPC < hd;
+#pragma unroll 1
+    for (int r = threadIdx.x / CPR; r < nk; r += RSTEP) {
+      int x[3];
+      hsplit(f0 + r, x[0], x[1], x[2]);
+      i64 ok_ = kbase + hc * EPC, ov = vbase + hc * EPC;
+#pragma unroll
+      for (int a = 0; a < RANK; ++a) {
+        const unsigned c = grp[a] + ax[a].dilation * (hs[a] + x[a]);  // (>= 0)
+        ok_ += (i64)c * p.k[1 + a];
+        ov += (i64)c * p.v[1 + a];
+      }
+      const int dst = r * DP + fused::swizzle_chunk<CPR>(r, hc) * EPC;
+      tc::cp_async16(ks + dst, hok ? k + ok_ : k, hok);
+      tc::cp_async16(vs + dst, hok ? v + ov : v, hok);
     }
   };
 

@@ -115,9 +115,9 @@ struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
     return !inside;
   }
 
-  // Region coordinates of flat region index f.
+  // Region coordinates of flat region index f (1-D: f itself, no division by inner = 1).
   __device__ __forceinline__ void key(int f, int (&c)[3]) const {
-    c[0] = f / inner;
+    c[0] = RANK == 1 ? f : f / inner;
     const int rem = f - c[0] * inner;
     c[1] = RANK == 3 ? rem / rk[2] : rem;
     c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
