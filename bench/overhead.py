@@ -7,8 +7,9 @@ NA layers pays per layer beyond its kernels. Each row runs with the
 fast path (warm calls served by ``natten_cupy._fast``) and with it switched off (the general
 path: validation, backend choice, DLPack, stream objects on every call), side by side in one
 process. Also: the kernels alone (CUDA-graph replay), a cProfile count of the Python calls in
-one warm call, a warm ``tile="autotune"`` call, and FlexAttention's eager call on the same
-problem for scale.
+one warm call, a warm ``tile="autotune"`` call, FlexAttention's eager call on the same
+problem for scale, and the frameworks' own floor (an empty CuPy kernel launch, one output
+array, one torch kernel launch).
 
     python bench/overhead.py --out overhead.json
 """
@@ -79,6 +80,8 @@ def main(argv=None):
                "bool deterministic) -> (Tensor, Tensor)")
     lib.impl("fwd", _torch_ops._fused_forward_impl, "CUDA")
     x_base = torch.randn(SHAPE, device=dev, requires_grad=True)
+    nop = cupy.RawKernel('extern "C" __global__ void nop() {}', "nop")
+    one = torch.empty(1, device=dev)
 
     def autograd_baseline():
         (x_base * 2).backward(tdo.float())
@@ -113,6 +116,13 @@ def main(argv=None):
                                                     [False, False], None, "auto", False,
                                                     False)),
         ("torch alone: (x * 2).backward(), for scale", autograd_baseline),
+        # The frameworks' own floor on this machine: what one launch and one output cost
+        # without natten_cupy (a warm forward makes two outputs and one launch; a backward
+        # three outputs, one workspace and two launches).
+        ("CuPy alone: an empty kernel through cupy.RawKernel", lambda: nop((1,), (32,), ())),
+        ("CuPy alone: cupy.empty of the output", lambda: cupy.empty(SHAPE, cupy.float16)),
+        ("torch alone: torch.empty_like of the output", lambda: torch.empty_like(tq)),
+        ("torch alone: one element zeroed (one kernel)", lambda: one.zero_()),
     ]
     # Every row warmed up first (the first row timed used to read high), and the garbage
     # collector off while timing (as timeit does): its pauses are not a call's cost.
