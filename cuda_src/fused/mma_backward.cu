@@ -619,26 +619,20 @@ struct MinBlocks {
 }  // namespace
 
 // dK, dV: owners are keys. Grid: x = (chunk, dilation group, tile), y = batch * kv heads
-// from bh0; 4 warps. tab: per-axis window tables, axis a at tab + tab_off[a]. Per axis: CTA
-// tile t and warp patch p (powers of two), log2 l of p, tiles per dilation group n. Grouped:
-// grouped-query attention (heads_per_kv > 1), each CTA walks its kv head's query heads.
+// from g.bh0; 4 warps. tab: per-axis window tables, axis a at tab + g.tab_off[a] (g: the
+// pass's bwd::PassGeom). Grouped: grouped-query attention (heads_per_kv > 1), each CTA walks
+// its kv head's query heads.
 template <typename T, int Dp, int DC, bool Grouped, bool BIAS>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true, Grouped, BIAS>::value)
 na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
                 float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                 const T* __restrict__ rpb, const bwd::BiasGeom bg,
-                const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
-                const int t0, const int t1, const int t2, const int p0, const int p1,
-                const int p2, const int l0, const int l1, const int l2, const int n0,
-               const int n1, const int n2, const int slab_rows,
-                const int bh0) {
-  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
-  const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
+                const int4* __restrict__ tab, const NAParams p, const bwd::PassGeom g) {
   bwd_pass<T, Dp, DC, true, Grouped, BIAS, false>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p,
-                                                  p.k, p.v, p.q, p.d_o, p.dk, p.dv, tab, tab_off,
-                                                  tile, patch, lpatch, ntile, slab_rows, bh0, rpb,
-                                                  nullptr, bg, nullptr, nullptr);
+                                                  p.k, p.v, p.q, p.d_o, p.dk, p.dv, tab, g.tab_off,
+                                                  g.tile, g.patch, g.lpatch, g.ntile, g.slab_rows,
+                                                  g.bh0, rpb, nullptr, bg, nullptr, nullptr);
 }
 
 // dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o and
@@ -650,17 +644,11 @@ na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                float* __restrict__ delta, T* __restrict__ dq, const T* __restrict__ rpb,
                float* __restrict__ bias_part, const bwd::BiasGeom bg,
                const T* __restrict__ xk, const T* __restrict__ xv,
-               const int4* __restrict__ tab, const NAParams p, const int tab1, const int tab2,
-               const int t0, const int t1, const int t2, const int p0, const int p1,
-               const int p2, const int l0, const int l1, const int l2, const int n0,
-               const int n1, const int n2, const int slab_rows,
-               const int bh0) {
-  const int tile[3] = {t0, t1, t2}, patch[3] = {p0, p1, p2}, lpatch[3] = {l0, l1, l2};
-  const int tab_off[3] = {0, tab1, tab2}, ntile[3] = {n0, n1, n2};
+               const int4* __restrict__ tab, const NAParams p, const bwd::PassGeom g) {
   bwd_pass<T, Dp, DC, false, false, BIAS, EXTRA>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q,
-                                                 p.d_o, p.k, p.v, p.dq, p.dq, tab, tab_off, tile,
-                                                 patch, lpatch, ntile, slab_rows, bh0, rpb,
-                                                 bias_part, bg, xk, xv);
+                                                 p.d_o, p.k, p.v, p.dq, p.dq, tab, g.tab_off,
+                                                 g.tile, g.patch, g.lpatch, g.ntile, g.slab_rows,
+                                                 g.bh0, rpb, bias_part, bg, xk, xv);
 }
 
 // d_rpb from the dQ pass's CTA boxes (bias_part, [batch * heads, bg.ctas, bg.vol]): one CTA

@@ -29,6 +29,14 @@ struct RowDesc {
 struct BiasDesc {
   int t, a;
 };
+// One pass's launch geometry (the launcher's PASS_GEOM), per padded axis: the CTA tile and
+// the warp patch (powers of two), log2 of the patch, tiles per dilation group and the
+// offset of the axis's window table; then the rows of one gathered slab and the first
+// (batch, owner head) of the launch's grid y.
+struct PassGeom {
+  int tile[3], patch[3], lpatch[3], ntile[3], tab_off[3];
+  int slab_rows, bh0;
+};
 struct BiasGeom {
   int dim[3];      // accumulator box extents per axis (1 on inert axes)
   int bst[3];      // its row-major strides

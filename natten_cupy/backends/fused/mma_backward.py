@@ -70,6 +70,11 @@ BIAS_SMEM_BUDGET = 64 * 1024
 KWARPS, KNB = 4, 32   # kWarps, kNB of fused/mma_backward.cu
 
 # bwd::BiasGeom of fused_bwd_tile.cuh, field for field.
+# bwd::PassGeom (fused_bwd_tile.cuh): one pass's launch geometry.
+PASS_GEOM = numpy.dtype([("tile", numpy.int32, (3,)), ("patch", numpy.int32, (3,)),
+                         ("lpatch", numpy.int32, (3,)), ("ntile", numpy.int32, (3,)),
+                         ("tab_off", numpy.int32, (3,)), ("slab_rows", numpy.int32),
+                         ("bh0", numpy.int32)], align=True)
 BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
                          ("tile", numpy.int32, (3,)), ("ntile", numpy.int32, (3,)),
                          ("tab_off", numpy.int32, (3,)), ("vol", numpy.int32),
@@ -354,9 +359,11 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     groups = math.prod(problem.dilation)
     if any(x & (x - 1) for x in tile + patch):
         raise ValueError(f"tile {tile} and patch {patch} extents must be powers of two")
-    lpatch = tuple(int(x).bit_length() - 1 for x in patch)
-    geo = [numpy.int32(x) for x in tile + patch + lpatch + tuple(per_axis)]
+    geo = numpy.zeros((), dtype=PASS_GEOM)
+    geo["tile"], geo["patch"], geo["ntile"] = tile, patch, per_axis
+    geo["lpatch"] = tuple(int(x).bit_length() - 1 for x in patch)
     tab, tab_off, reach = _geometry(problem, tile)
+    geo["tab_off"] = tab_off
     bg = _bias_geometry(problem, tab_off, per_axis) if bias else numpy.zeros((), BIAS_GEOM)[()]
     name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1, bias=bias, extra=tokens)
     # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
@@ -374,11 +381,12 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
         # CTAs walks its kv head's group of query heads).
         bh = problem.batch * (problem.kv_heads if owner_is_key else problem.heads)
         for bh0 in range(0, bh, MAX_GRID_Y):
+            g = geo.copy()
+            g["slab_rows"], g["bh0"] = slab, bh0
             calls.append(KernelCall(
                 fn, (gx, min(MAX_GRID_Y, bh - bh0), 1), (32 * nwarps, 1, 1),
-                (*ptrs, tab, p, numpy.int32(tab_off[1]), numpy.int32(tab_off[2]), *geo,
-                 numpy.int32(slab), numpy.int32(bh0)),
-                shared_mem=smem, name=name.split("<")[0], backend="fused", tile=tile))
+                (*ptrs, tab, p, g[()]), shared_mem=smem, name=name.split("<")[0],
+                backend="fused", tile=tile))
     workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
     if bias:
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
