@@ -276,16 +276,16 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     for (int r = threadIdx.x / CPR; r < nk; r += RSTEP) {
       int x[3];
       hsplit(f0 + r, x[0], x[1], x[2]);
-      i64 ok_ = kbase + hc * EPC, ov = vbase + hc * EPC;
+      i64 off_k = kbase + hc * EPC, off_v = vbase + hc * EPC;
 #pragma unroll
       for (int a = 0; a < RANK; ++a) {
         const unsigned c = grp[a] + ax[a].dilation * (hs[a] + x[a]);  // (>= 0)
-        ok_ += (i64)c * p.k[1 + a];
-        ov += (i64)c * p.v[1 + a];
+        off_k += (i64)c * p.k[1 + a];
+        off_v += (i64)c * p.v[1 + a];
       }
       const int dst = r * DP + fused::swizzle_chunk<CPR>(r, hc) * EPC;
-      tc::cp_async16(ks + dst, hok ? k + ok_ : k, hok);
-      tc::cp_async16(vs + dst, hok ? v + ov : v, hok);
+      tc::cp_async16(ks + dst, hok ? k + off_k : k, hok);
+      tc::cp_async16(vs + dst, hok ? v + off_v : v, hok);
     }
   };
 

@@ -54,9 +54,8 @@ template <int RANK, int T0, int T1, int T2>
 struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
   typedef TileBox<RANK, T0, T1, T2> Box;
   using Box::g, Box::o0, Box::glen, Box::rs, Box::rk, Box::ilo, Box::ihi, Box::own_row;
-  int nb[3];           // key boxes per axis
-  int total;       // keys in the region
-  int inner;       // keys per axis-0 row of the region (rk1 * rk2)
+  using Box::total, Box::inner, Box::size_region, Box::region_at;
+  int nb[3];       // key boxes per axis
   bool rows_only;  // windows all span axes 1 and 2 of the region: masks depend on rows only
 
   __device__ __forceinline__ bool init(const NAParams& p) {
@@ -89,8 +88,7 @@ struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
       if (a > 0 && (ls > fs || fe < le)) spans = false;
     }
     rows_only = spans;
-    inner = rk[1] * rk[2];
-    total = rk[0] * inner;
+    size_region();
     return true;
   }
 
@@ -113,14 +111,6 @@ struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
 #pragma unroll
     for (int a = 0; a < 3; ++a) inside = inside && org[a] >= ilo[a] && org[a] + tdim[a] <= ihi[a];
     return !inside;
-  }
-
-  // Region coordinates of flat region index f (1-D: f itself, no division by inner = 1).
-  __device__ __forceinline__ void key(int f, int (&c)[3]) const {
-    c[0] = RANK == 1 ? f : f / inner;
-    const int rem = f - c[0] * inner;
-    c[1] = RANK == 3 ? rem / rk[2] : rem;
-    c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
   }
 };
 
@@ -213,7 +203,7 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
       }
     } else {
       ok = lo + r < G.total;
-      G.key(lo + r, c);
+      G.region_at(lo + r, c);
     }
 #pragma unroll
     for (int a = 0; a < 3; ++a) c[a] += G.rs[a];
@@ -563,7 +553,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         int* const ki = reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw)));
         for (int f = tid - 128; f < G.total; f += 128 * WG) {
           int c[3];
-          G.key(f, c);
+          G.region_at(f, c);
           ki[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
         }
       }

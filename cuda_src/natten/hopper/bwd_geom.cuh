@@ -28,8 +28,7 @@ template <int RANK, int T0, int T1, int T2, bool INV>
 struct BwdGeom : TileBox<RANK, T0, T1, T2> {
   typedef TileBox<RANK, T0, T1, T2> Box;
   using Box::g, Box::o0, Box::glen, Box::rs, Box::rk, Box::ilo, Box::ihi, Box::own_row;
-  int total;           // rows of the region
-  int inner;           // region rows per axis-0 row (rk1 * rk2)
+  using Box::total, Box::inner, Box::size_region, Box::region_at;
   bool rows_only;      // every owner row reaches all of axes 1 and 2: masks depend on rows only
 
   __device__ __forceinline__ bool init(const NAParams& p) {
@@ -61,8 +60,7 @@ struct BwdGeom : TileBox<RANK, T0, T1, T2> {
       if (a > 0 && (ls > fs || fe < le)) spans = false;
     }
     rows_only = spans;
-    inner = rk[1] * rk[2];
-    total = rk[0] * inner;
+    size_region();
     return true;
   }
 
@@ -74,13 +72,9 @@ struct BwdGeom : TileBox<RANK, T0, T1, T2> {
     return lo < ilo[0] * inner || lo + n > ihi[0] * inner;
   }
 
-  // In-group coordinates of flat region index f (valid when f < total). (Rank 1: f itself,
-  // without the integer division by inner = 1 that the compiler cannot see.)
+  // In-group coordinates of flat region index f (valid when f < total).
   __device__ __forceinline__ void other(int f, int (&c)[3]) const {
-    c[0] = RANK == 1 ? f : f / inner;
-    const int rem = RANK == 1 ? 0 : f - c[0] * inner;
-    c[1] = RANK == 3 ? rem / rk[2] : rem;
-    c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
+    region_at(f, c);
 #pragma unroll
     for (int a = 0; a < 3; ++a) c[a] += rs[a];
   }

@@ -15,6 +15,23 @@ template <int RANK, int T0, int T1, int T2>
 struct TileBox {
   int g[3], o0[3], glen[3], rs[3], rk[3];  // group, box origin, group length, region
   int ilo[3], ihi[3];  // per axis, the region coordinates every row of the box reaches
+  int total;           // rows of the region (keys forward, queries backward)
+  int inner;           // region rows per axis-0 row (rk1 * rk2)
+
+  // total and inner, once rk is known.
+  __device__ __forceinline__ void size_region() {
+    inner = rk[1] * rk[2];
+    total = rk[0] * inner;
+  }
+
+  // Region coordinates of flat region index f (rank 1: f itself, without the integer
+  // division by inner = 1 that the compiler cannot see).
+  __device__ __forceinline__ void region_at(int f, int (&c)[3]) const {
+    c[0] = RANK == 1 ? f : f / inner;
+    const int rem = RANK == 1 ? 0 : f - c[0] * inner;
+    c[1] = RANK == 3 ? rem / rk[2] : rem;
+    c[2] = RANK == 3 ? rem - c[1] * rk[2] : 0;
+  }
 
   // Element offset of in-group coordinates c (axes beyond RANK are 0) in a tensor of strides st.
   __device__ __forceinline__ i64 offset(const NAParams& p, const i64* st, int c0, int c1,

@@ -69,8 +69,8 @@ TILES = {
 BIAS_SMEM_BUDGET = 64 * 1024
 KWARPS, KNB = 4, 32   # kWarps, kNB of fused/mma_backward.cu
 
-# bwd::BiasGeom of fused_bwd_tile.cuh, field for field.
-# bwd::PassGeom (fused_bwd_tile.cuh): one pass's launch geometry.
+# bwd::PassGeom and bwd::BiasGeom of fused_bwd_tile.cuh, field for field (the launch
+# geometry of one pass; the bias parts).
 PASS_GEOM = numpy.dtype([("tile", numpy.int32, (3,)), ("patch", numpy.int32, (3,)),
                          ("lpatch", numpy.int32, (3,)), ("ntile", numpy.int32, (3,)),
                          ("tab_off", numpy.int32, (3,)), ("slab_rows", numpy.int32),
