@@ -243,36 +243,6 @@ def test_bias_geometry_matches_the_c_struct():
         (255 + 15, 1, 1)
 
 
-def _c_struct_fields(header, name):
-    """(field, element count) of the int32 fields of C struct ``name`` in ``header``, in order."""
-    import pathlib
-    import re
-    text = (pathlib.Path(__file__).parents[2] / "cuda_src" / header).read_text()
-    body = re.search(r"struct " + name + r" \{(.*?)\};", text, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    fields = []
-    for decl in re.findall(r"int ([^;]+);", body):
-        for item in decl.split(","):
-            m = re.fullmatch(r"\s*(\w+)(?:\[(\d+)\])?\s*", item)
-            fields.append((m.group(1), int(m.group(2) or 1)))
-    return fields
-
-
-@pytest.mark.parametrize("struct, dtype_name", [("PassGeom", "PASS_GEOM"),
-                                                ("BiasGeom", "BIAS_GEOM")])
-def test_backward_launch_structs_match_their_numpy_twins(struct, dtype_name):
-    """The NumPy dtypes the launcher packs are the C structs of fused_bwd_tile.cuh, field by
-    field (int32 each; arrays of their length), so that a field added on one side fails here."""
-    from natten_cupy.backends.fused import mma_backward
-    dtype = getattr(mma_backward, dtype_name)
-    fields = _c_struct_fields("natten/fused_bwd_tile.cuh", struct)
-    assert list(dtype.names) == [f for f, _ in fields]
-    for f, n in fields:
-        sub = dtype.fields[f][0]
-        assert sub.base == numpy.int32 and (sub.shape or (1,)) == (n,), f
-    assert dtype.itemsize == 4 * sum(n for _, n in fields)
-
-
 def test_kernel_instantiations_with_a_bias_are_listed():
     from natten_cupy.backends.fused import mma_backward, mma_forward
     fwd = {n for _, n in mma_forward.instantiations()}
