@@ -724,7 +724,8 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks<T, Dp, true>::value)
 na_bwd_extra_kv(const T* __restrict__ q, const T* __restrict__ d_o,
                 const float* __restrict__ lse, const float* __restrict__ delta,
                 const T* __restrict__ xk, const T* __restrict__ xv, float* __restrict__ part,
-                const NAParams p, const int split_rows, const int slab_rows, const int bh0) {
+                const NAParams p, const bwd::ExtraGeom eg) {
+  const int split_rows = eg.split_rows, slab_rows = eg.slab_rows, bh0 = eg.bh0;
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8, EPP = 16 / (int)sizeof(T), CH = Dp / EPP;
   constexpr unsigned RB = RS * sizeof(T);
@@ -872,7 +873,8 @@ na_bwd_extra_kv(const T* __restrict__ q, const T* __restrict__ d_o,
 template <typename T>
 __global__ void __launch_bounds__(256)
 na_bwd_extra_sum(const float* __restrict__ part, T* __restrict__ dxk, T* __restrict__ dxv,
-                 const NAParams p, const int splits, const int dp) {
+                 const NAParams p, const bwd::ExtraGeom eg) {
+  const int splits = eg.splits, dp = eg.dp;
   const int ntok = (int)p.extra_tokens, hx = (int)p.extra_heads, D = (int)p.head_dim;
   const i64 plane = (i64)p.batch * ntok * hx * dp;
   const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;

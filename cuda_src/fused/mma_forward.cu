@@ -22,6 +22,13 @@ __host__ __device__ constexpr int min_ctas(int threads, int dp, int kb, bool bia
   return dp <= 32 && kb <= 2 ? (bias ? 384 : 512) / threads : 1;
 }
 
+// How the CTA stages its key halo (twin of mma_forward.HALO_CHUNKS): chunk_keys keys per
+// shared-memory buffer, stages 1 (the whole halo resident) or 2 (chunks double-buffered).
+struct HaloChunks {
+  int chunk_keys;
+  int stages;
+};
+
 // Coordinates (a0, a1, a2) of flat index t of a warp's row-major halo box of dims n; axes
 // past the rank are inert (size 1, coordinate 0) and cost nothing.
 template <int RANK>
@@ -64,9 +71,10 @@ __global__ void __launch_bounds__(32 * W0 * W1 * W2, natten::fused_fwd::min_ctas
 na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ rpb,
              const T* __restrict__ xk, const T* __restrict__ xv, const NAParams p,
-             int chunk_keys, int stages) {
+             const fused_fwd::HaloChunks hc) {
   static_assert(P0 * P1 * P2 == 16, "a warp patch holds 16 queries");
   static_assert(!LINES || RANK >= 2, "the line walk is for 2-D and 3-D");
+  const int chunk_keys = hc.chunk_keys, stages = hc.stages;
   constexpr int NW = W0 * W1 * W2, NT = 32 * NW;
   constexpr int EPC = Elem<T>::per_chunk;  // elements per 16-byte chunk
   constexpr int CPR = DP / EPC;            // 16-byte chunks per shared-memory row

@@ -37,6 +37,13 @@ struct PassGeom {
   int tile[3], patch[3], lpatch[3], ntile[3], tab_off[3];
   int slab_rows, bh0;
 };
+// The additional tokens' dK/dV launch (the launcher's EXTRA_GEOM): query tokens per split
+// (grid z), rows of one gathered slab, the first (batch, extra head) of grid y; and for the
+// sum of the splits' partial sums: the number of splits and the padded head dim.
+struct ExtraGeom {
+  int split_rows, slab_rows, bh0;
+  int splits, dp;
+};
 struct BiasGeom {
   int dim[3];      // accumulator box extents per axis (1 on inert axes)
   int bst[3];      // its row-major strides

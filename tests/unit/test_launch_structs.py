@@ -17,6 +17,14 @@ TWINS = [
     ("BiasGeom", "natten/fused_bwd_tile.cuh", "natten_cupy.backends.fused.mma_backward",
      "BIAS_GEOM"),
     ("TilePlan", "fused/exact_fp32.cu", "natten_cupy.backends.fused.exact_fp32", "PLAN_DTYPE"),
+    ("HaloChunks", "fused/mma_forward.cu", "natten_cupy.backends.fused.mma_forward",
+     "HALO_CHUNKS"),
+    ("ExtraGeom", "natten/fused_bwd_tile.cuh", "natten_cupy.backends.fused.mma_backward",
+     "EXTRA_GEOM"),
+    ("ScoresArgs", "na_tiled.cu", "natten_cupy.backends.tiled", "SCORES_ARGS"),
+    ("WeightedArgs", "na_tiled.cu", "natten_cupy.backends.tiled", "WEIGHTED_ARGS"),
+    ("RpbGradArgs", "na_tiled.cu", "natten_cupy.backends.tiled", "RPB_GRAD_ARGS"),
+    ("SoftmaxArgs", "na_softmax.cu", "natten_cupy._softmax", "SOFTMAX_ARGS"),
 ]
 
 

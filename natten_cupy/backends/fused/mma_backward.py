@@ -81,6 +81,10 @@ BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
                          ("ctas", numpy.int32), ("tst", numpy.int32, (3,)),
                          ("tvol", numpy.int32), ("wdim", numpy.int32, (3,)),
                          ("wbst", numpy.int32, (3,)), ("wvol", numpy.int32)], align=True)
+# bwd::ExtraGeom: the additional tokens' dK/dV launch and the sum of its splits.
+EXTRA_GEOM = numpy.dtype([("split_rows", numpy.int32), ("slab_rows", numpy.int32),
+                          ("bh0", numpy.int32), ("splits", numpy.int32), ("dp", numpy.int32)],
+                         align=True)
 
 
 def _bias_table_dims(problem):
@@ -301,17 +305,18 @@ def _extra_calls(problem, dp, p, operands, sms):
     calls = []
     bh = problem.batch * problem.extra_heads
     fn = get_kernel(SOURCE, name_kv)
+    geo = numpy.zeros((), EXTRA_GEOM)
+    geo["split_rows"], geo["slab_rows"], geo["splits"], geo["dp"] = rows, slab, splits, dp
     for bh0 in range(0, bh, MAX_GRID_Y):
+        geo["bh0"] = bh0
         calls.append(KernelCall(
             fn, (gx, min(MAX_GRID_Y, bh - bh0), splits), (32 * KWARPS, 1, 1),
-            (Q, D_OUT, LSE, DELTA, XK, XV, XPART, p, numpy.int32(rows), numpy.int32(slab),
-             numpy.int32(bh0)),
+            (Q, D_OUT, LSE, DELTA, XK, XV, XPART, p, geo[()].copy()),
             shared_mem=smem, name="na_bwd_extra_kv", backend="fused", tile=(KWARPS * 16,)))
     plane = problem.batch * problem.extra_tokens * problem.extra_heads * dp
     calls.append(KernelCall(
         get_kernel(SOURCE, name_sum), (-(-2 * plane // 256), 1, 1), (256, 1, 1),
-        (XPART, DXK, DXV, p, numpy.int32(splits), numpy.int32(dp)), name="na_bwd_extra_sum",
-        backend="fused"))
+        (XPART, DXK, DXV, p, geo[()].copy()), name="na_bwd_extra_sum", backend="fused"))
     return calls, ((2 * splits * plane,), numpy.dtype(numpy.float32))
 
 

@@ -225,6 +225,16 @@ def _tiling(problem):
     return Tiling(name, cfg, chunk, stages, q_bytes + stages * chunk * row_bytes, ctas)
 
 
+# fused_fwd::HaloChunks of the .cu: how a CTA stages its key halo.
+HALO_CHUNKS = numpy.dtype([("chunk_keys", numpy.int32), ("stages", numpy.int32)], align=True)
+
+
+def _halo_chunks(t):
+    h = numpy.zeros((), HALO_CHUNKS)
+    h["chunk_keys"], h["stages"] = t.chunk, t.stages
+    return h[()]
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_limit(device_id):
     import cupy
@@ -253,8 +263,7 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     extra = (Operand(6), Operand(7)) if problem.has_extra else (null, null)
     call = KernelCall(get_kernel(SOURCE, t.name), (t.ctas, 1, problem.batch),
                       (32 * t.cfg.num_warps, 1, 1),
-                      (*map(Operand, range(5)), bias, *extra, params, numpy.int32(t.chunk),
-                       numpy.int32(t.stages)),
+                      (*map(Operand, range(5)), bias, *extra, params, _halo_chunks(t)),
                       shared_mem=t.smem, name="na_fwd_fused", backend="fused",
                       tile=t.cfg.box[:problem.rank])
     return Plan((call,))
