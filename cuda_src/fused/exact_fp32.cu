@@ -1,6 +1,7 @@
 // Exact-float32 fused neighborhood attention (FFMA only, no TF32): forward (out, lse) and backward (delta = rowsum(dO * O), dQ query-parallel, dK/dV key-parallel; no atomics).
 // A CTA of 128 threads owns a box of rows (queries; keys for dK/dV) of one (batch, head, dilation group); each group of G lanes owns a micro-tile of 4 rows, each lane a strided quarter of the head dim; the other side streams through shared memory in slabs of the CTA's halo, and each group walks only the union of its rows' windows (inverse windows for dK/dV).
 // Reads q, k, v, out, d_out, lse through NAParams strides (last dim contiguous, 16-byte rows; the launcher copies otherwise); writes out, lse, delta, dq, dk, dv (float32).
+// Takes the NAParams every family takes (inert axes padded at the back) and a TilePlan in the problem's axis order. The forward, dQ and dK/dV kernels work in a front-padded view of both, derived at entry from the common NAParams (front_padded): the problem's axis a is the view's axis a + 3 - rank and the vacated front axes are inert, so axis 2 is always the innermost real axis and the micro-tiles sit on axes 1 and 2. They are instantiated per rank (RANK, equal to TilePlan::rank), so that the view folds into fixed parameter fields: a run-time rank keeps the selected fields in registers, and the kernels, at 230-255 registers, spill. The delta kernel walks every row in either padding and reads NAParams as it is.
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 
@@ -11,14 +12,71 @@ constexpr int kThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Launch plan chosen by the launcher (twin of exact_fp32.PLAN_DTYPE). Rank is padded to 3
-// at the front, so axis 2 is always the innermost real axis.
+// Launch plan chosen by the launcher (twin of exact_fp32.PLAN_DTYPE), in the problem's axis
+// order with inert axes (all 1) at the back, as in NAParams; the kernels read its
+// front_padded view.
 struct TilePlan {
   int cta[3];    // micro-tiles per CTA along each axis
   int slab[3];   // extents of one shared-memory slab (in-group cells) along each axis
   int tiles[3];  // CTAs along each axis (over the longest dilation group)
-  int pad_;
+  int rank;      // of the problem (the kernels' RANK): axes rank..2 are inert
 };
+
+// Axis a of the front-padded view of per-axis values x in the problem's order (axes rank..2
+// inert): x[a - (3 - rank)] where that is a real axis, else `inert`. rank is a compile-time
+// constant at every call (the kernels' RANK), so this is one fixed field.
+template <typename T>
+__device__ __forceinline__ T front_axis(const T* x, int a, int rank, T inert) {
+  return a >= 3 - rank ? x[a - (3 - rank)] : inert;
+}
+
+// Tensor strides over (batch, axis0, axis1, axis2, head, last) in the front-padded view.
+__device__ __forceinline__ void front_strides(i64 (&to)[6], const i64 (&from)[6], int rank) {
+#pragma unroll
+  for (int a = 0; a < 3; ++a) to[1 + a] = front_axis(from + 1, a, rank, 0ll);
+}
+
+// The kernels' view of the common (back-padded) NAParams: the problem's axis a moves to axis
+// a + 3 - rank (extent, kernel, stride, dilation, causal, and stride 1 + a of every tensor),
+// the vacated front axes are inert (extent, kernel, stride, dilation 1, causal 0, strides 0).
+__device__ __forceinline__ NAParams front_padded(const NAParams& p, int rank) {
+  NAParams f = p;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    f.extent[a] = front_axis(p.extent, a, rank, 1ll);
+    f.kernel[a] = front_axis(p.kernel, a, rank, 1ll);
+    f.stride[a] = front_axis(p.stride, a, rank, 1ll);
+    f.dilation[a] = front_axis(p.dilation, a, rank, 1ll);
+    f.causal[a] = front_axis(p.causal, a, rank, 0ll);
+  }
+  front_strides(f.q, p.q, rank);
+  front_strides(f.k, p.k, rank);
+  front_strides(f.v, p.v, rank);
+  front_strides(f.o, p.o, rank);
+  front_strides(f.d_o, p.d_o, rank);
+  front_strides(f.dq, p.dq, rank);
+  front_strides(f.dk, p.dk, rank);
+  front_strides(f.dv, p.dv, rank);
+  front_strides(f.lse, p.lse, rank);
+  front_strides(f.delta, p.delta, rank);
+  front_strides(f.attn, p.attn, rank);
+  front_strides(f.d_attn, p.d_attn, rank);
+  front_strides(f.rpb, p.rpb, rank);
+  front_strides(f.d_rpb, p.d_rpb, rank);
+  return f;
+}
+
+// The same view of a TilePlan (inert axes: one micro-tile, slab cell and CTA).
+__device__ __forceinline__ TilePlan front_padded(const TilePlan& tp, int rank) {
+  TilePlan f = tp;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    f.cta[a] = front_axis(tp.cta, a, rank, 1);
+    f.slab[a] = front_axis(tp.slab, a, rank, 1);
+    f.tiles[a] = front_axis(tp.tiles, a, rank, 1);
+  }
+  return f;
+}
 
 // Row padding (floats) of shared-memory rows. Within a quarter warp (one 128-byte wavefront of
 // a 16-byte load), groups whose micro-tiles are neighbors along axis 2 read rows MT2 apart; the
@@ -276,13 +334,16 @@ struct SlabBox {
 using namespace natten;
 using namespace natten::fp32;
 
-// Forward. G: lanes per group (G * 16 >= head dim); MT1 x MT2: micro-tile of queries on axes
-// 1 and 2. Each lane holds 16 head-dim columns (float4 columns lane_g + G t) of its 4 queries.
-template <int G, int MT1, int MT2>
+// Forward. RANK: of the problem; G: lanes per group (G * 16 >= head dim); MT1 x MT2: micro-tile
+// of queries on axes 1 and 2 of the front-padded view. Each lane holds 16 head-dim columns
+// (float4 columns lane_g + G t) of its 4 queries.
+template <int RANK, int G, int MT1, int MT2>
 __global__ void __launch_bounds__(kThreads)
 na_fwd_fp32(const float* __restrict__ q, const float* __restrict__ k,
             const float* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
-            const NAParams p, const TilePlan tp) {
+            const NAParams params, const TilePlan plan) {
+  const NAParams p = front_padded(params, RANK);  // the front-padded view (see the top)
+  const TilePlan tp = front_padded(plan, RANK);
   constexpr int DL = 16, F = DL / 4, NB = 4, MQ = MT1 * MT2;
   constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");
@@ -469,14 +530,17 @@ __device__ __forceinline__ void slab_dots(float (&s)[MQ][NB], float (&dp)[MQ][NB
   }
 }
 
-// dQ = scale * sum_j dS_ij k_j, dS = P (dP - delta), over each query's window. G: lanes per
-// group (G * 16 >= head dim); each lane holds 16 columns of its MT1 x MT2 queries' q, dO, dQ.
-template <int G, int MT1, int MT2>
+// dQ = scale * sum_j dS_ij k_j, dS = P (dP - delta), over each query's window. RANK: of the
+// problem; G: lanes per group (G * 16 >= head dim); each lane holds 16 columns of its MT1 x MT2
+// queries' q, dO, dQ.
+template <int RANK, int G, int MT1, int MT2>
 __global__ void __launch_bounds__(kThreads, 2)
 na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
                const float* __restrict__ v, const float* __restrict__ d_out,
                const float* __restrict__ lse, const float* __restrict__ delta,
-               float* __restrict__ dq, const NAParams p, const TilePlan tp) {
+               float* __restrict__ dq, const NAParams params, const TilePlan plan) {
+  const NAParams p = front_padded(params, RANK);  // the front-padded view (see the top)
+  const TilePlan tp = front_padded(plan, RANK);
   constexpr int DL = 16, F = DL / 4, NB = 4, MQ = MT1 * MT2;
   constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");
@@ -581,16 +645,18 @@ na_bwd_dq_fp32(const float* __restrict__ q, const float* __restrict__ k,
 }
 
 // dK = scale * sum_i dS_ij q_i and dV = sum_i P_ij dO_i over each key's inverse window, the
-// queries whose windows hold it. G: lanes per group (G * 8 >= head dim); rows are keys, each
-// lane holds 8 columns of its MT1 x MT2 keys' k, v, dK and dV; slabs hold q, dO, lse and delta
-// of the queries.
-template <int G, int MT1, int MT2>
+// queries whose windows hold it. RANK: of the problem; G: lanes per group (G * 8 >= head dim);
+// rows are keys, each lane holds 8 columns of its MT1 x MT2 keys' k, v, dK and dV; slabs hold
+// q, dO, lse and delta of the queries.
+template <int RANK, int G, int MT1, int MT2>
 __global__ void __launch_bounds__(kThreads)
 na_bwd_dkv_fp32(const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ v, const float* __restrict__ d_out,
                 const float* __restrict__ lse, const float* __restrict__ delta,
-                float* __restrict__ dk, float* __restrict__ dv, const NAParams p,
-                const TilePlan tp) {
+                float* __restrict__ dk, float* __restrict__ dv, const NAParams params,
+                const TilePlan plan) {
+  const NAParams p = front_padded(params, RANK);  // the front-padded view (see the top)
+  const TilePlan tp = front_padded(plan, RANK);
   constexpr int DL = 8, F = DL / 4, NB = 2, MQ = MT1 * MT2;
   constexpr int DP = DL * G, RS = DP + RowPad<G, MT2>::value;
   static_assert(MQ * NB <= 32, "mask bits");

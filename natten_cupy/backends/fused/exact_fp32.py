@@ -1,12 +1,17 @@
 """Exact-float32 fused neighborhood attention (``cuda_src/fused/exact_fp32.cu``): FFMA only, no TF32.
 
-The kernels see every problem as 3-D (inert axes padded at the front, so axis 2 is the
-innermost real axis). A CTA of 128 threads owns a box of rows of one (batch, head, dilation
-group): queries for the forward and dQ, keys for dK/dV. Lanes form groups of G; a group owns a
-micro-tile of rows (1 x 4 in 1-D, 2 x 2 on the two inner axes in 2-D and 3-D; 1 x 2 for dQ)
-and walks only the union of its rows' windows (inverse windows for dK/dV), so little work goes
-to masked pairs; the other operand streams through shared memory in slabs of the CTA's halo.
-Each lane holds 16 head-dim columns of its rows (8 in dK/dV, whose rows carry four operands).
+The kernels take the NAParams every family takes (``make_params`` of the caller's problem and
+arrays, inert axes padded at the back) and a TilePlan in the problem's axis order with its
+rank; each derives at entry a front-padded view of both (``front_padded`` in the .cu, the rank
+a template argument), in which every problem is 3-D with the inert axes in front, so axis 2 is
+the innermost real axis. Planning works in that view too (``_padded``).
+
+A CTA of 128 threads owns a box of rows of one (batch, head, dilation group): queries for the
+forward and dQ, keys for dK/dV. Lanes form groups of G; a group owns a micro-tile of rows
+(1 x 4 in 1-D, 2 x 2 on the two inner axes in 2-D and 3-D; 1 x 2 for dQ) and walks only the
+union of its rows' windows (inverse windows for dK/dV), so little work goes to masked pairs;
+the other operand streams through shared memory in slabs of the CTA's halo. Each lane holds
+16 head-dim columns of its rows (8 in dK/dV, whose rows carry four operands).
 
 Planning (``_plan``): the CTA's box of micro-tiles comes from a small cost model: every slab
 ends at a barrier, so a slab costs its largest group walk; boxes whose halo fits one slab, or
@@ -41,15 +46,17 @@ THREADS = 128
 # dO, dQ), 8 in dK/dV (k, v, dK, dV), which would spill with 16.
 FWD_COLUMNS = DQ_COLUMNS = 16
 DKV_COLUMNS = 8
-# Micro-tile of a lane group on (axis1, axis2) of the padded problem, per rank. dQ holds three
-# 16-column row operands (q, dO, dQ) and takes 2 rows; forward and dK/dV take 4.
+# Micro-tile of a lane group on (axis1, axis2) of the front-padded problem, per rank. dQ holds
+# three 16-column row operands (q, dO, dQ) and takes 2 rows; forward and dK/dV take 4.
 MICRO = {1: (1, 4), 2: (2, 2), 3: (2, 2)}
 MICRO_DQ = (1, 2)
 SMEM_BUDGET = 72 * 1024   # per CTA, when no device says more (see _smem_budget)
 MAX_GRID = 65535       # heads and batch ride on grid y and z
 
+# TilePlan of the .cu: per axis in the problem's order (inert axes, all 1, at the back), and the
+# problem's rank.
 PLAN_DTYPE = numpy.dtype([("cta", numpy.int32, (3,)), ("slab", numpy.int32, (3,)),
-                          ("tiles", numpy.int32, (3,)), ("pad_", numpy.int32)], align=True)
+                          ("tiles", numpy.int32, (3,)), ("rank", numpy.int32)], align=True)
 
 
 def refuse(problem):
@@ -79,26 +86,27 @@ def _row_floats(lanes, columns, micro):
     return lanes * columns + (8 if lanes == 4 and micro[1] == 2 else 4)
 
 
-def _name(kernel, lanes, micro):
-    return f"{kernel}<{lanes}, {micro[0]}, {micro[1]}>"
+def _name(kernel, rank, lanes, micro):
+    return f"{kernel}<{rank}, {lanes}, {micro[0]}, {micro[1]}>"
 
 
 def instantiations():
     out = [(SOURCE, "na_bwd_delta_fp32")]
-    for lanes in (1, 2, 4, 8, 16):
-        out.append((SOURCE, _name("na_bwd_dq_fp32", lanes, MICRO_DQ)))
-    for micro in sorted(set(MICRO.values())):
+    for rank in (1, 2, 3):
         for lanes in (1, 2, 4, 8, 16):
-            out.append((SOURCE, _name("na_fwd_fp32", lanes, micro)))
+            out.append((SOURCE, _name("na_bwd_dq_fp32", rank, lanes, MICRO_DQ)))
+        for lanes in (1, 2, 4, 8, 16):
+            out.append((SOURCE, _name("na_fwd_fp32", rank, lanes, MICRO[rank])))
         for lanes in (1, 2, 4, 8, 16, 32):
-            out.append((SOURCE, _name("na_bwd_dkv_fp32", lanes, micro)))
+            out.append((SOURCE, _name("na_bwd_dkv_fp32", rank, lanes, MICRO[rank])))
     return out
 
 
 # ---- geometry --------------------------------------------------------------------------
 
 def _padded(problem):
-    """The same problem as 3-D, inert axes (extent 1, kernel 1) in front."""
+    """The same problem as 3-D, inert axes (extent 1, kernel 1) in front: the kernels' view,
+    in which the plan is made."""
     pad = 3 - problem.rank
     one = (1,) * pad
     return dataclasses.replace(
@@ -106,11 +114,6 @@ def _padded(problem):
         kernel_size=one + tuple(problem.kernel_size), stride=one + tuple(problem.stride),
         dilation=one + tuple(problem.dilation),
         is_causal=(False,) * pad + tuple(problem.is_causal))
-
-
-def _view3(x, pad):
-    """``x`` with ``pad`` unit axes after the batch axis (a view, never a copy)."""
-    return x[(slice(None),) + (None,) * pad]
 
 
 def _halo_max(L, k, s, d, c, rows, inverse):
@@ -228,13 +231,29 @@ def _budget():
         return SMEM_BUDGET
 
 
-def _plan(p3, micro_2d, lanes, inverse, cell_bytes):
-    """(plan scalar, shared-memory bytes, grid) of one kernel for padded problem ``p3``."""
-    return _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, _budget())
+def _plan(problem, micro_2d, lanes, inverse, cell_bytes):
+    """(TilePlan, shared-memory bytes, grid) of one kernel: planned on the front-padded
+    problem, the TilePlan in ``problem``'s axis order (``_in_problem_order``)."""
+    front, smem, grid = _plan_for(_padded(problem), micro_2d, lanes, inverse, cell_bytes,
+                                  _budget())
+    return _in_problem_order(front, problem.rank), smem, grid
+
+
+def _in_problem_order(front, rank):
+    """The TilePlan the kernels take: plan ``front`` of the front-padded problem with its axes
+    back in the problem's order (axis a + 3 - rank -> a), inert axes (all 1) at the back, and
+    the rank. The kernels' ``front_padded`` undoes it."""
+    pad = 3 - rank
+    plan = numpy.zeros((), dtype=PLAN_DTYPE)
+    for field in ("cta", "slab", "tiles"):
+        plan[field] = [int(x) for x in front[field][pad:]] + [1] * pad
+    plan["rank"] = rank
+    return plan[()]
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
+    """(plan scalar in the front-padded frame, shared-memory bytes, grid) for padded ``p3``."""
     micro = (1,) + micro_2d
     cells = max(1, budget // cell_bytes)
     cta = _choose_cta(p3, micro, THREADS // lanes, cells)
@@ -257,7 +276,9 @@ def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
 # ---- plans and launches ----------------------------------------------------------------
 
 def _tile(plan):
-    return tuple(int(c) for c in plan["cta"])
+    """Micro-tiles per CTA along the axes of the front-padded view (what launches record)."""
+    rank = int(plan["rank"])
+    return (1,) * (3 - rank) + tuple(int(c) for c in plan["cta"][:rank])
 
 
 def plan_forward(problem, q, k, v, out, lse):
@@ -265,15 +286,12 @@ def plan_forward(problem, q, k, v, out, lse):
     v, out cannot be read with 16-byte accesses as it is."""
     if not all(rows_ready(x) for x in (q, k, v, out)):
         return None
-    p3 = _padded(problem)
-    pad = 3 - problem.rank
-    q3, k3, v3, o3, l3 = (x.unsqueezed(pad) for x in (q, k, v, out, lse))
-    params = make_params(p3, q=q3, k=k3, v=v3, o=o3, lse=l3)
+    params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
     lanes = _lanes(problem.head_dim, FWD_COLUMNS)
     micro = MICRO[problem.rank]
     row = _row_floats(lanes, FWD_COLUMNS, micro)
-    tiles, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
-    fn = get_kernel(SOURCE, _name("na_fwd_fp32", lanes, micro))
+    tiles, smem, grid = _plan(problem, micro, lanes, False, 2 * 4 * row)
+    fn = get_kernel(SOURCE, _name("na_fwd_fp32", problem.rank, lanes, micro))
     return Plan((KernelCall(fn, grid, (THREADS, 1, 1), (*map(Operand, range(5)), params, tiles),
                             shared_mem=smem, name="na_fwd_fp32", backend="fused",
                             tile=_tile(tiles)),))
@@ -284,13 +302,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
     delta), or None if an operand other than lse is not ready for 16-byte accesses."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
-    p3 = _padded(problem)
-    pad = 3 - problem.rank
     delta = Layout.contiguous(lse.shape, numpy.float32)
-    do3, q3, k3, v3, o3, l3, dq3, dk3, dv3, de3 = (
-        x.unsqueezed(pad) for x in (d_out, q, k, v, out, lse, dq, dk, dv, delta))
-    params = make_params(p3, q=q3, k=k3, v=v3, o=o3, d_o=do3, dq=dq3, dk=dk3, dv=dv3,
-                         lse=l3, delta=de3)
+    params = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv,
+                         lse=lse, delta=delta)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
     calls = []
     rows = problem.batch * problem.num_tokens * problem.heads
@@ -302,8 +316,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
     micro = MICRO_DQ
     lanes = _lanes(problem.head_dim, DQ_COLUMNS)
     row = _row_floats(lanes, DQ_COLUMNS, micro)
-    tiles, smem, grid = _plan(p3, micro, lanes, False, 2 * 4 * row)
-    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dq_fp32", lanes, micro)), grid,
+    tiles, smem, grid = _plan(problem, micro, lanes, False, 2 * 4 * row)
+    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dq_fp32", problem.rank, lanes,
+                                                     micro)), grid,
                             (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, params, tiles),
                             shared_mem=smem, name="na_bwd_dq_fp32", backend="fused",
                             tile=_tile(tiles)))
@@ -311,9 +326,10 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
     micro = MICRO[problem.rank]
     lanes = _lanes(problem.head_dim, DKV_COLUMNS)
     row = _row_floats(lanes, DKV_COLUMNS, micro)
-    tiles, smem, grid = _plan(p3, micro, lanes, True, 2 * 4 * row + 8)
+    tiles, smem, grid = _plan(problem, micro, lanes, True, 2 * 4 * row + 8)
     grid = (grid[0], problem.kv_heads, grid[2])   # a CTA per kv head (walks its query group)
-    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dkv_fp32", lanes, micro)), grid,
+    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dkv_fp32", problem.rank, lanes,
+                                                     micro)), grid,
                             (THREADS, 1, 1),
                             (Q, K, V, D_OUT, LSE, DELTA, DK, DV, params, tiles),
                             shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused",
