@@ -11,6 +11,14 @@
 namespace natten {
 namespace softmax {
 
+// The launch arguments of every softmax kernel.
+struct SoftmaxArgs {
+  long long rows;  // rows of K slots, contiguous
+  double scale;    // multiplies the logits (forward) or the gradient (backward)
+  int slots;       // K: slots of a row
+  int lanes;       // G: lanes that share one row (a power of two up to 32; 1 in the row kernels)
+};
+
 __device__ __forceinline__ float exp_(float x) { return __expf(x); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
 
@@ -30,10 +38,11 @@ __device__ __forceinline__ A group_max(A v, int G) {
 // (empty places of causal windows) give 0, and a row of only -inf gives zeros.
 template <typename T, int V>
 __global__ void __launch_bounds__(256)
-na_softmax_forward(const T* __restrict__ x, T* __restrict__ probs, long long rows, int K, int G,
-                   double scale_d) {
+na_softmax_forward(const T* __restrict__ x, T* __restrict__ probs, SoftmaxArgs args) {
   typedef typename Acc<T>::type A;
-  const A scale = (A)scale_d, ninf = negative_infinity<A>();
+  const long long rows = args.rows;
+  const int K = args.slots, G = args.lanes;
+  const A scale = (A)args.scale, ninf = negative_infinity<A>();
   const int lane = threadIdx.x % G;
   // Every lane of a warp runs the same number of row steps (shuffles need the whole warp):
   // rows past the end run as empty rows and are not stored.
@@ -91,9 +100,11 @@ na_softmax_forward(const T* __restrict__ x, T* __restrict__ probs, long long row
 template <typename T, int V>
 __global__ void __launch_bounds__(256)
 na_softmax_backward(const T* __restrict__ p, const T* __restrict__ d_p, T* __restrict__ d_x,
-                    long long rows, int K, int G, double scale_d) {
+                    SoftmaxArgs args) {
   typedef typename Acc<T>::type A;
-  const A scale = (A)scale_d;
+  const long long rows = args.rows;
+  const int K = args.slots, G = args.lanes;
+  const A scale = (A)args.scale;
   const int lane = threadIdx.x % G;
   // Every lane of a warp runs the same number of row steps (shuffles need the whole warp):
   // rows past the end run as empty rows and are not stored.
@@ -159,13 +170,14 @@ __device__ __forceinline__ int skewed(int j, int sk, int K) {
 
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowWarps)
-na_softmax_rows_forward(const T* __restrict__ x, T* __restrict__ probs, long long rows, int K,
-                        double scale_d) {
+na_softmax_rows_forward(const T* __restrict__ x, T* __restrict__ probs, SoftmaxArgs args) {
   typedef typename Acc<T>::type A;
+  const long long rows = args.rows;
+  const int K = args.slots;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* const tile = reinterpret_cast<T*>(smem_raw) + warp * 32 * K;
-  const A scale = (A)scale_d, ninf = negative_infinity<A>();
+  const A scale = (A)args.scale, ninf = negative_infinity<A>();
   const int sk = lane % K;
   const long long chunks = (rows + 31) / 32;
   for (long long c = (long long)blockIdx.x * kRowWarps + warp; c < chunks;
@@ -206,13 +218,15 @@ na_softmax_rows_forward(const T* __restrict__ x, T* __restrict__ probs, long lon
 template <typename T>
 __global__ void NA_ROWS_BACKWARD_BOUNDS
 na_softmax_rows_backward(const T* __restrict__ p, const T* __restrict__ d_p, T* __restrict__ d_x,
-                         long long rows, int K, double scale_d) {
+                         SoftmaxArgs args) {
   typedef typename Acc<T>::type A;
+  const long long rows = args.rows;
+  const int K = args.slots;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* const tp = reinterpret_cast<T*>(smem_raw) + warp * 64 * K;
   T* const td = tp + 32 * K;
-  const A scale = (A)scale_d;
+  const A scale = (A)args.scale;
   const int sk = lane % K;
   const long long chunks = (rows + 31) / 32;
   for (long long c = (long long)blockIdx.x * kRowWarps + warp; c < chunks;

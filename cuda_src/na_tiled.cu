@@ -290,11 +290,19 @@ __device__ __forceinline__ void store8(T* ptr, const float (&v)[8]) {
 // (key addresses come from the lanes that own them) and the quad adds up (quad_reduce).
 // Tensor cores: HP heads at a time issue all their fragment loads before their mmas, so that
 // HP loads are in flight at once instead of one (HP = 1: one head after the other).
+struct ScoresArgs {
+  float fill;          // value of the slots a causal window leaves empty
+  int heads_per_warp;  // heads a warp runs (the last head group may have fewer)
+  int staged;          // nonzero: scores go through shared memory (see above)
+};
+
 template <typename T, int DC, bool EXACT, int HP>
 __global__ void __launch_bounds__(kWarps * 32,
                                   (!EXACT && HP * DC * Elem<T, EXACT>::kRegs8 <= 8) ? 3 : 2)
 na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T* __restrict__ rpb,
-                T* __restrict__ out, float fill, int heads_per_warp, int staged, NAParams p) {
+                T* __restrict__ out, ScoresArgs args, NAParams p) {
+  const float fill = args.fill;
+  const int heads_per_warp = args.heads_per_warp, staged = args.staged;
   constexpr int R = Elem<T, EXACT>::kRegs8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Geometry G;
@@ -489,12 +497,18 @@ constexpr int kCudaVersion = __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__;
 template <typename T> struct SmallCtasSince { static constexpr int value = 0; };
 template <> struct SmallCtasSince<__half> { static constexpr int value = 1301; };
 template <> struct SmallCtasSince<__nv_bfloat16> { static constexpr int value = 1304; };
+
+struct WeightedArgs {
+  int staged;  // nonzero: the forward sums copy their weights to shared memory first
+};
+
 template <typename T, int NT, bool INVERSE, bool EXACT, int HB>
 __global__ void __launch_bounds__(kWarps * 32, (!EXACT && HB * NT <= 8 &&
                                                 kCudaVersion >= SmallCtasSince<T>::value)
                                                    ? kWeightedSmallCtas : 2)
 na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __restrict__ out,
-                  int staged, NAParams p) {
+                  WeightedArgs args, NAParams p) {
+  const int staged = args.staged;
   constexpr bool F32 = IsF32<T>::value;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = (int)p.head_dim;
@@ -771,10 +785,17 @@ na_tiled_weighted(const T* __restrict__ w_in, const T* __restrict__ x_in, T* __r
 // collect in shared memory, then one float32 atomicAdd per offset and CTA goes to d_rpb
 // (strides p.d_rpb). The order of those atomics varies, so the result is not bitwise
 // deterministic. Rows are (batch, token) pairs, row-major over (batch, axis0, axis1, axis2).
+struct RpbGradArgs {
+  long long rows_per_cta;  // rows of one CTA (the last CTA may have fewer)
+  int r_begin, r_count;    // offsets of this pass: [r_begin, r_begin + r_count)
+};
+
 template <typename T>
 __global__ void __launch_bounds__(256)
-na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, long long rows_per_cta,
-                  int r_begin, int r_count, NAParams p) {
+na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, RpbGradArgs args,
+                  NAParams p) {
+  const long long rows_per_cta = args.rows_per_cta;
+  const int r_begin = args.r_begin, r_count = args.r_count;
   extern __shared__ float part[];
   const int h = blockIdx.y;
   for (int i = threadIdx.x; i < r_count; i += blockDim.x) part[i] = 0.f;

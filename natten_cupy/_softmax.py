@@ -24,6 +24,10 @@ __all__ = ["softmax", "softmax_backward", "instantiations"]
 SOURCE = "na_softmax.cu"
 BLOCK = 256
 MAX_CTAS = 16384
+# softmax::SoftmaxArgs of na_softmax.cu, field for field (every softmax kernel's launch
+# arguments besides its pointers).
+SOFTMAX_ARGS = numpy.dtype([("rows", numpy.int64), ("scale", numpy.float64),
+                            ("slots", numpy.int32), ("lanes", numpy.int32)], align=True)
 
 
 def _check_weights(name, x):
@@ -116,13 +120,19 @@ def slots_per_lane(k, c_t="float", direction="forward"):
     return next((v for v in _slot_choices(c_t) if g * v >= k), 0)
 
 
+def _softmax_args(rows, k, lanes, scale):
+    """The SoftmaxArgs scalar of one launch."""
+    a = numpy.zeros((), SOFTMAX_ARGS)[()]
+    a["rows"], a["scale"], a["slots"], a["lanes"] = rows, scale, k, lanes
+    return a
+
+
 def _launch(direction, c_t, args, rows, k, scale):
     g = lanes_per_row(k, direction)
     v = slots_per_lane(k, c_t, direction)
     expr = f"natten::softmax::na_softmax_{direction}<{c_t}, {v}>"
     ctas = max(1, min(MAX_CTAS, -(-rows // (BLOCK // g))))
-    launch(get_kernel(SOURCE, expr), (ctas,), (BLOCK,),
-           (*args, numpy.int64(rows), numpy.int32(k), numpy.int32(g), numpy.float64(scale)),
+    launch(get_kernel(SOURCE, expr), (ctas,), (BLOCK,), (*args, _softmax_args(rows, k, g, scale)),
            name=expr, backend="softmax")
 
 
@@ -147,7 +157,7 @@ def _launch_rows(direction, c_t, args, rows, k, itemsize, scale):
     ctas = max(1, min(MAX_CTAS, -(-chunks // ROW_WARPS)))
     tiles = 1 if direction == "forward" else 2
     launch(get_kernel(SOURCE, expr), (ctas,), (32 * ROW_WARPS,),
-           (*args, numpy.int64(rows), numpy.int32(k), numpy.float64(scale)),
+           (*args, _softmax_args(rows, k, 1, scale)),
            shared_mem=ROW_WARPS * tiles * 32 * k * itemsize, name=expr, backend="softmax")
 
 

@@ -64,6 +64,14 @@ RPB_CTAS = 2048                      # CTAs of one rpb-gradient pass, over all h
 _NULL = numpy.uint64(0)              # a null device pointer (no rpb)
 _UNFUSED = ("qk", "av", "qk_backward", "av_backward")
 
+# tiled::ScoresArgs, tiled::WeightedArgs and tiled::RpbGradArgs of na_tiled.cu, field for
+# field (the launch arguments of each kernel besides its pointers and NAParams).
+SCORES_ARGS = numpy.dtype([("fill", numpy.float32), ("heads_per_warp", numpy.int32),
+                           ("staged", numpy.int32)], align=True)
+WEIGHTED_ARGS = numpy.dtype([("staged", numpy.int32)], align=True)
+RPB_GRAD_ARGS = numpy.dtype([("rows_per_cta", numpy.int64), ("r_begin", numpy.int32),
+                             ("r_count", numpy.int32)], align=True)
+
 
 def refuse(op, problem):
     if op not in OPS:
@@ -194,9 +202,10 @@ def _scores_call(problem, a, b, rpb, out, fill, slots):
     expr = _scores_expr(problem)
     sa, sb, sr, so = (None if i is None else Operand(i) for i in slots)
     grid = _grid(problem, heads) + (1, 1)
+    args = numpy.zeros((), SCORES_ARGS)[()]
+    args["fill"], args["heads_per_warp"], args["staged"] = fill, heads, staged
     return KernelCall(get_kernel(SOURCE, expr), grid, (32 * WARPS, 1, 1),
-                      (sa, sb, _NULL if sr is None else sr, so, numpy.float32(fill),
-                       numpy.int32(heads), numpy.int32(staged), p),
+                      (sa, sb, _NULL if sr is None else sr, so, args, p),
                       shared_mem=smem, name=expr, backend=NAME)
 
 
@@ -222,8 +231,10 @@ def _weighted_call(problem, weights, x, out, inverse, slots):
     grid = _grid(problem, weighted_heads(problem, inverse), slices,
                  problem.kv_heads if inverse else problem.heads) + (1, 1)
     sw, sx, so = map(Operand, slots)
+    args = numpy.zeros((), WEIGHTED_ARGS)[()]
+    args["staged"] = stage > 0
     return KernelCall(get_kernel(SOURCE, expr), grid, (32 * WARPS, 1, 1),
-                      (sw, sx, so, numpy.int32(stage > 0), p), shared_mem=WARPS * stage,
+                      (sw, sx, so, args, p), shared_mem=WARPS * stage,
                       name=expr, backend=NAME)
 
 
@@ -238,9 +249,9 @@ def _rpb_grad(problem, d_attn, d_rpb):
     fn = get_kernel(SOURCE, expr)
     for begin in range(0, offsets, RPB_SMEM_FLOATS):
         count = min(RPB_SMEM_FLOATS, offsets - begin)
-        launch(fn, grid, (RPB_BLOCK,),
-               (d_attn, d_rpb, numpy.int64(rows_per_cta), numpy.int32(begin),
-                numpy.int32(count), p),
+        args = numpy.zeros((), RPB_GRAD_ARGS)[()]
+        args["rows_per_cta"], args["r_begin"], args["r_count"] = rows_per_cta, begin, count
+        launch(fn, grid, (RPB_BLOCK,), (d_attn, d_rpb, args, p),
                shared_mem=4 * count, name=expr, backend=NAME)
 
 
