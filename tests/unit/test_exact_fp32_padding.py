@@ -7,7 +7,6 @@ launcher passes, must give field for field what the launcher passed before the c
 front-padded problem): so the kernels see exactly what they saw before. No GPU: kernel
 handles are faked."""
 
-import dataclasses
 
 import numpy
 import pytest
@@ -48,17 +47,6 @@ def front_padded_plan(tp, rank):
 
 # ---- the launcher before the change (test-only copies) ----------------------------------
 
-def _old_padded(problem):
-    """The same problem as 3-D, inert axes (extent 1, kernel 1) in front."""
-    pad = 3 - problem.rank
-    one = (1,) * pad
-    return dataclasses.replace(
-        problem, rank=3, spatial=one + tuple(problem.spatial),
-        kernel_size=one + tuple(problem.kernel_size), stride=one + tuple(problem.stride),
-        dilation=one + tuple(problem.dilation),
-        is_causal=(False,) * pad + tuple(problem.is_causal))
-
-
 def _old_plan(p3, micro, lanes, inverse, cell_bytes):
     return E._plan_for(p3, micro, lanes, inverse, cell_bytes, E._budget())
 
@@ -70,7 +58,7 @@ def _old_name(kernel, lanes, micro):
 def old_forward(problem, q, k, v, out, lse):
     """[(kernel name, grid, shared bytes, tile, params, front-padded plan)] of the old
     plan_forward."""
-    p3 = _old_padded(problem)
+    p3 = E._padded(problem)  # (planning still pads in front)
     pad = 3 - problem.rank
     q3, k3, v3, o3, l3 = (x.unsqueezed(pad) for x in (q, k, v, out, lse))
     params = make_params(p3, q=q3, k=k3, v=v3, o=o3, lse=l3)
@@ -83,7 +71,7 @@ def old_forward(problem, q, k, v, out, lse):
 
 
 def old_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
-    p3 = _old_padded(problem)
+    p3 = E._padded(problem)  # (planning still pads in front)
     pad = 3 - problem.rank
     delta = Layout.contiguous(lse.shape, numpy.float32)
     do3, q3, k3, v3, o3, l3, dq3, dk3, dv3, de3 = (
