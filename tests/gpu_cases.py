@@ -87,6 +87,7 @@ class Case:
     # fused_extra: additional tokens xk, xv [B, T, H_x, D] every query attends to
     extra_tokens: int = 5
     extra_heads: int | None = None   # None: heads
+    deterministic: bool = False      # the fused ops' deterministic=True
 
     @property
     def id(self):
@@ -99,7 +100,7 @@ class Case:
                 f"{'' if self.kv_heads is None else f'kv{self.kv_heads}'}"
                 f"{'' if self.v_dim is None else f'-Dv{self.v_dim}'}"
                 f"{f'-T{self.extra_tokens}x{self.h_x}' if self.extra else ''}"
-                f"{'-perm' if self.permuted else ''}")
+                f"{'-perm' if self.permuted else ''}{'-det' if self.deterministic else ''}")
 
     @property
     def dv(self):
@@ -367,7 +368,8 @@ def problems(case, x, backend_name="reference"):
     if case.fused:
         fwd = _args.check_fused(r, x["q"], x["k"], x["v"], ks, case.stride, dl, ca, None,
                                 backend_name, rpb=x.get("rpb"), additional_keys=x.get("xk"),
-                                additional_values=x.get("xv"), **kw)
+                                additional_values=x.get("xv"),
+                                deterministic=case.deterministic, **kw)
         # The backward problem has the forward's geometry; out and lse do not exist yet.
         return {"fused_forward": fwd, "fused_backward": fwd}
     if case.kind.startswith("qk_backward"):

@@ -4,9 +4,10 @@ Per workload, side by side in one process on the same inputs:
 
 * fused forward and backward without a bias (the default kernels, and the mma.sync ones:
   where the default is a Hopper kernel the two differ);
-* fused forward and backward with a bias (``rpb=``, d_rpb from the backward; the forward
-  runs on the Hopper kernel where it takes the problem, the backward on mma.sync), and the
-  mma.sync forward with the bias;
+* fused forward and backward with a bias (``rpb=``, d_rpb from the backward, as the dispatch
+  picks the kernels), the mma.sync forward with the bias, and the biased backward on each
+  part by itself: mma.sync (reproducible d_rpb) and, where it takes the problem, the Hopper
+  one (d_rpb summed with shared-memory atomics), with their differences;
 * the unfused chain with the same bias (qk with rpb, softmax, av; backward: av, softmax and
   qk backwards with d_rpb), the way the bias ran before the fused kernels took it.
 
@@ -93,7 +94,7 @@ def run_workload(wid, dtype, reps):
     from natten_cupy import _args
     from natten_cupy._dtypes import canonical_dtype
     from natten_cupy.backends import fused, get_backend
-    from natten_cupy.backends.fused import mma_backward, mma_forward
+    from natten_cupy.backends.fused import mma_backward, mma_forward, wgmma_backward
 
     w = wl.probe_workload(wid) if wid in wl.PROBE_WORKLOADS else wl.model_workload(wid)
     spec = wl.dtype_spec(dtype)
@@ -119,6 +120,7 @@ def run_workload(wid, dtype, reps):
     row["default_forward"] = fused._parts_for("fused_forward", problem)
     row["default_backward"] = fused._parts_for("fused_backward", problem)
     row["forward_with_rpb"] = fused._parts_for("fused_forward", biased)
+    row["backward_with_rpb"] = fused._parts_for("fused_backward", biased)
     row["refusal_with_rpb"] = {op: be.refuse(op, biased)
                                for op in ("fused_forward", "fused_backward")}
 
@@ -146,6 +148,21 @@ def run_workload(wid, dtype, reps):
     t["bwd"] = kernel_ms(lambda: bwd(d_out, q, k, v, out, lse, ks, **kw), reps)
     t["bwd_mma"] = kernel_ms(mma_bwd, reps)
     t["bwd_rpb"] = kernel_ms(lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)
+    # The biased backward on each part by itself, on the same biased out and lse.
+    parts = {"mma": mma_backward}
+    if wgmma_backward.refuse(biased) is None:
+        parts["hopper"] = wgmma_backward
+    part_grads = {}
+    for tag, part in parts.items():
+        g = [cupy.empty_like(x) for x in (q, k, v, rpb)]
+
+        def run_part(part=part, g=g):
+            part.backward(biased, q, k, v, out_b, lse_b, d_out, *g[:3], rpb=rpb, d_rpb=g[3])
+        t[f"bwd_rpb_{tag}"] = kernel_ms(run_part, reps)
+        part_grads[tag] = g
+    if "hopper" in part_grads:
+        row["err_hopper_vs_mma"] = {n: _rel(a, b) for n, a, b in zip(
+            ("dq", "dk", "dv", "d_rpb"), part_grads["hopper"], part_grads["mma"])}
     row["split_bwd"] = kernel_split(lambda: bwd(d_out, q, k, v, out, lse, ks, **kw))
     row["split_bwd_rpb"] = kernel_split(lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw,
                                                     rpb=rpb))
@@ -220,8 +237,8 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
-    print("\n  workload      fwd   fwd_mma fwd_rpb |  bwd   bwd_mma bwd_rpb | chain f+b | "
-          "rpb/mma f+b  rpb/default f+b  repeat")
+    print("\n  workload      fwd   fwd_mma fwd_rpb |  bwd   bwd_mma bwd_rpb  rpb_mma rpb_hop | "
+          "chain f+b | rpb/mma f+b  rpb/default f+b  repeat")
     for r in rows:
         if "ms" not in r:
             print(f"  {r['workload']}:{r['dtype']}  {r.get('error', '')[:100]}")
@@ -229,7 +246,8 @@ def main(argv=None):
         m = r["ms"]
         chain = m.get("chain_fwd", math.nan) + m.get("chain_bwd", math.nan)
         print(f"  {r['workload']:>5}:{r['dtype']:<5} {m['fwd']:7.3f} {m['fwd_mma']:7.3f} "
-              f"{m['fwd_rpb']:7.3f} | {m['bwd']:7.3f} {m['bwd_mma']:7.3f} {m['bwd_rpb']:7.3f} | "
+              f"{m['fwd_rpb']:7.3f} | {m['bwd']:7.3f} {m['bwd_mma']:7.3f} {m['bwd_rpb']:7.3f} "
+              f"{m['bwd_rpb_mma']:7.3f} {m.get('bwd_rpb_hopper', math.nan):7.3f} | "
               f"{chain:8.3f} | {r['ratio']['fwdbwd_rpb/fwdbwd_mma']:6.3f} "
               f"{r['ratio']['fwdbwd_rpb/fwdbwd']:10.3f}  {r['bitwise_repeat']}")
     if args.out:

@@ -5,6 +5,7 @@
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
 #include "natten/hopper/bwd_tiles.cuh"
+#include "natten/hopper/bias_box.cuh"
 
 namespace natten {
 namespace hopper {
@@ -196,18 +197,22 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // float32 result is staged in shared memory as dq_ws_row lays its rows out, and warps 0 and 1
 // of the warpgroup issue one bulk add (cp.reduce.async.bulk) per run of the tile's rows along
 // the region's last axis (1-D: one), waiting for their reads a step later.
-template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC>
+// BIAS: S^T gets rpb[h, key - query + kernel - 1] (KeyBiasBox, staged after the mbarriers for
+// each query head of the walk in turn, with each region query's place in it for rank 2, 3).
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
+          bool BIAS>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
                                        const float* __restrict__ lse,
                                        const float* __restrict__ delta, T* __restrict__ dk,
                                        T* __restrict__ dv, float* __restrict__ dq_ws,
-                                       const NAParams& p) {
+                                       const T* __restrict__ rpb, const NAParams& p) {
   constexpr int NT = 128, WG = 2;
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
                 "the key tile is 128 keys over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
+  static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
   typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
@@ -263,6 +268,41 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e)
   const unsigned k_wg = sm.own0 + wg * 64 * 128, v_wg = sm.own1 + wg * 64 * 128;
 
+  // BIAS: bias_row[r] is key row r's term of its score's box index (KeyBiasBox), qidx each
+  // region query's place in the box (rank 2, 3; after the box).
+  const unsigned btab = sm.empty + 8 * STAGES;
+  unsigned bias_row[2] = {btab, btab}, qidx = btab;
+  if constexpr (BIAS) {
+    KeyBiasBox bb;
+    bb.init(G, p);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int c[3];
+      bool valid;
+      G.own_row(row0 + 8 * r, c, valid);
+      bias_row[r] = btab + 4 * bb.row(G, p, c);
+    }
+    qidx = btab + 4 * bb.vol;
+    if (RANK > 1) {
+      int* const qi = reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw)));
+      for (int f = tid - 128; f < G.total; f += 256) {
+        int c[3];
+        G.region_at(f, c);
+        qi[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
+      }
+    }
+  }
+  // The box of query head h0 + g: staged once every compute thread is done with the last
+  // (the box worked out again: kept over the walk it spilled).
+  auto stage_bias = [&](int g) {
+    if (g > 0) named_sync(4, 256);
+    KeyBiasBox bb;
+    bb.init(G, p);
+    bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
+                            rpb, (int)h0 + g, p, tid - 128, 256);
+    named_sync(4, 256);
+  };
+
   float acc_dk[D / 2], acc_dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
@@ -290,25 +330,43 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     const int g = j / num_tiles, jt = j - g * num_tiles;
     const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
     if (!PIPE) issue_ss(j);
+    if (BIAS && jt == 0) stage_bias(g);
     wgmma_wait<0>();
     fence_regs(acc_s);
     fence_regs(acc_dp);
-    if (G.needs_mask(jt * BQ, BQ))
-      mask_scores<BQ, RANK>(acc_s, jt * BQ, quad, G.rk, G.inner, wl, wn);
     // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
     const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
     const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
+    if constexpr (BIAS) {
+      // P^T = exp2(S^T scale log2 e + bias - lse log2 e) inside each key's reach, else 0
+      // (the bias read only there: branch-free, the D128 kernels stay within their registers).
+      const int* const places = reinterpret_cast<const int*>(smem_raw + (qidx - smem_u32(smem_raw)));
+      auto visit = [&](int i, int r, bool in, int f) {
+        const int col = f - jt * BQ, place = RANK == 1 ? f : (in ? places[f] : 0);
+        const float b = in ? lds_f32(bias_row[r] - 4 * place) : negative_infinity<float>();
+        const float pe = fast_exp2(fmaf(lse_s[col], -1.4426950408889634f, fmaf(acc_s[i], sl, b)));
+        acc_s[i] = pe;
+        acc_dp[i] = pe * (acc_dp[i] - dl_s[col]);
+      };
+      if (G.needs_mask(jt * BQ, BQ))
+        walk_scores<BQ, RANK>(jt * BQ, quad, G.rk, G.inner, wl, wn, visit);
+      else
+        walk_flat<BQ>(jt * BQ, quad, visit);
+    } else {
+      if (G.needs_mask(jt * BQ, BQ))
+        mask_scores<BQ, RANK>(acc_s, jt * BQ, quad, G.rk, G.inner, wl, wn);
 #pragma unroll
-    for (int i = 0; i < BQ / 8; ++i) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * quad);
-      const float2 d2 = *reinterpret_cast<const float2*>(dl_s + 8 * i + 2 * quad);
-      const float ll[2] = {l2.x * 1.4426950408889634f, l2.y * 1.4426950408889634f};
-      const float dd[2] = {d2.x, d2.y};
+      for (int i = 0; i < BQ / 8; ++i) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * quad);
+        const float2 d2 = *reinterpret_cast<const float2*>(dl_s + 8 * i + 2 * quad);
+        const float ll[2] = {l2.x * 1.4426950408889634f, l2.y * 1.4426950408889634f};
+        const float dd[2] = {d2.x, d2.y};
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float pe = fast_exp2(fmaf(acc_s[4 * i + x], sl, -ll[x % 2]));
-        acc_s[4 * i + x] = pe;
-        acc_dp[4 * i + x] = pe * (acc_dp[4 * i + x] - dd[x % 2]);
+        for (int x = 0; x < 4; ++x) {
+          const float pe = fast_exp2(fmaf(acc_s[4 * i + x], sl, -ll[x % 2]));
+          acc_s[4 * i + x] = pe;
+          acc_dp[4 * i + x] = pe * (acc_dp[4 * i + x] - dd[x % 2]);
+        }
       }
     }
     unsigned pa[BQ / 16][4], da[BQ / 16][4];
@@ -425,11 +483,17 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
 // dQ: queries own the CTA (the forward's query boxes of 128, two compute warpgroups of 64),
 // the region is their windows' keys, walked in BN-key tiles: per tile S = Q K^T and dP = dO
 // V^T, P = exp2(S scale log2 e - lse log2 e), dS = P (dP - delta), dQ += dS K (K N-major).
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2>
+// BIAS: S gets rpb[h, key - query + kernel - 1] (BiasBox, as the forward stages it, after the
+// mbarriers; then a float32 box of its gradient and, rank 2, 3, each region key's place), and
+// the pass sums dS per box entry (each warp's dS through a scratch tile, added column by
+// column with shared-memory atomics: the order varies run to run) and writes the CTA's box
+// to bias_part [B, H, CTAs, box], which na_bwd_fused_rpb reduces.
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
 __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restrict__ k,
                                       const T* __restrict__ v, const T* __restrict__ d_o,
                                       const float* __restrict__ lse,
                                       const float* __restrict__ delta, T* __restrict__ dq,
+                                      const T* __restrict__ rpb, float* __restrict__ bias_part,
                                       const NAParams& p) {
   constexpr int NT = 128, WG = 2;
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
@@ -490,6 +554,44 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const float sl = p.scale * 1.4426950408889634f;
   const unsigned q_wg = sm.own0 + wg * 64 * 128, do_wg = sm.own1 + wg * 64 * 128;
 
+  // BIAS: bias_row[r] is query row r's entry of the bias box for the region's origin, the
+  // gradient box (gbox) follows the table, then kidx (each region key's place, rank 2, 3),
+  // then per compute warp a float32 scratch tile of 16 x BN dS (rows SCR_ROW apart: the
+  // accumulator's 8-byte stores take two wavefronts, the lanes' diagonal reads one) and its
+  // rows' gradient-box terms.
+  constexpr int SCR_ROW = BN + 8;
+  constexpr unsigned SCR_WARP = 16 * SCR_ROW * 4 + 64;  // the tile, then its 16 row terms
+  const unsigned btab = sm.empty + 8 * STAGES;
+  BiasBox bb;
+  unsigned bias_row[2] = {btab, btab}, gbox = btab, kidx = btab, scratch = btab;
+  if constexpr (BIAS) {
+    bb.init(G, p);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int c[3];
+      bool valid;
+      G.own_row(row0 + 8 * r, c, valid);
+      bias_row[r] = btab + 4 * bb.row(G, p, c);
+    }
+    gbox = btab + 4 * bb.vol;
+    kidx = gbox + 4 * bb.vol;
+    scratch = (kidx + 4 * (RANK > 1 ? G.total : 0) + 15u) & ~15u;
+    bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
+                            rpb, h, p, tid - 128, 256);
+    float* const gb = reinterpret_cast<float*>(smem_raw + (gbox - smem_u32(smem_raw)));
+    for (int i = tid - 128; i < bb.vol; i += 256) gb[i] = 0.f;
+    if (RANK > 1) {
+      int* const ki = reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw)));
+      for (int f = tid - 128; f < G.total; f += 256) {
+        int c[3];
+        G.region_at(f, c);
+        ki[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
+      }
+    }
+    named_sync(1, 256);
+  }
+  const unsigned to_grad = gbox - btab;  // a score's gradient entry: its table entry + this
+
   float acc_dq[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dq[i] = 0.f;
@@ -506,22 +608,98 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     wgmma_wait<0>();
     fence_regs(acc_s);
     fence_regs(acc_dp);
-    if (G.needs_mask(j * BN, BN))
-      mask_scores<BN, RANK>(acc_s, j * BN, quad, G.rk, G.inner, wl, wn);
+    const int* const places = reinterpret_cast<const int*>(smem_raw + (kidx - smem_u32(smem_raw)));
+    if constexpr (BIAS) {
+      // dS = P (dP - delta) inside each query's window (P with the bias), else exactly 0.
+      auto visit = [&](int i, int r, bool in, int f) {
+        const unsigned at = bias_row[r] + 4 * (RANK == 1 ? f : (in ? places[f] : 0));
+        const float b = in ? lds_f32(at) : negative_infinity<float>();
+        const float pe = fast_exp2(fmaf(acc_s[i], sl, b) - ll[r]);
+        acc_dp[i] = in ? pe * (acc_dp[i] - dd[r]) : 0.f;
+      };
+      if (G.needs_mask(j * BN, BN))
+        walk_scores<BN, RANK>(j * BN, quad, G.rk, G.inner, wl, wn, visit);
+      else
+        walk_flat<BN>(j * BN, quad, visit);
+    } else {
+      if (G.needs_mask(j * BN, BN))
+        mask_scores<BN, RANK>(acc_s, j * BN, quad, G.rk, G.inner, wl, wn);
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const int r = (i / 2) % 2;
-      const float pe = fast_exp2(fmaf(acc_s[i], sl, -ll[r]));
-      acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+      for (int i = 0; i < BN / 2; ++i) {
+        const int r = (i / 2) % 2;
+        const float pe = fast_exp2(fmaf(acc_s[i], sl, -ll[r]));
+        acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+      }
     }
     unsigned da[BN / 16][4];
     pack_a<T, BN>(acc_dp, da);
     wgmma_fence();
     gemm_rs<T, D, BN>(acc_dq, da, sk);
     wgmma_commit();
+    if constexpr (BIAS) {
+      // The bias gradient, while the dQ GEMM runs: the warp's dS (16 rows x BN, float32) to
+      // its scratch tile, with its rows' box terms, then into the box in an order where a
+      // warp's adds never share a word (the shared-memory float add is a compare-and-swap
+      // loop on sm_90: score by score, in the accumulator's own order, 4 lanes would contend
+      // for each word). Rows past the group and scores outside the windows hold 0 and add
+      // nothing.
+      const unsigned scr = scratch + (tid / 32 - 4) * SCR_WARP, terms = scr + 16 * SCR_ROW * 4;
+      __syncwarp();  // the warp's walk of the last tile has read the scratch tile
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                       :: "r"(scr + ((lane / 4 + 8 * r) * SCR_ROW + 8 * i + 2 * quad) * 4),
+                          "f"(acc_dp[4 * i + 2 * r]), "f"(acc_dp[4 * i + 2 * r + 1]) : "memory");
+      if (quad == 0)
+        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n"
+                     :: "r"(terms + 8 * (lane / 4)), "r"(bias_row[0] + to_grad),
+                        "r"(bias_row[1] + to_grad) : "memory");
+      __syncwarp();
+      const int lo = j * BN;
+      if constexpr (RANK == 1) {
+        // Lane l sums diagonals d = l - 15, l + 17, ... (column d + row, rows 0..15) in
+        // registers and adds each once: along one the entry (row term + key place) is the
+        // same for every row inside the group (the row term falls by one per row, the key
+        // place rises by one per column), row 0's term plus lo + d.
+#pragma unroll 1
+        for (int d = lane - 15; d < BN; d += 32) {
+          float sum = 0.f;
+#pragma unroll
+          for (int rr = 0; rr < 16; ++rr) {
+            const int c = d + rr;
+            if ((unsigned)c < (unsigned)BN) sum += lds_f32(scr + (rr * SCR_ROW + c) * 4);
+          }
+          if (sum != 0.f) red_add_f32(lds_u32(terms) + 4 * (lo + d), sum);
+        }
+      } else {
+        // Lane l adds columns l, l + 32, ... row by row: one row's keys have distinct
+        // offsets, so the lanes' words differ. (Diagonal runs as in 1-D break at every key
+        // row of the region here; measured slower: M5 3.31 vs 2.38 ms, 3D-D128 2.05 vs 1.47.)
+#pragma unroll
+        for (int m = 0; m < BN / 32; ++m) {
+          const int c = lane + 32 * m, f = lo + c;
+          const int place = f < G.total ? places[f] : 0;
+#pragma unroll 4
+          for (int rr = 0; rr < 16; ++rr) {
+            // row rr's term: lane 4 (rr % 8) held it as its row rr / 8
+            const unsigned row = lds_u32(terms + 8 * (rr % 8) + 4 * (rr / 8));
+            const float x = lds_f32(scr + (rr * SCR_ROW + c) * 4);
+            if (x != 0.f) red_add_f32(row + 4 * place, x);
+          }
+        }
+      }
+    }
     wgmma_wait<0>();
     fence_regs(acc_dq);
     mbar_arrive(sm.empty + 8 * (j % STAGES));
+  }
+
+  if constexpr (BIAS) {  // the CTA's gradient box, once every compute thread has added to it
+    named_sync(1, 256);
+    float* dst = bias_part + (((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * bb.vol;
+    for (int i = tid - 128; i < bb.vol; i += 256) dst[i] = lds_f32(gbox + 4 * i);
   }
 
 #pragma unroll
@@ -555,22 +733,25 @@ na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, const NAPa
   hopper::dq_rows<T, D>(dq_ws, dq, p);
 }
 
-template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC>
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
+          bool BIAS>
 __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ d_o, const float* __restrict__ lse,
                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                 float* __restrict__ dq_ws, const NAParams p) {
-  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC>(q, k, v, d_o, lse, delta, dk, dv,
-                                                             dq_ws, p);
+                 float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p) {
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS>(q, k, v, d_o, lse, delta, dk,
+                                                                   dv, dq_ws, rpb, p);
 }
 
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2>
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
 __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
-                const float* __restrict__ delta, T* __restrict__ dq, const NAParams p) {
-  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2>(q, k, v, d_o, lse, delta, dq, p);
+                const float* __restrict__ delta, T* __restrict__ dq, const T* __restrict__ rpb,
+                float* __restrict__ bias_part, const NAParams p) {
+  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS>(q, k, v, d_o, lse, delta, dq, rpb,
+                                                          bias_part, p);
 }
 
 }  // namespace natten

@@ -5,6 +5,7 @@
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
 #include "natten/hopper/tile_box.cuh"
+#include "natten/hopper/bias_box.cuh"
 
 namespace natten {
 namespace hopper {
@@ -111,66 +112,6 @@ struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
 #pragma unroll
     for (int a = 0; a < 3; ++a) inside = inside && org[a] >= ilo[a] && org[a] + tdim[a] <= ihi[a];
     return !inside;
-  }
-};
-
-// Relative positional bias (BIAS): a CTA stages the part of its head's table rpb[h, 2k-1, ...]
-// that its scores reach, in log2 units: per axis the offsets key - query + kernel - 1 from org,
-// that of the last query's first key (a window's start minus its query never grows with the
-// query: the smallest), over min(2k - 1, kernel + tile - 1) entries, row-major with strides
-// bst (bst[RANK - 1] = 1). Entries past the table are 0 (no score reads them).
-struct BiasBox {
-  int org[3], dim[3], bst[3], vol;
-
-  template <int RANK, int T0, int T1, int T2>
-  __device__ __forceinline__ void init(const Geom<RANK, T0, T1, T2>& G, const NAParams& p) {
-    const int tdim[3] = {T0, T1, T2};
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-      org[a] = 0;
-      dim[a] = 1;
-      if (a < RANK) {
-        const Axis ax = axis_of(p, a);
-        const int last = min(G.o0[a] + tdim[a], G.glen[a]) - 1;
-        int s, e;
-        ax.window(last, G.glen[a], s, e);
-        org[a] = s - last + ax.kernel - 1;
-        dim[a] = min(2 * ax.kernel - 1, ax.kernel + tdim[a] - 1);
-      }
-    }
-    bst[2] = 1;
-    bst[1] = dim[2];
-    bst[0] = dim[1] * dim[2];
-    vol = dim[0] * bst[0];
-  }
-
-  // Row-major box index of query c's (in-group coordinates) offset to the region's origin.
-  template <int RANK, int T0, int T1, int T2>
-  __device__ __forceinline__ int row(const Geom<RANK, T0, T1, T2>& G, const NAParams& p,
-                                     const int (&c)[3]) const {
-    int at = 0;
-#pragma unroll
-    for (int a = 0; a < RANK; ++a)
-      at += (G.rs[a] - min(c[a], G.glen[a] - 1) + (int)p.kernel[a] - 1 - org[a]) * bst[a];
-    return at;
-  }
-
-  // The table's entries into dst (log2 units), by threads [0, nt) of the caller's.
-  template <int RANK, typename T>
-  __device__ __forceinline__ void stage(float* dst, const T* __restrict__ rpb, int h,
-                                        const NAParams& p, int t, int nt) const {
-    for (int i = t; i < vol; i += nt) {
-      const int o[3] = {i / bst[0], (i % bst[0]) / bst[1], i % bst[1]};
-      bool ok = true;
-      i64 off = h * p.rpb[0];
-#pragma unroll
-      for (int a = 0; a < RANK; ++a) {
-        const int x = org[a] + o[a];
-        ok = ok && x < 2 * (int)p.kernel[a] - 1;
-        off += x * p.rpb[1 + a];
-      }
-      dst[i] = ok ? to_float(rpb[off]) * 1.4426950408889634f : 0.f;
-    }
   }
 };
 

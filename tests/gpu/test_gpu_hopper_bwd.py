@@ -4,9 +4,10 @@ Each case computes out and lse with the reference forward in float64 (rounded to
 dtype, as a real forward stores them), runs the wgmma backward on NaN-poisoned gradients and
 checks dq, dk, dv against the reference backward in float64: the error must be at most 3x the
 error of the reference backward run in the same precision plus a floor (FlashAttention's rule
-for gradients, tests/gpu_cases.py); every element must be written. The part is deterministic
-(no atomics): three runs must agree bitwise. Skipped on GPUs other than compute capability
-9.0. Called directly (fused.py dispatches to it only where it measured faster).
+for gradients, tests/gpu_cases.py); every element must be written. Without a bias and the
+atomic dQ variant the part is deterministic (no atomics): three runs must agree bitwise.
+With a relative positional bias d_rpb is checked too. Skipped on GPUs other than compute
+capability 9.0. Called directly (fused.py dispatches to it only where it measured faster).
 """
 
 import numpy
@@ -284,3 +285,80 @@ def test_hopper_gqa_matches_repeated_heads(case, dq_atomic, rng):
         err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
         assert err <= 3 * ref_err + floor * max(1.0, float(numpy.abs(t).max())), \
             (name, err, ref_err)
+
+
+# ---- relative positional bias ------------------------------------------------------------
+
+# (spatial, kernel, dilation, causal, heads, head_dim, dtype): stride 1 (a bias takes no other)
+BIAS_CASES = [
+    ((700,), 127, 1, False, 2, 64, F16),
+    ((1500,), 512, 1, True, 1, 128, F16),        # even kernel, causal
+    ((1000,), 64, 3, False, 2, 128, BF16),       # dilation groups of 334 / 333
+    ((2053,), 1023, 2, True, 1, 96, F16),        # head dim padded to 128
+    ((300,), 300, 1, False, 2, 128, BF16),       # self-attention, partial last tiles
+    ((129,), 2, 1, False, 2, 128, F16),          # smallest kernel
+    ((33, 41), (7, 5), (2, 3), (True, False), 2, 64, F16),
+    ((30, 29), 13, 1, False, 1, 128, BF16),
+    ((45, 50), (45, 50), 1, False, 1, 64, F16),  # 2-D self-attention
+    ((7, 70), (3, 33), 1, (True, True), 2, 128, F16),
+    ((9, 17, 13), (3, 5, 4), (1, 2, 1), (False, False, True), 2, 64, F16),
+    ((6, 10, 11), (3, 5, 5), 1, (True, False, False), 1, 64, BF16),
+    ((5, 6, 7), (5, 6, 7), 1, False, 1, 128, F16),   # 3-D self-attention
+    ((10, 20, 21), (5, 9, 9), (1, 2, 2), False, 1, 72, BF16),
+]
+
+
+def _bias_id(c):
+    return (f"{len(c[0])}d-{c[0]}-k{c[1]}-d{c[2]}-c{c[3]}-H{c[4]}-D{c[5]}-"
+            f"{numpy.dtype(c[6]).name}")
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=_bias_id)
+def test_hopper_backward_with_bias_matches_reference(case, rng):
+    """dq, dk, dv and d_rpb of the Hopper backward with a relative positional bias (both
+    passes add it, the dQ pass sums d_rpb) against the float64 reference of the biased
+    forward and backward, NaN-poisoned outputs, the same error rule as above."""
+    import cupy as cp
+    _skip_unless_hopper()
+    spatial, ks, dl, ca, heads, dim, dtype = case
+    rank = len(spatial)
+    kern = (ks,) * rank if isinstance(ks, int) else ks
+    shape = (2,) + tuple(spatial) + (heads, dim)
+    q, k, v, d_out = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    rpb = (0.5 * rng.standard_normal((heads,) + tuple(2 * x - 1 for x in kern))).astype(dtype)
+    ref = get_backend("reference")
+
+    def prob(x, r, det=False):
+        return _args.check_fused(rank, x, x, x, ks, 1, dl, ca, None, "fused", rpb=r,
+                                 deterministic=det)
+
+    def backward(p, xs, out, lse, r):
+        grads = [numpy.empty(shape, xs[0].dtype) for _ in range(3)]
+        d_rpb = numpy.empty(r.shape, xs[0].dtype)
+        run_fused_backward(p, ref, xs[3], *xs[:3], out, lse, *grads, r, d_rpb)
+        return [g.astype(F64) for g in (*grads, d_rpb)]
+
+    h64 = [x.astype(F64) for x in (q, k, v, d_out)]
+    r64 = rpb.astype(F64)
+    p64 = prob(h64[0], r64)
+    out64, lse64 = numpy.empty(shape, F64), numpy.empty(shape[:-1], F64)
+    run_fused_forward(p64, ref, *h64[:3], out64, lse64, r64)
+    truth = backward(p64, h64, out64, lse64, r64)
+    out, lse = out64.astype(dtype), lse64.astype(F32)
+    low = backward(prob(q, rpb), (q, k, v, d_out), out, lse, rpb)
+
+    problem = prob(q, rpb)
+    assert H.refuse(problem) is None, H.refuse(problem)
+    assert "deterministic" in H.refuse(prob(q, rpb, det=True))
+    dev = [upload(cp, x) for x in (q, k, v, d_out, out)]
+    grads = [upload(cp, numpy.full(shape, numpy.nan, dtype)) for _ in range(3)]
+    d_rpb = upload(cp, numpy.full(rpb.shape, numpy.nan, dtype))
+    H.backward(problem, *dev[:3], dev[4], cp.asarray(lse), dev[3], *grads, rpb=upload(cp, rpb),
+               d_rpb=d_rpb)
+    cp.cuda.get_current_stream().synchronize()
+    for name, g, t, y in zip(("dq", "dk", "dv", "d_rpb"), map(to_host, (*grads, d_rpb)), truth,
+                             low):
+        assert not numpy.isnan(g).any(), f"unwritten (NaN) elements in {name}"
+        err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
+        floor = FLOOR[q.dtype] * max(1.0, float(numpy.abs(t).max()))
+        assert err <= 3 * ref_err + floor, (name, err, ref_err, floor)

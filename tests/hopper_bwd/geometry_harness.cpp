@@ -2,13 +2,27 @@
 // runs the geometry and score masks of the Hopper fused backward for every CTA, thread and
 // tile of a problem exactly as the kernels do (grid decode, owner rows of the accumulator
 // layout, region walk in N-row tiles, needs_mask, mask_scores), and counts every (owner,
-// other) pair a score lets through, by full-grid flat index. Built with the emulator's CUDA
-// stand-ins (tests/emulator/include).
+// other) pair a score lets through, by full-grid flat index. For each such pair it also
+// checks the bias-table entry the kernels with a bias read (bias_box.cuh: BiasBox in the dQ
+// pass, KeyBiasBox in the dK/dV pass, the region term as the kernels stage it) against the
+// pair's offset key - query + kernel - 1, and records the largest box and region. Built with
+// the emulator's CUDA stand-ins (tests/emulator/include).
 #include "cuda_shim.h"
+#include "natten/hopper/bias_box.cuh"
 #include "natten/hopper/bwd_geom.cuh"
 
 using natten::NAParams;
+using natten::hopper::BiasBox;
 using natten::hopper::BwdGeom;
+using natten::hopper::KeyBiasBox;
+
+namespace {
+
+// The box of a CTA's pass: BiasBox when rows are queries, KeyBiasBox when they are keys.
+template <bool INV> struct PassBox { typedef BiasBox type; };
+template <> struct PassBox<true> { typedef KeyBiasBox type; };
+
+}  // namespace
 
 namespace {
 
@@ -26,6 +40,10 @@ long long run(const NAParams& p, int ctas, int* pairs, long long points, long lo
     BwdGeom<RANK, T0, T1, T2, INV> G;
     if (!G.init(p)) continue;
     ++stats[0];
+    typename PassBox<INV>::type bb;
+    bb.init(G, p);
+    if (bb.vol > stats[4]) stats[4] = bb.vol;
+    if (G.total > stats[5]) stats[5] = G.total;
     const int tiles = (G.total + N - 1) / N;
     stats[1] += tiles;
     for (int tid = 0; tid < 256; ++tid) {  // the two compute warpgroups
@@ -55,6 +73,18 @@ long long run(const NAParams& p, int ctas, int* pairs, long long points, long lo
           for (int a = 0; a < 3; ++a)
             if (cr[a] < 0 || cr[a] >= G.glen[a]) ++errors;
           pairs[flat(G, co) * points + flat(G, cr)] += 1;
+          // The bias entry: row term plus (dQ) or minus (dK/dV) the region term.
+          int place = 0, want = 0;
+          bool inside = true;
+          for (int a = 0; a < RANK; ++a) {
+            place += (cr[a] - G.rs[a]) * bb.bst[a];
+            const int key = INV ? co[a] : cr[a], query = INV ? cr[a] : co[a];
+            const int off = key - query + (int)p.kernel[a] - 1 - bb.org[a];
+            inside = inside && off >= 0 && off < bb.dim[a];
+            want += off * bb.bst[a];
+          }
+          const int got = INV ? bb.row(G, p, co) - place : bb.row(G, p, co) + place;
+          if (!inside || got != want || got < 0 || got >= bb.vol) ++stats[3];
         }
       }
     }
@@ -66,7 +96,8 @@ long long run(const NAParams& p, int ctas, int* pairs, long long points, long lo
 
 extern "C" int emu_params_size() { return (int)sizeof(NAParams); }
 
-// pairs: [points, points] int32, zeroed by the caller; stats: CTAs live, tiles, masked tiles.
+// pairs: [points, points] int32, zeroed by the caller; stats: CTAs live, tiles, masked tiles,
+// pairs whose bias entry is wrong or outside the box, the largest box, the largest region.
 extern "C" long long emu_bwd_pairs(int rank, int inv, int n, const NAParams* p, int ctas,
                                    int* pairs, long long points, long long* stats) {
 #define NA_CASE(R, T0, T1, T2, I, NN) \

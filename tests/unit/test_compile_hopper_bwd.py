@@ -5,6 +5,8 @@ order the kernels expect. Registers per kernel go to the log (the compute warpgr
 is set in the .cu with setmaxnreg; ptxas reports the entry cap). Not yet run on a GPU.
 """
 
+import dataclasses
+
 import numpy
 import pytest
 
@@ -25,9 +27,9 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
         for r in reports:
             print(f"  {r.name:<70} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
                   f"spill {r.spill_bytes}")
-    # per dtype: delta and the dq store per head dim, two passes per rank and head dim, and
-    # the atomic dK/dV kernels (every rank and head dim)
-    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2)
+    # per dtype: delta and the dq store per head dim, two passes per rank and head dim, the
+    # atomic dK/dV kernels (every rank and head dim), and both passes with a bias
+    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2 + 2 * 3 * 2)
     assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in reports if "serialized" in r.log]
     assert not [r.name for r in reports if "C7508" in r.log or "setmaxnreg" in r.log.lower()]
@@ -35,9 +37,14 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
 
 
 def _problem(shape, rank, kernel, stride=1, dilation=1, causal=False, scale=None,
-             dtype=numpy.float16):
+             dtype=numpy.float16, rpb=False):
     x = numpy.zeros(shape, dtype)
-    return _args.check_fused(rank, x, x, x, kernel, stride, dilation, causal, scale, "fused")
+    bias = None
+    if rpb:
+        ks = (kernel,) * rank if isinstance(kernel, int) else kernel
+        bias = numpy.zeros((shape[-2],) + tuple(2 * k - 1 for k in ks), dtype)
+    return _args.check_fused(rank, x, x, x, kernel, stride, dilation, causal, scale, "fused",
+                             rpb=bias)
 
 
 def test_hopper_bwd_refusals():
@@ -47,6 +54,12 @@ def test_hopper_bwd_refusals():
     assert "up to 128" in H.refuse(_problem((1, 16, 1, 256), 1, 3))
     assert "positive scale" in H.refuse(_problem((1, 16, 1, 64), 1, 3, scale=-1.0))
     assert "compute capability" in H.refuse(_problem((1, 4, 4, 1, 64), 2, 3))
+    biased = _problem((1, 300, 2, 64), 1, 65, rpb=True)
+    assert "compute capability" in H.refuse(biased)
+    assert "deterministic=True" in H.refuse(dataclasses.replace(biased, deterministic=True))
+    # a 1-D window of 12001 at head dim 128: the bias boxes exceed shared memory
+    huge = _problem((1, 13000, 1, 128), 1, 12001, rpb=True)
+    assert "shared memory" in H.refuse(huge)
 
 
 def test_hopper_bwd_instantiations_cover_every_plan():
@@ -57,6 +70,7 @@ def test_hopper_bwd_instantiations_cover_every_plan():
             for rank in (1, 2, 3):
                 assert set(H._names(dtype, dp, rank)) <= names
                 assert set(H._names(dtype, dp, rank, dq_atomic=True)) <= names
+                assert set(H._names(dtype, dp, rank, bias=True)) <= names
 
 
 class _FakeKernel:
@@ -151,6 +165,60 @@ def test_hopper_bwd_atomic_plan_on_layouts(case, monkeypatch):
     ds = (2 if dp == 128 else 1) * 2 * 64 * 64 * 2
     assert kv.shared_mem == plain.calls[1].shared_mem + ds + 2 * 64 * 64 * 4
     assert plain.calls[0].args[3] == numpy.uint64(0)  # no workspace to zero: a null pointer
+
+
+# stride 1 (a bias takes no other); not dense 16K (its boxes exceed shared memory: refused)
+BIAS_PLAN_CASES = [c for c in PLAN_CASES if c[2] == 1 and c[1] != 16384] + [
+    ((1, 32768, 16, 64), 2047, 1, 1, False),
+    ((2, 40, 48, 3, 128), 33, 1, 1, False),
+    ((1, 7, 30, 31, 2, 64), (5, 9, 9), 1, (1, 2, 1), (True, False, False)),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
+def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
+    """With a bias: the bias in both passes, the dQ pass writing its CTAs' gradient boxes
+    to a workspace that na_bwd_fused_rpb (told the Hopper owner boxes) reduces into d_rpb;
+    shared memory with the bias parts, within sm_90's 227 KB; never the atomic dQ variant."""
+    from natten_cupy._launch import Operand
+    from natten_cupy.backends.fused import mma_backward
+    shape, ks, st, dl, ca = case
+    rank = len(shape) - 3
+    prob = _problem(shape, rank, ks, st, dl, ca, rpb=True)
+    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    monkeypatch.setattr(mma_backward, "_geometry", lambda p, t: (numpy.uint64(0), [0, 0, 0], {}))
+    H._geometry.cache_clear()
+    lay = Layout.contiguous(shape, numpy.float16)
+    lse = Layout.contiguous(shape[:-1], numpy.float32)
+    kern = (ks,) * rank if isinstance(ks, int) else ks
+    rpb = Layout.contiguous((shape[-2],) + tuple(2 * k - 1 for k in kern), numpy.float16)
+    args = (prob, lay, lay, lay, lay, lay, lse, lay, lay, lay, rpb, rpb)
+    plan = H.plan_backward(*args)
+    delta, kv, q, red = plan.calls
+    ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
+    assert ops(delta) == (0, 4, 11)
+    assert ops(kv) == (1, 2, 3, 0, 5, 11, 7, 8, 9)   # ..., dk, dv, rpb
+    assert ops(q) == (1, 2, 3, 0, 5, 11, 6, 9, 12)   # ..., dq, rpb -> the boxes
+    assert ops(red) == (12, 10)                       # the boxes -> d_rpb
+    assert red.name == "na_bwd_fused_rpb"
+    assert red.grid == (int(numpy.prod([2 * k - 1 for k in kern])), shape[-2], 1)
+    bg = red.args[-1]
+    box = H.OWNER_BOX[rank]
+    ctas = H.owner_ctas(prob)
+    assert int(bg["ctas"]) == ctas == q.grid[0]
+    assert tuple(bg["tile"]) == box
+    dim = tuple(min(2 * k - 1, k + t - 1) for k, t in zip(kern + (1,) * (3 - rank), box))
+    assert tuple(bg["dim"]) == dim and int(bg["vol"]) == numpy.prod(dim)
+    assert plan.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),
+                               ((shape[0] * shape[-2] * ctas * int(numpy.prod(dim)),),
+                                numpy.dtype(numpy.float32)))
+    assert (kv.shared_mem, q.shared_mem) == H._pass_smem(prob)
+    assert max(kv.shared_mem, q.shared_mem) <= 227 * 1024
+    plain = H.plan_backward(dataclasses.replace(prob, has_rpb=False), *args[1:10],
+                            dq_atomic=False)
+    assert kv.shared_mem > plain.calls[1].shared_mem and q.shared_mem > plain.calls[2].shared_mem
+    with pytest.raises(ValueError, match="dq_atomic"):
+        H.plan_backward(*args, dq_atomic=True)
 
 
 def test_hopper_bwd_plan_refuses_unreadable_rows(monkeypatch):

@@ -4,8 +4,10 @@ and the dQ pass (queries own, windows) run, the (owner, other) pairs whose score
 masks must be exactly the SPEC neighborhood (tests/oracle.py), each once; no unmasked score
 may fall past the region or outside a dilation group. This covers the grid decode, the owner
 rows of the wgmma accumulator layout, the region boxes, the flat tile walk, needs_mask and
-mask_scores of the real header; the wgmma layouts and loaders are checked on the GPU
-(tests/gpu/test_gpu_hopper_bwd.py).
+mask_scores of the real header; and, for the kernels with a relative positional bias, that
+every surviving pair reads the table entry of its offset inside the CTA's box (bias_box.cuh),
+with boxes and regions within what the launcher sizes shared memory for. The wgmma layouts
+and loaders are checked on the GPU (tests/gpu/test_gpu_hopper_bwd.py).
 """
 
 import ctypes
@@ -89,7 +91,7 @@ def test_surviving_scores_are_the_neighborhood(lib, case, side):
     expect = mask.T if side == "kv" else mask
     points = mask.shape[0]
     pairs = numpy.zeros((points, points), numpy.int32)
-    stats = numpy.zeros(3, numpy.int64)
+    stats = numpy.zeros(6, numpy.int64)
     p = numpy.array(make_params(prob))
     inv, n = (1, 64) if side == "kv" else (0, int(side[1:]))
     errors = lib.emu_bwd_pairs(len(spatial), inv, n, p.ctypes.data, H.owner_ctas(prob),
@@ -99,3 +101,10 @@ def test_surviving_scores_are_the_neighborhood(lib, case, side):
     missing = numpy.argwhere(expect & (pairs == 0))
     extra = numpy.argwhere(~expect & (pairs > 0))
     assert not len(missing) and not len(extra), (missing[:5], extra[:5], stats)
+    if all(st == 1 for st in prob.stride):   # a bias takes stride 1 only
+        assert stats[3] == 0, f"{stats[3]} pairs read a wrong bias entry or one outside the box"
+    # the launcher's shared memory for the bias parts holds every CTA's box and region
+    ext = H._bias_extents(prob)
+    box, region = (3, 2) if side == "kv" else (1, 0)
+    assert stats[4] <= numpy.prod([e[box] for e in ext])
+    assert stats[5] <= numpy.prod([e[region] for e in ext])

@@ -130,7 +130,7 @@ def test_parts_that_take_a_bias_and_parts_that_refuse_it():
         assert mma_forward.refuse(p) is None and mma_backward.refuse(p) is None
         assert fused.refuse("fused_forward", p) is None
         assert fused.refuse("fused_backward", p) is None
-        # The Hopper backward has no bias: the dispatch never sends a biased problem there.
+        # A 2-D 7x7 window at head dim 64 stays on the mma.sync backward, bias or not.
         assert fused._parts_for("fused_backward", p) == "mma_backward"
     # The Hopper forward takes it (where the device is one; the last reason is the GPU), and
     # runs it where the window pays (21x21 does, 7x7 does not).
@@ -141,7 +141,18 @@ def test_parts_that_take_a_bias_and_parts_that_refuse_it():
         "wgmma_forward" if why is None else "mma_forward")
     assert fused._parts_for("fused_forward", half) == "mma_forward"
     assert fused._parts_for("fused_forward", tf32) == "mma_forward"
-    assert "relative positional bias" in wgmma_backward.refuse(half)
+    # The Hopper backward takes a bias (its gradient summed with shared-memory atomics)
+    # where it takes the problem without one, except with deterministic=True: that runs the
+    # mma.sync backward, whose d_rpb is reproducible.
+    why = wgmma_backward.refuse(half)
+    assert why is None or "compute capability" in why
+    wide = _problem(kernel=(13, 13), spatial=(30, 30))
+    wide = dataclasses.replace(wide, head_dim=128)
+    assert fused._parts_for("fused_backward", wide) == (
+        "wgmma_backward" if why is None else "mma_backward")
+    det = dataclasses.replace(wide, deterministic=True)
+    assert "deterministic=True" in wgmma_backward.refuse(det)
+    assert fused._parts_for("fused_backward", det) == "mma_backward"
     assert "exact-float32 kernels take no relative positional bias" in exact_fp32.refuse(exact)
     assert "exact-float32" in fused.refuse("fused_forward", exact)
     for p in (half, tf32, exact):

@@ -101,19 +101,20 @@ struct BwdGeom : TileBox<RANK, T0, T1, T2> {
   }
 };
 
-// Scores of accumulator columns (region rows [lo, lo + N) over a thread's two owner rows)
-// outside each row's reach become -inf: rank 1 compares the flat index, ranks 2 and 3 carry
-// the column's region coordinates forward (columns 8 i + 2 quad + e, steps 1 and 7 along the
-// last axis of the rank).
-template <int N, int RANK>
-__device__ __forceinline__ void mask_scores(float (&acc)[N / 2], int lo, int quad,
-                                            const int (&rk)[3], int inner,
-                                            const int (&wl)[2][3], const int (&wn)[2][3]) {
+// A thread's N / 2 scores of a tile (accumulator columns: region rows [lo, lo + N); rows:
+// its two owner rows) visited in order as f(i, r, in, col): accumulator index i, owner row
+// r (0, 1), whether the column lies in row r's reach, and the column's flat region index.
+// Rank 1 compares the flat index, ranks 2 and 3 carry the column's region coordinates
+// forward (columns 8 i + 2 quad + e, steps 1 and 7 along the last axis of the rank).
+template <int N, int RANK, class F>
+__device__ __forceinline__ void walk_scores(int lo, int quad, const int (&rk)[3], int inner,
+                                            const int (&wl)[2][3], const int (&wn)[2][3],
+                                            F&& f) {
   if (RANK == 1) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       const int col = lo + (i / 4) * 8 + 2 * quad + (i % 2), r = (i / 2) % 2;
-      if ((unsigned)(col - wl[r][0]) >= (unsigned)wn[r][0]) acc[i] = negative_infinity<float>();
+      f(i, r, (unsigned)(col - wl[r][0]) < (unsigned)wn[r][0], col);
     }
     return;
   }
@@ -134,7 +135,7 @@ __device__ __forceinline__ void mask_scores(float (&acc)[N / 2], int lo, int qua
 #pragma unroll
         for (int a = 0; a < RANK; ++a)
           in = in && (unsigned)(c[a] - wl[r][a]) < (unsigned)wn[r][a];
-        if (!in) acc[4 * jn + 2 * r + e] = negative_infinity<float>();
+        f(4 * jn + 2 * r + e, r, in, f0 + 8 * jn + e);
       }
       c[LAST] += e == 0 ? 1 : 7;
       while (c[LAST] >= rk[LAST]) {
@@ -150,6 +151,24 @@ __device__ __forceinline__ void mask_scores(float (&acc)[N / 2], int lo, int qua
       }
     }
   }
+}
+
+// The same visit of a tile every column of which lies in both rows' reach: f(i, r, true, f)
+// with f the column's flat region index.
+template <int N, class F>
+__device__ __forceinline__ void walk_flat(int lo, int quad, F&& f) {
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) f(i, (i / 2) % 2, true, lo + (i / 4) * 8 + 2 * quad + (i % 2));
+}
+
+// Scores of accumulator columns outside each owner row's reach become -inf (walk_scores).
+template <int N, int RANK>
+__device__ __forceinline__ void mask_scores(float (&acc)[N / 2], int lo, int quad,
+                                            const int (&rk)[3], int inner,
+                                            const int (&wl)[2][3], const int (&wn)[2][3]) {
+  walk_scores<N, RANK>(lo, quad, rk, inner, wl, wn, [&](int i, int, bool in, int) {
+    if (!in) acc[i] = negative_infinity<float>();
+  });
 }
 
 }  // namespace hopper

@@ -155,6 +155,18 @@ __device__ __forceinline__ int lds_s32(unsigned addr) {
   return x;
 }
 
+__device__ __forceinline__ unsigned lds_u32(unsigned addr) {
+  unsigned x;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(x) : "r"(addr));
+  return x;
+}
+
+// Adds x to the float at a 32-bit shared address (an atomic: the order of a word's additions
+// varies from run to run).
+__device__ __forceinline__ void red_add_f32(unsigned addr, float x) {
+  asm volatile("red.shared.add.f32 [%0], %1;\n" :: "r"(addr), "f"(x));
+}
+
 // Named CTA barriers (id 1..15; 0 is __syncthreads): sync waits for `threads` arrivals in all,
 // arrive counts this warp in without waiting.
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -60,7 +60,8 @@ def _hopper_serves(problem, name="wgmma_forward"):
     """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
     a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
     no additional tokens (the mma.sync kernels attend to them themselves), and the part
-    accepts the problem on this device (the backward refuses a bias)."""
+    accepts the problem on this device (the backward refuses a bias with deterministic=True:
+    its bias gradient sums with atomics)."""
     if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32
             or problem.has_extra):
         return False
@@ -149,7 +150,7 @@ def plan(op, problem, layouts):
     (tokens merged in array math: ``runs_extra``). ``problem.tile`` must not be "autotune"
     (see ``tuned``)."""
     name = _parts_for(op, problem)
-    takes_bias = name in (_MMA_PART[op], "wgmma_forward")
+    takes_bias = name in (_MMA_PART[op], "wgmma_forward", "wgmma_backward")
     if (problem.has_rpb and not takes_bias) or (problem.has_extra and (
             name != _MMA_PART[op] or not runs_extra(op, problem))):
         return None

@@ -19,7 +19,7 @@ TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
 
 With a relative positional bias (``problem.has_rpb``) both passes add it to the scores, and
 the dQ pass also sums dS per bias-table entry over each CTA's queries: one shared-memory box
-per warp (the offsets the CTA's queries reach, ``_bias_geometry``), summed in warp order into
+per warp (the offsets the CTA's queries reach, ``bias_geometry``), summed in warp order into
 a float32 workspace of one box per CTA; a third launch, ``na_bwd_fused_rpb``, adds the boxes
 of each entry in a fixed order into d_rpb. So d_rpb is reproducible run to run as well.
 
@@ -259,15 +259,19 @@ def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key, extra=0):
     return int(rows), int(fixed + rows * row)
 
 
-def _bias_geometry(problem, tab_off, per_axis):
+def bias_geometry(problem, tab_off, per_axis, tile=None):
     """The BiasGeom scalar of a problem with a bias: the dQ CTA's box (``_bias_box``), its
     strides, the dQ tile and tiles per axis, the window tables' axis offsets, and the dQ
-    CTAs per (batch, head) of head-dim chunk 0."""
+    CTAs per (batch, head) of head-dim chunk 0. ``tile``: another dQ pass's query tile (the
+    Hopper backward's, whose boxes ``na_bwd_fused_rpb`` reduces too; then only the fields
+    that kernel reads are meaningful)."""
     g = numpy.zeros((), dtype=BIAS_GEOM)
-    dim = _bias_box(problem)
+    tile = tile or TILES[problem.rank][0]
+    ks = tuple(problem.kernel_size) + (1,) * (3 - problem.rank)
+    dim = tuple(min(2 * k - 1, k + t - 1) for k, t in zip(ks, tile))
     g["dim"] = dim
     g["bst"] = (dim[1] * dim[2], dim[2], 1)
-    g["tile"] = TILES[problem.rank][0]
+    g["tile"] = tile
     g["ntile"] = per_axis
     g["tab_off"] = tab_off
     g["vol"] = math.prod(dim)
@@ -369,7 +373,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     geo["lpatch"] = tuple(int(x).bit_length() - 1 for x in patch)
     tab, tab_off, reach = _geometry(problem, tile)
     geo["tab_off"] = tab_off
-    bg = _bias_geometry(problem, tab_off, per_axis) if bias else numpy.zeros((), BIAS_GEOM)[()]
+    bg = bias_geometry(problem, tab_off, per_axis) if bias else numpy.zeros((), BIAS_GEOM)[()]
     name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1, bias=bias, extra=tokens)
     # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
     extra = _bias_smem(problem) if bias else {True: 0, False: 0}

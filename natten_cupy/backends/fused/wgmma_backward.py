@@ -16,6 +16,14 @@ With dQ added in the dK/dV pass (``dq_atomic``; where ``atomic_pays``, for
 adds each query tile's dS K into it by bulk reductions (``cp.reduce.async.bulk``), and
 ``na_bwd_hopper_dq`` writes dq = scale * workspace: five GEMMs per tile pair instead of seven.
 
+With a relative positional bias (``problem.has_rpb``) both passes add it to the scores (a
+CTA stages the part of its head's table that its scores reach, as the Hopper forward does),
+and the dQ pass also sums dS per table entry into a float32 box per CTA (shared-memory
+atomics, so the sums' order varies from run to run: ``deterministic=True`` takes the
+mma.sync backward, whose bias gradient is reproducible), written to a workspace [B, H, CTAs,
+box]; the mma.sync backward's ``na_bwd_fused_rpb`` then adds the boxes of each entry in a
+fixed order into d_rpb. Never with ``dq_atomic`` (the dQ pass makes the bias gradient).
+
 A loader warpgroup stages the tiles (cp.async into 128-byte-swizzled shared memory,
 mbarriers, STAGES deep) in both passes. ``fused.py`` dispatches it where it measured faster
 than the mma.sync backward; design and measurements: ``bench/results/NOTES-hopper-bwd.md``.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy
 
@@ -33,6 +42,7 @@ from ..._dtypes import HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import Layout, rows_ready, run_backward
 from ..._params import make_params
+from ..._window import group_size, inverse_bounds, window_bounds
 
 SOURCE = "fused/wgmma_backward.cu"
 OPTIONS = ("-arch=sm_90a",)
@@ -56,6 +66,7 @@ class BwdTile:
 DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 # The owner box per rank (128 rows), the forward's query boxes.
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
+SMEM_LIMIT = 227 * 1024   # opt-in shared memory per block on compute capability 9.0
 
 
 def _bucket(head_dim):
@@ -74,8 +85,9 @@ def refuse(problem):
     """None if this part runs ``problem`` on the current device, else the reason."""
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
-    if problem.has_rpb:
-        return "the Hopper fused backward takes no relative positional bias (rpb)"
+    if problem.has_rpb and problem.deterministic:
+        return ("the Hopper fused backward sums the bias gradient with atomics; "
+                "deterministic=True runs the mma.sync backward (reproducible d_rpb)")
     if problem.v_dim != problem.head_dim:
         return (f"the Hopper fused backward takes one head dim for q, k and v, got "
                 f"{problem.head_dim} and {problem.v_dim}")
@@ -85,6 +97,9 @@ def refuse(problem):
         return f"the Hopper fused backward needs a positive scale, got {problem.scale}"
     if problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
         return f"heads {problem.heads} or batch {problem.batch} over {MAX_GRID_YZ}"
+    if problem.has_rpb and max(_pass_smem(problem)) > SMEM_LIMIT:
+        return (f"the bias boxes of kernel {problem.kernel_size} do not fit the Hopper fused "
+                "backward's shared memory")
     cc = _compute_capability()
     if cc != (9, 0):
         return ("the Hopper fused backward needs compute capability 9.0, "
@@ -92,16 +107,17 @@ def refuse(problem):
     return None
 
 
-def _names(dtype, dp, rank, tile=None, dq_atomic=False):
+def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False):
     """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store."""
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
-    flag = "true" if dq_atomic else "false"
+    flag = lambda x: "true" if x else "false"
     kv = (f"natten::na_bwd_hopper_kv<{ct}, {dp}, {tile.bq}, {tile.kv_stages}, {rank}, {box}, "
-          f"{flag}>")
+          f"{flag(dq_atomic)}, {flag(bias)}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
-          f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}>")
+          f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}, "
+          f"{flag(bias)}>")
     return f"natten::na_bwd_hopper_delta<{ct}, {dp}>", kv, dq
 
 
@@ -110,9 +126,57 @@ def instantiations():
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
             for rank in (1, 2, 3):
-                for atomic in (False, True):
-                    out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic)]
+                for atomic, bias in ((False, False), (True, False), (False, True)):
+                    out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic,
+                                                        bias=bias)]
     return sorted(set(out))
+
+
+@functools.lru_cache(maxsize=512)
+def _bias_extents(problem):
+    """Per axis over every owner box of both passes: (largest key region of a dQ CTA, its
+    bias box (``BiasBox``), largest query region of a dK/dV CTA, its bias box
+    (``KeyBiasBox``)), as the kernels' geometry computes them."""
+    out = []
+    for a in range(problem.rank):
+        L, k, st, d, causal = (problem.spatial[a], problem.kernel_size[a], problem.stride[a],
+                               problem.dilation[a], problem.is_causal[a])
+        t = OWNER_BOX[problem.rank][a]
+        keys = queries = kv_box = 1
+        for g in range(d):
+            glen = group_size(L, d, g)
+            o0 = numpy.arange(0, glen, t)
+            last = numpy.minimum(o0 + t, glen) - 1
+            fs, _ = window_bounds(o0, glen, k, st, causal)
+            _, le = window_bounds(last, glen, k, st, causal)
+            keys = max(keys, int((le - fs).max()))
+            lo, _ = inverse_bounds(o0, glen, k, st, causal)
+            _, hi = inverse_bounds(last, glen, k, st, causal)
+            rk = numpy.maximum(hi - lo, 0)
+            org = numpy.maximum(o0 - (lo + rk - 1) + k - 1, 0)
+            dim = numpy.maximum(numpy.minimum(2 * k - 2, last - lo + k - 1) - org + 1, 1)
+            queries = max(queries, int(rk.max()))
+            kv_box = max(kv_box, int(dim.max()))
+        out.append((keys, min(2 * k - 1, k + t - 1), queries, kv_box))
+    return tuple(out)
+
+
+def _pass_smem(problem, tile=None):
+    """Dynamic shared memory of the (dK/dV, dQ) passes, with a bias its parts after the
+    mbarriers: the dK/dV pass's box and (rank 2, 3) each region query's place in it; the dQ
+    pass's box, its gradient box, each region key's place, and per compute warp a float32
+    scratch tile of 16 x (bn + 8) dS and its 16 row terms (16-byte aligned)."""
+    dp = _bucket(problem.head_dim)
+    tile = tile or DEFAULT[dp]
+    kv = smem_bytes(dp, tile.bq, tile.kv_stages, True)
+    dq = smem_bytes(dp, tile.bn, tile.q_stages, False)
+    if problem.has_rpb:
+        ext = _bias_extents(problem)
+        nd = problem.rank > 1
+        kv += 4 * math.prod(e[3] for e in ext) + (4 * math.prod(e[2] for e in ext) if nd else 0)
+        dq += 8 * math.prod(e[1] for e in ext) + (4 * math.prod(e[0] for e in ext) if nd else 0)
+        dq += 15 + 8 * (16 * (tile.bn + 8) * 4 + 64)
+    return kv, dq
 
 
 def smem_bytes(dp, rows, stages, values, ds=False):
@@ -155,13 +219,17 @@ def atomic_pays(problem):
     1.54 vs 1.84 ms, dense 16K 13.6 vs 14.1, 1-D 16K window 4096 6.59 vs 6.65); at 64 it
     measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window 2047 3.38 vs 2.83, 3-D 5x9x9 8.20
     vs 7.80)."""
-    return not problem.deterministic and _bucket(problem.head_dim) == 128
+    return (not problem.deterministic and not problem.has_rpb
+            and _bucket(problem.head_dim) == 128)
 
 
-def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_atomic=None):
+def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
+                  tile=None, dq_atomic=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
-    then the workspaces: delta, and with ``dq_atomic`` the float32 dQ), or None if an operand
-    other than lse is not ``rows_ready`` (the plan contract of ``natten_cupy._launch``).
+    with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
+    workspaces: delta, with ``dq_atomic`` the float32 dQ, with a bias the dQ CTAs' bias-gradient
+    boxes), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
+    contract of ``natten_cupy._launch``).
 
     Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
     dK/dV adding dQ into it (bulk float32 reductions), dq = scale * workspace; five GEMMs
@@ -169,15 +237,25 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_a
     ``atomic_pays``."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
+    bias = problem.has_rpb
     if dq_atomic is None:
         dq_atomic = atomic_pays(problem)
+    if bias and dq_atomic:
+        raise ValueError("a bias gradient comes from the dQ pass: dq_atomic must be off")
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
-                    delta=delta)
-    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA, DQ_WS = map(Operand, range(11))
+                    delta=delta, rpb=rpb, d_rpb=d_rpb)
+    D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
     no_ws = numpy.uint64(0)  # a null pointer
-    name_delta, name_kv, name_dq = _names(problem.dtype, dp, problem.rank, tile, dq_atomic)
+    if bias:
+        RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
+    else:
+        RPB, PART = no_ws, no_ws
+        DELTA, DQ_WS = Operand(9), Operand(10)
+    name_delta, name_kv, name_dq = _names(problem.dtype, dp, problem.rank, tile, dq_atomic,
+                                          bias)
+    smem_kv, smem_dq = _pass_smem(problem, tile)
     box = OWNER_BOX[problem.rank][:problem.rank]
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
     # dQ: a CTA per query head.
@@ -189,8 +267,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_a
                    (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (D_OUT, OUT, DELTA, ws, p),
                    name="na_bwd_hopper_delta", backend="fused"),
         KernelCall(get_kernel(SOURCE, name_kv, extra_options=OPTIONS), kv_grid, (THREADS, 1, 1),
-                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, p),
-                   shared_mem=smem_bytes(dp, tile.bq, tile.kv_stages, True, dq_atomic),
+                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p),
+                   shared_mem=(smem_bytes(dp, tile.bq, tile.kv_stages, True, True) if dq_atomic
+                               else smem_kv),
                    name="na_bwd_hopper_kv", backend="fused", tile=box),
     ]
     if dq_atomic:
@@ -199,13 +278,36 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, tile=None, dq_a
                                 name="na_bwd_hopper_dq", backend="fused"))
     else:
         calls.append(KernelCall(get_kernel(SOURCE, name_dq, extra_options=OPTIONS), grid,
-                                (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, p),
-                                shared_mem=smem_bytes(dp, tile.bn, tile.q_stages, False),
-                                name="na_bwd_hopper_q", backend="fused", tile=box))
+                                (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
+                                shared_mem=smem_dq, name="na_bwd_hopper_q", backend="fused",
+                                tile=box))
     workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
     if dq_atomic:
         workspaces.append(dq_workspace(problem, dp))
+    if bias:
+        call, part = _bias_reduction(problem, ctas, p, PART, D_RPB)
+        calls.append(call)
+        workspaces.append(part)
     return Plan(tuple(calls), workspaces=tuple(workspaces))
+
+
+def _bias_reduction(problem, ctas, p, part, d_rpb):
+    """The launch that adds the dQ CTAs' bias-gradient boxes into d_rpb (the mma.sync
+    backward's ``na_bwd_fused_rpb``, told this pass's owner boxes), and the boxes' workspace."""
+    from . import mma_backward as mb
+    box = OWNER_BOX[problem.rank]
+    tab, tab_off, _ = mb._geometry(problem, box)
+    per_axis = [-(-(-(-L // d)) // t) for L, d, t in
+                zip(problem.spatial + (1,) * (3 - problem.rank),
+                    problem.dilation + (1,) * (3 - problem.rank), box)]
+    bg = mb.bias_geometry(problem, tab_off, per_axis, box)
+    assert int(bg["ctas"]) == ctas
+    entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+    call = KernelCall(get_kernel(mb.SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
+                      (entries, problem.heads, 1), (128, 1, 1), (part, d_rpb, tab, p, bg),
+                      name="na_bwd_fused_rpb", backend="fused")
+    size = problem.batch * problem.heads * ctas * int(bg["vol"])
+    return call, ((size,), numpy.dtype(numpy.float32))
 
 
 def dq_workspace(problem, dp):
@@ -217,11 +319,13 @@ def dq_workspace(problem, dp):
             numpy.dtype(numpy.float32))
 
 
-def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, tile=None, dq_atomic=None):
+def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None, tile=None,
+             dq_atomic=None):
     """dq, dk, dv (CuPy arrays, preallocated, every element written) of the NA forward that
-    gave out and lse (natural log), for the upstream gradient d_out. ``dq_atomic``: dQ added
-    in the dK/dV pass (not bitwise reproducible; see plan_backward)."""
+    gave out and lse (natural log), for the upstream gradient d_out; with ``rpb`` (a bias)
+    also d_rpb. ``dq_atomic``: dQ added in the dK/dV pass (not bitwise reproducible; see
+    plan_backward)."""
     if problem.is_empty:
         return
     run_backward(functools.partial(plan_backward, tile=tile, dq_atomic=dq_atomic), problem,
-                 q, k, v, out, lse, d_out, dq, dk, dv)
+                 q, k, v, out, lse, d_out, dq, dk, dv, rpb, d_rpb)

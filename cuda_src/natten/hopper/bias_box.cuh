@@ -1,0 +1,117 @@
+// The relative positional bias of the Hopper (sm_90a) fused NA kernels: the part of a head's
+// table rpb[h, 2k-1, ...] that a CTA's scores reach, staged in shared memory in log2 units.
+// The entry of a score (query i, key j; in-group coordinates per axis) is key - query +
+// kernel - 1 per axis; a box is that offset minus its origin, row-major with strides bst
+// (bst[RANK - 1] = 1), so that a score's place in the box is one owner-row term plus one
+// region term (the region coordinates dotted with bst): + for the forward and the dQ pass
+// (rows are queries), - for the dK/dV pass (rows are keys). No kernels.
+#pragma once
+
+#include "../common.cuh"
+#include "tile_box.cuh"
+
+namespace natten {
+namespace hopper {
+
+struct BiasBoxBase {
+  int org[3], dim[3], bst[3], vol;
+
+  __device__ __forceinline__ void strides() {
+    bst[2] = 1;
+    bst[1] = dim[2];
+    bst[0] = dim[1] * dim[2];
+    vol = dim[0] * bst[0];
+  }
+
+  // The table's entries into dst (log2 units), by threads [0, nt) of the caller's. Entries
+  // past the table are 0 (no score reads them).
+  template <int RANK, typename T>
+  __device__ __forceinline__ void stage(float* dst, const T* __restrict__ rpb, int h,
+                                        const NAParams& p, int t, int nt) const {
+    for (int i = t; i < vol; i += nt) {
+      const int o[3] = {i / bst[0], (i % bst[0]) / bst[1], i % bst[1]};
+      bool ok = true;
+      i64 off = h * p.rpb[0];
+#pragma unroll
+      for (int a = 0; a < RANK; ++a) {
+        const int x = org[a] + o[a];
+        ok = ok && x < 2 * (int)p.kernel[a] - 1;  // (org >= 0)
+        off += x * p.rpb[1 + a];
+      }
+      dst[i] = ok ? to_float(rpb[off]) * 1.4426950408889634f : 0.f;
+    }
+  }
+};
+
+// Rows are queries (the forward's and the dQ pass's query box, keys the region): per axis
+// the offsets from org, that of the last query's first key (a window's start minus its query
+// never grows with the query: the smallest), over min(2k - 1, kernel + tile - 1) entries.
+// The bias-gradient reduction (na_bwd_fused_rpb) locates the dQ pass's boxes the same way.
+struct BiasBox : BiasBoxBase {
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ void init(const TileBox<RANK, T0, T1, T2>& G, const NAParams& p) {
+    const int tdim[3] = {T0, T1, T2};
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      org[a] = 0;
+      dim[a] = 1;
+      if (a < RANK) {
+        const Axis ax = axis_of(p, a);
+        const int last = min(G.o0[a] + tdim[a], G.glen[a]) - 1;
+        int s, e;
+        ax.window(last, G.glen[a], s, e);
+        org[a] = s - last + ax.kernel - 1;
+        dim[a] = min(2 * ax.kernel - 1, ax.kernel + tdim[a] - 1);
+      }
+    }
+    strides();
+  }
+
+  // Row-major box index of query c's (in-group coordinates) offset to the region's origin.
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ int row(const TileBox<RANK, T0, T1, T2>& G, const NAParams& p,
+                                     const int (&c)[3]) const {
+    int at = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a)
+      at += (G.rs[a] - min(c[a], G.glen[a] - 1) + (int)p.kernel[a] - 1 - org[a]) * bst[a];
+    return at;
+  }
+};
+
+// Rows are keys (the dK/dV pass's key box, queries the region [rs, rs + rk)): per axis the
+// offsets a key of the box and a query of the region can have, [o0 - (rs + rk - 1),
+// last - rs] + kernel - 1, within the table's [0, 2k - 1). A score's index is row(key) minus
+// the query's region coordinates dotted with bst.
+struct KeyBiasBox : BiasBoxBase {
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ void init(const TileBox<RANK, T0, T1, T2>& G, const NAParams& p) {
+    const int tdim[3] = {T0, T1, T2};
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      org[a] = 0;
+      dim[a] = 1;
+      if (a < RANK) {
+        const int kern = (int)p.kernel[a];
+        const int last = min(G.o0[a] + tdim[a], G.glen[a]) - 1;
+        org[a] = max(G.o0[a] - (G.rs[a] + G.rk[a] - 1) + kern - 1, 0);
+        dim[a] = max(min(2 * kern - 2, last - G.rs[a] + kern - 1) - org[a] + 1, 1);
+      }
+    }
+    strides();
+  }
+
+  // Key c's (in-group coordinates) term: its offset to the region's origin.
+  template <int RANK, int T0, int T1, int T2>
+  __device__ __forceinline__ int row(const TileBox<RANK, T0, T1, T2>& G, const NAParams& p,
+                                     const int (&c)[3]) const {
+    int at = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a)
+      at += (min(c[a], G.glen[a] - 1) - G.rs[a] + (int)p.kernel[a] - 1 - org[a]) * bst[a];
+    return at;
+  }
+};
+
+}  // namespace hopper
+}  // namespace natten
