@@ -350,7 +350,8 @@ def test_naive_launch_plan(monkeypatch):
                 st = element_strides(x["q"])
                 assert st[4] == 1 and st[3] == 9 * 11 * 40  # head-major buffer, permuted view
             per_thread = {"na_qk_naive": 20, "na_av_bwd_dattn_naive": 20,
-                          "na_qk_bwd_rpb_naive": None}.get(fn.split("<")[0], 40)
+                          "na_qk_bwd_rpb_naive": None,
+                          "na_bwd_rpb_naive": None}.get(fn.split("<")[0], 40)
             if per_thread is None:
                 threads = case.heads * 9 * 7 * naive.WARP
             elif fn.startswith(("na_fwd", "na_bwd_dq", "na_bwd_dkdv")):

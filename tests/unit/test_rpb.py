@@ -147,7 +147,7 @@ def test_parts_that_take_a_bias_and_parts_that_refuse_it():
     why = wgmma_backward.refuse(half)
     assert why is None or "compute capability" in why
     wide = _problem(kernel=(13, 13), spatial=(30, 30))
-    wide = dataclasses.replace(wide, head_dim=128)
+    wide = dataclasses.replace(wide, head_dim=128, v_dim=128)
     assert fused._parts_for("fused_backward", wide) == (
         "wgmma_backward" if why is None else "mma_backward")
     det = dataclasses.replace(wide, deterministic=True)
@@ -351,3 +351,23 @@ def test_module_with_rel_pos_bias_uses_the_fused_op_and_matches_its_chain():
     torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
     y.square().sum().backward()
     assert m.rpb.grad is not None and float(m.rpb.grad.abs().max()) > 0
+
+
+def test_biased_backward_dispatch_on_hopper(monkeypatch):
+    """On a compute capability 9.0 device (faked here), a biased backward goes to the Hopper
+    part where it measured faster than the mma.sync one: 1-D head dim 64 from window 96 (the
+    unbiased rule starts at 1024), every rank above head dim 64; 2-D/3-D at 64 and
+    deterministic=True stay on mma.sync."""
+    from natten_cupy.backends import fused
+    from natten_cupy.backends.fused import wgmma_forward
+    monkeypatch.setattr(wgmma_forward, "_compute_capability", lambda: (9, 0))
+    part = lambda p: fused._parts_for("fused_backward", p)
+    one_d = lambda k, **kw: _problem(kernel=(k,), spatial=(4096,), **kw)
+    assert part(one_d(63)) == "mma_backward"
+    assert part(one_d(127)) == "wgmma_backward"
+    assert part(dataclasses.replace(one_d(127), has_rpb=False)) == "mma_backward"
+    assert part(one_d(127, deterministic=True)) == "mma_backward"
+    assert part(_problem(kernel=(15, 15), spatial=(96, 96))) == "mma_backward"
+    wide = dataclasses.replace(_problem(kernel=(13, 13), spatial=(30, 30)), head_dim=128,
+                               v_dim=128)
+    assert part(wide) == "wgmma_backward"

@@ -112,10 +112,14 @@ def _hopper_bwd_pays(problem):
     above 64 at every rank (16K dense 14.1 vs 64.8 ms, 2-D 21x21 2.42 vs 2.61, 3-D 5x7x7
     1.41 vs 1.52), and at head dim 64 1-D windows from 1024 (2047: 2.92 vs 5.89 ms). At 64
     the 128-key owner boxes waste too much of each tile on smaller windows and on 2-D/3-D
-    boxes (1-D 255: 1.23 vs 1.15, 2-D 15x15: 0.65 vs 0.57, 3-D 5x9x9: 9.6 vs 6.3)."""
+    boxes (1-D 255: 1.23 vs 1.15, 2-D 15x15: 0.65 vs 0.57, 3-D 5x9x9: 9.6 vs 6.3). With a
+    bias the 1-D break-even at head dim 64 falls between windows 63 and 127 (H200,
+    bench/results/rpb_bwd_1d.json: 63 0.95 vs 0.84 ms, 127 0.98 vs 1.11, 255 1.17 vs 1.66);
+    2-D and 3-D at 64 stay (2-D 15x15 0.91 vs 0.56, 3-D 5x9x9 15.2 vs 9.4)."""
     if not _hopper_serves(problem, "wgmma_backward"):
         return False
-    return problem.head_dim > 64 or (problem.rank == 1 and problem.kernel_size[0] >= 1024)
+    one_d_from = 96 if problem.has_rpb else 1024
+    return problem.head_dim > 64 or (problem.rank == 1 and problem.kernel_size[0] >= one_d_from)
 
 
 def refuse(op, problem):
