@@ -275,22 +275,11 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   if constexpr (BIAS) {
     KeyBiasBox bb;
     bb.init(G, p);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int c[3];
-      bool valid;
-      G.own_row(row0 + 8 * r, c, valid);
-      bias_row[r] = btab + 4 * bb.row(G, p, c);
-    }
+    row_terms(bb, G, p, row0, btab, bias_row);
     qidx = btab + 4 * bb.vol;
-    if (RANK > 1) {
-      int* const qi = reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw)));
-      for (int f = tid - 128; f < G.total; f += 256) {
-        int c[3];
-        G.region_at(f, c);
-        qi[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
-      }
-    }
+    if (RANK > 1)
+      bb.stage_places(reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw))), G,
+                      tid - 128, 256);
   }
   // The box of query head h0 + g: staged once every compute thread is done with the last
   // (the box worked out again: kept over the walk it spilled).
@@ -566,13 +555,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   unsigned bias_row[2] = {btab, btab}, gbox = btab, kidx = btab, scratch = btab;
   if constexpr (BIAS) {
     bb.init(G, p);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int c[3];
-      bool valid;
-      G.own_row(row0 + 8 * r, c, valid);
-      bias_row[r] = btab + 4 * bb.row(G, p, c);
-    }
+    row_terms(bb, G, p, row0, btab, bias_row);
     gbox = btab + 4 * bb.vol;
     kidx = gbox + 4 * bb.vol;
     scratch = (kidx + 4 * (RANK > 1 ? G.total : 0) + 15u) & ~15u;
@@ -580,14 +563,9 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
                             rpb, h, p, tid - 128, 256);
     float* const gb = reinterpret_cast<float*>(smem_raw + (gbox - smem_u32(smem_raw)));
     for (int i = tid - 128; i < bb.vol; i += 256) gb[i] = 0.f;
-    if (RANK > 1) {
-      int* const ki = reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw)));
-      for (int f = tid - 128; f < G.total; f += 256) {
-        int c[3];
-        G.region_at(f, c);
-        ki[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
-      }
-    }
+    if (RANK > 1)
+      bb.stage_places(reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw))), G,
+                      tid - 128, 256);
     named_sync(1, 256);
   }
   const unsigned to_grad = gbox - btab;  // a score's gradient entry: its table entry + this
@@ -677,16 +655,20 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
         // Lane l adds columns l, l + 32, ... row by row: one row's keys have distinct
         // offsets, so the lanes' words differ. (Diagonal runs as in 1-D break at every key
         // row of the region here; measured slower: M5 3.31 vs 2.38 ms, 3D-D128 2.05 vs 1.47.)
+        int place[BN / 32];
 #pragma unroll
         for (int m = 0; m < BN / 32; ++m) {
-          const int c = lane + 32 * m, f = lo + c;
-          const int place = f < G.total ? places[f] : 0;
+          const int f = lo + lane + 32 * m;
+          place[m] = f < G.total ? places[f] : 0;
+        }
 #pragma unroll 4
-          for (int rr = 0; rr < 16; ++rr) {
-            // row rr's term: lane 4 (rr % 8) held it as its row rr / 8
-            const unsigned row = lds_u32(terms + 8 * (rr % 8) + 4 * (rr / 8));
-            const float x = lds_f32(scr + (rr * SCR_ROW + c) * 4);
-            if (x != 0.f) red_add_f32(row + 4 * place, x);
+        for (int rr = 0; rr < 16; ++rr) {
+          // row rr's term: lane 4 (rr % 8) held it as its row rr / 8
+          const unsigned row = lds_u32(terms + 8 * (rr % 8) + 4 * (rr / 8));
+#pragma unroll
+          for (int m = 0; m < BN / 32; ++m) {
+            const float x = lds_f32(scr + (rr * SCR_ROW + lane + 32 * m) * 4);
+            if (x != 0.f) red_add_f32(row + 4 * place[m], x);
           }
         }
       }

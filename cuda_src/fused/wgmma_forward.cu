@@ -490,14 +490,9 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     if (BIAS) {
       bb.stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))), rpb, h,
                      p, tid - 128, 128 * WG);
-      if (!BOX && RANK > 1) {
-        int* const ki = reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw)));
-        for (int f = tid - 128; f < G.total; f += 128 * WG) {
-          int c[3];
-          G.region_at(f, c);
-          ki[f] = c[0] * bb.bst[0] + c[1] * bb.bst[1] + c[2] * bb.bst[2];
-        }
-      }
+      if (!BOX && RANK > 1)
+        bb.stage_places(reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw))), G,
+                        tid - 128, 128 * WG);
       named_sync(WG + 1, 128 * WG);  // the box staged (barriers 1..WG: the ping-pong's)
     }
     const unsigned q_wg = sq + wg * 64 * 128;

@@ -259,6 +259,13 @@ def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key, extra=0):
     return int(rows), int(fixed + rows * row)
 
 
+def tiles_per_axis(problem, tile):
+    """CTA tiles per padded axis over the longest dilation group, ceil(ceil(L / d) / t)."""
+    pad = (1,) * (3 - problem.rank)
+    return [-(-(-(-L // d)) // t) for L, d, t in
+            zip(problem.spatial + pad, problem.dilation + pad, tile)]
+
+
 def bias_geometry(problem, tab_off, per_axis, tile=None):
     """The BiasGeom scalar of a problem with a bias: the dQ CTA's box (``_bias_box``), its
     strides, the dQ tile and tiles per axis, the window tables' axis offsets, and the dQ
@@ -361,9 +368,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
 
     tile, patch = TILES[problem.rank]
     nwarps = math.prod(t // w for t, w in zip(tile, patch))
-    per_axis = [-(-(-(-L // d)) // t) for L, d, t in
-                zip(problem.spatial + (1,) * (3 - problem.rank),
-                    problem.dilation + (1,) * (3 - problem.rank), tile)]
+    per_axis = tiles_per_axis(problem, tile)
     ntiles = math.prod(per_axis)
     groups = math.prod(problem.dilation)
     if any(x & (x - 1) for x in tile + patch):

@@ -297,10 +297,7 @@ def _bias_reduction(problem, ctas, p, part, d_rpb):
     from . import mma_backward as mb
     box = OWNER_BOX[problem.rank]
     tab, tab_off, _ = mb._geometry(problem, box)
-    per_axis = [-(-(-(-L // d)) // t) for L, d, t in
-                zip(problem.spatial + (1,) * (3 - problem.rank),
-                    problem.dilation + (1,) * (3 - problem.rank), box)]
-    bg = mb.bias_geometry(problem, tab_off, per_axis, box)
+    bg = mb.bias_geometry(problem, tab_off, mb.tiles_per_axis(problem, box), box)
     assert int(bg["ctas"]) == ctas
     entries = math.prod(2 * k - 1 for k in problem.kernel_size)
     call = KernelCall(get_kernel(mb.SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
