@@ -27,7 +27,7 @@ import sys
 from . import _args
 from ._dtypes import accumulator_dtype, canonical_dtype
 from ._launch import Plan, _recorders, profiling
-from ._operands import Layout, rows_ready
+from ._operands import Layout, layout_of, rows_ready
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "fused_forward_ext",
            "fused_backward_ext", "ext_order", "ext_outputs", "ext_shape", "qk", "av",
@@ -165,7 +165,7 @@ def _nbytes(shape, dtype):
 
 def _layout(fam, x):
     if fam == "cupy":
-        return Layout(tuple(x.shape), tuple(x.strides), x.dtype, x.data.ptr % 16 == 0)
+        return layout_of(x)
     dtype = canonical_dtype(x.dtype)
     return Layout(tuple(x.shape), tuple(s * dtype.itemsize for s in x.stride()), dtype,
                   x.data_ptr() % 16 == 0)

@@ -2,9 +2,14 @@
 
 A backend part plans a call from its operands' ``Layout``s alone, so a plan can be cached per
 call signature and reused for any arrays of the same layouts. The kernels read rows of the
-head dim with 16-byte accesses: ``rows_ready`` says whether an operand can be used as it is;
-``ready_inputs`` / ``writable_outputs`` make stand-ins for those that cannot (contiguous
-copies in, contiguous temporaries out, copied back by ``copy_back``).
+head dim with 16-byte accesses: ``rows_ready`` says whether an operand can be used as it is
+(``is_aligned``: whether its first element is); ``ready_inputs`` / ``writable_outputs`` make
+stand-ins for those that cannot (contiguous copies in, contiguous temporaries out, copied
+back by ``copy_back``).
+
+What else the launchers share: ``head_dim_bucket`` (a head dim rounded up to a part's
+compiled sizes) and ``device_limits`` (shared memory and multiprocessors, read from the
+device). The key halo a box of rows reaches is window arithmetic: ``_window.box_span``.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 
 import numpy
 
-__all__ = ["Layout", "layout_of", "rows_ready", "ready_inputs", "writable_outputs",
-           "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from"]
+__all__ = ["Layout", "layout_of", "is_aligned", "rows_ready", "ready_inputs", "writable_outputs",
+           "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from",
+           "head_dim_bucket", "DeviceLimits", "device_limits"]
 
 
 def contiguous_strides(shape, itemsize):
@@ -59,17 +66,21 @@ class Layout:
                       self.aligned)
 
 
+def is_aligned(x, vector=16):
+    """Whether the first element of CuPy array ``x`` is ``vector``-byte aligned."""
+    return x.data.ptr % vector == 0
+
+
 def layout_of(x):
     """The Layout of a CuPy array."""
-    return Layout(tuple(x.shape), tuple(x.strides), x.dtype, x.data.ptr % 16 == 0)
+    return Layout(tuple(x.shape), tuple(x.strides), x.dtype, is_aligned(x))
 
 
 def rows_ready(x, vector=16):
     """Whether kernels can access ``x`` (array or Layout) by rows of ``vector``-byte pieces:
     last axis contiguous, base and every other stride a multiple of ``vector`` bytes (axes
     of extent 1 aside)."""
-    aligned = x.aligned if isinstance(x, Layout) else x.data.ptr % vector == 0
-    if not aligned:
+    if not (x.aligned if isinstance(x, Layout) else is_aligned(x, vector)):
         return False
     item = x.dtype.itemsize
     if x.ndim and x.shape[-1] > 1 and x.strides[-1] != item:
@@ -163,3 +174,30 @@ def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, r
     plan = plan_backward(problem, *_layouts(arrays))
     run_plan_on(plan, arrays + _workspaces(plan))
     copy_back(grads, written)
+
+
+# ---- what the launchers size their kernels by ---------------------------------------------
+
+def head_dim_bucket(head_dim, buckets):
+    """The smallest of ``buckets`` (ascending) that holds ``head_dim``; None if none does."""
+    for b in buckets:
+        if head_dim <= b:
+            return b
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What the launchers size shared memory and grids by, as the device reports it."""
+    smem_per_block: int   # opt-in dynamic shared memory of one block, bytes
+    smem_per_sm: int      # shared memory of one multiprocessor, bytes
+    sm_count: int         # multiprocessors
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(device_id):
+    """The ``DeviceLimits`` of CUDA device ``device_id`` (read once per device)."""
+    import cupy
+    attrs = cupy.cuda.Device(device_id).attributes
+    return DeviceLimits(attrs["MaxSharedMemoryPerBlockOptin"],
+                        attrs["MaxSharedMemoryPerMultiprocessor"], attrs["MultiProcessorCount"])

@@ -18,6 +18,7 @@ from ._arrays import Inputs
 from ._compile import get_kernel
 from ._dtypes import accumulator_dtype, c_type, DTYPE_NAMES
 from ._launch import launch
+from ._operands import is_aligned
 
 __all__ = ["softmax", "softmax_backward", "instantiations"]
 
@@ -148,7 +149,7 @@ def use_row_kernels(k, itemsize, tiles, *arrays):
     """Whether rows of k slots run the one-lane-a-row kernels (``tiles``: 32-row tiles a warp
     stages, 1 forward, 2 backward)."""
     return (32 * k * itemsize * tiles <= ROW_TILE_BYTES
-            and all(a.data.ptr % 16 == 0 for a in arrays))
+            and all(is_aligned(a) for a in arrays))
 
 
 def _launch_rows(direction, c_t, args, rows, k, itemsize, scale):

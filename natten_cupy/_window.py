@@ -11,7 +11,10 @@ Vocabulary (one axis, extent ``L``, kernel ``k``, stride ``s``, dilation ``d``):
 * a query's window is the half-open in-group range ``[start, end)``; its *slot base* is
   ``start`` (the key in slot ``t`` of the unfused attention weights is ``start + t``);
   non-causal windows hold exactly ``k`` keys, causal ones ``end - start <= k``;
-* the inverse window of a key is the in-group range of queries whose window holds it.
+* the inverse window of a key is the in-group range of queries whose window holds it;
+* a *box* is ``rows`` consecutive in-group indices of one group (a CTA's share of an axis);
+  its *span* is the length of the union of its rows' windows (inverse windows), the keys
+  (queries) it reaches on the axis: ``box_span`` gives the largest over every box.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = [
     "inverse_bounds",
     "forward_table",
     "inverse_table",
+    "box_span",
 ]
 
 
@@ -83,6 +87,25 @@ def inverse_bounds(jg, group_len, kernel, stride, causal):
         return start > jg
 
     return first_true(ends_after), first_true(starts_after)
+
+
+def box_span(extent, kernel, stride, dilation, causal, rows, inverse=False):
+    """Largest span on one axis, over every dilation group and every box of ``rows`` rows
+    (boxes start at multiples of ``rows``): ``end(last row) - start(first row)`` of the
+    windows, or with ``inverse`` of the inverse windows. Starts and ends never decrease
+    with the row, so the union of a box's windows is that range."""
+    longest = -(-extent // dilation)
+    firsts = numpy.arange(0, longest, rows, dtype=numpy.int64)
+    bounds = inverse_bounds if inverse else window_bounds
+    best = 1
+    for g in range(dilation):
+        glen = group_size(extent, dilation, g)
+        first = numpy.minimum(firsts, glen - 1)   # past a shorter group: its last row
+        last = numpy.minimum(firsts + rows - 1, glen - 1)
+        lo, _ = bounds(first, glen, kernel, stride, causal)
+        _, hi = bounds(last, glen, kernel, stride, causal)
+        best = max(best, int((hi - lo).max()))
+    return best
 
 
 def forward_table(extent, kernel, stride, dilation, causal):

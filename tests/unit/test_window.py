@@ -109,6 +109,28 @@ def test_window_bounds_scalar_matches_vector(L, k, s, d, causal):
         assert (int(start), int(end)) == oracle.axis_window(i, L, k, s, d, causal)[1:]
 
 
+@pytest.mark.parametrize("L,k,s,d,causal", AXES[:60])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_box_span_against_brute_force(L, k, s, d, causal, inverse):
+    """The largest span of a box of rows (what the fused launchers size key halos by): the
+    union of its rows' windows, or of its keys' inverse windows, from the oracle."""
+    def in_group(i):   # in-group indices of query i's keys (window), as the oracle has them
+        g, start, end = oracle.axis_window(i, L, k, s, d, causal)
+        return set(range(start, end))
+    for rows in (1, 2, 3, 8):
+        best = 1
+        for g in range(d):
+            members = list(range(g, L, d))
+            for b in range(0, len(members), rows):
+                box = members[b:b + rows]
+                if inverse:   # the in-group queries whose windows hold a key of the box
+                    reach = {i // d for i in members if in_group(i) & {j // d for j in box}}
+                else:
+                    reach = set().union(*(in_group(i) for i in box))
+                best = max(best, max(reach) - min(reach) + 1)
+        assert _window.box_span(L, k, s, d, causal, rows, inverse) == best, rows
+
+
 def test_group_size():
     assert [_window.group_size(7, 2, g) for g in range(2)] == [4, 3]
     assert [_window.group_size(9, 3, g) for g in range(3)] == [3, 3, 3]

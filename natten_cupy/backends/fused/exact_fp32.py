@@ -37,7 +37,7 @@ from ... import _window
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import Layout, rows_ready, run_backward, run_forward
+from ..._operands import Layout, device_limits, rows_ready, run_backward, run_forward
 from ..._params import make_params
 
 SOURCE = "fused/exact_fp32.cu"
@@ -114,25 +114,6 @@ def _padded(problem):
         kernel_size=one + tuple(problem.kernel_size), stride=one + tuple(problem.stride),
         dilation=one + tuple(problem.dilation),
         is_causal=(False,) * pad + tuple(problem.is_causal))
-
-
-def _halo_max(L, k, s, d, c, rows, inverse):
-    """Largest span on one axis of the windows (inverse windows) of a CTA's ``rows`` rows."""
-    longest = -(-L // d)
-    firsts = numpy.arange(0, longest, rows, dtype=numpy.int64)
-    best = 1
-    for g in range(d):
-        glen = _window.group_size(L, d, g)
-        first = numpy.minimum(firsts, glen - 1)
-        last = numpy.minimum(firsts + rows - 1, glen - 1)
-        if inverse:
-            lo, _ = _window.inverse_bounds(first, glen, k, s, c)
-            _, hi = _window.inverse_bounds(last, glen, k, s, c)
-        else:
-            lo, _ = _window.window_bounds(first, glen, k, s, c)
-            _, hi = _window.window_bounds(last, glen, k, s, c)
-        best = max(best, int((hi - lo).max()))
-    return best
 
 
 def _reach(p3, micro):
@@ -213,14 +194,11 @@ def _slab(halo, reach, cells):
     return [-(-h // -(-h // s)) for h, s in zip(halo, slab)]
 
 
-@functools.lru_cache(maxsize=None)
 def _smem_budget(device_id):
     """Shared memory one CTA may take so that two fit on a multiprocessor (1 KiB of each
     CTA's share is reserved by the hardware)."""
-    import cupy
-    attrs = cupy.cuda.Device(device_id).attributes
-    return min(attrs["MaxSharedMemoryPerBlockOptin"],
-               attrs["MaxSharedMemoryPerMultiprocessor"] // 2 - 1024)
+    limits = device_limits(device_id)
+    return min(limits.smem_per_block, limits.smem_per_sm // 2 - 1024)
 
 
 def _budget():
@@ -258,7 +236,7 @@ def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
     cells = max(1, budget // cell_bytes)
     cta = _choose_cta(p3, micro, THREADS // lanes, cells)
     rows = [cta[a] * micro[a] for a in range(3)]
-    halo = [_halo_max(L, k, s, d, c, r, inverse) for L, k, s, d, c, r in
+    halo = [_window.box_span(L, k, s, d, c, r, inverse) for L, k, s, d, c, r in
             zip(p3.spatial, p3.kernel_size, p3.stride, p3.dilation, p3.is_causal, rows)]
     slab = _slab(halo, _reach(p3, micro), cells)
     tiles = [-(-(-(-L // d)) // r) for L, d, r in zip(p3.spatial, p3.dilation, rows)]

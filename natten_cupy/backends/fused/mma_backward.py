@@ -34,7 +34,6 @@ Measurements and predictions: ``bench/results/NOTES-fused-bwd.md``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy
@@ -42,7 +41,7 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import Layout, rows_ready, run_backward
+from ..._operands import Layout, device_limits, head_dim_bucket, rows_ready, run_backward
 from ..._params import make_params
 from ..._window import group_size, inverse_bounds, window_bounds
 
@@ -130,7 +129,7 @@ def refuse(problem):
 
 
 def _bucket(head_dim):
-    return next(d for d in D_BUCKETS if d >= head_dim)
+    return head_dim_bucket(head_dim, D_BUCKETS)
 
 
 def _q_chunk(dp, bias=False):
@@ -331,12 +330,6 @@ def _extra_calls(problem, dp, p, operands, sms):
     return calls, ((2 * splits * plane,), numpy.dtype(numpy.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id):
-    import cupy
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
                   xk=None, xv=None, dxk=None, dxv=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
@@ -411,7 +404,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                            numpy.dtype(numpy.float32)))
     if tokens:
         more, space = _extra_calls(problem, dp, p, (Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART),
-                                   _sm_count(cupy.cuda.Device().id))
+                                   device_limits(cupy.cuda.Device().id).sm_count)
         calls += more
         workspaces.append(space)
     return Plan(tuple(calls), workspaces=tuple(workspaces))

@@ -27,7 +27,7 @@ from ... import _window
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import rows_ready, run_forward
+from ..._operands import device_limits, head_dim_bucket, rows_ready, run_forward
 from ..._params import make_params
 
 SOURCE = "fused/mma_forward.cu"
@@ -81,10 +81,7 @@ def _bias_table_bytes(problem):
 
 
 def _bucket(head_dim):
-    for b in BUCKETS:
-        if head_dim <= b:
-            return b
-    return None
+    return head_dim_bucket(head_dim, BUCKETS)
 
 
 def _compiled_for(cfg, rank, dtype, dp, bias=False, extra=False):
@@ -145,20 +142,9 @@ def refuse(problem):
 @functools.lru_cache(maxsize=512)
 def _halo_max(problem, cfg):
     """Largest key halo of a CTA's query box, per axis (exact, over every tile and group)."""
-    out = []
-    for a in range(problem.rank):
-        L, k, s, d, c = (problem.spatial[a], problem.kernel_size[a], problem.stride[a],
-                         problem.dilation[a], problem.is_causal[a])
-        t = cfg.box[a]
-        best = 1
-        for glen in {_window.group_size(L, d, g) for g in range(min(d, L))}:
-            first = numpy.arange(0, glen, t)
-            last = numpy.minimum(first + t - 1, glen - 1)
-            start, _ = _window.window_bounds(first, glen, k, s, c)
-            _, end = _window.window_bounds(last, glen, k, s, c)
-            best = max(best, int((end - start).max()))
-        out.append(best)
-    return tuple(out) + (1,) * (3 - problem.rank)
+    return tuple(_window.box_span(problem.spatial[a], problem.kernel_size[a], problem.stride[a],
+                                  problem.dilation[a], problem.is_causal[a], cfg.box[a])
+                 for a in range(problem.rank)) + (1,) * (3 - problem.rank)
 
 
 def _name(dtype, rank, dp, cfg, bias=False, extra=False):
@@ -235,12 +221,6 @@ def _halo_chunks(t):
     return h[()]
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_limit(device_id):
-    import cupy
-    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
-
-
 def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     """The Plan of one forward on the current device for operand layouts (q, k, v, out, lse
     [, rpb: with ``problem.has_rpb``, read element by element at any strides] [, xk, xv:
@@ -250,7 +230,7 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     if not all(rows_ready(x) for x in (q, k, v, out, xk, xv) if x is not None):
         return None
     t = _tiling(problem)
-    limit = _smem_limit(cupy.cuda.Device().id)
+    limit = device_limits(cupy.cuda.Device().id).smem_per_block
     if t.smem > limit:
         raise RuntimeError(f"fused forward needs {t.smem} bytes of shared memory per block, "
                            f"the device allows {limit}")
