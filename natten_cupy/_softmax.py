@@ -97,8 +97,7 @@ REGISTER_SLOTS = (4, 8)   # slots per lane of a row held in registers (V); 0: st
 FLOAT64_SLOTS = (4,)
 
 
-# Lanes per row: about one per this many slots, by direction (H200, W2 fp16: the forward
-# 21% faster with 8 than 4, the backward 10% slower).
+# Lanes per row: about one per this many slots, by direction (NOTES-tiled.md, "Constants").
 SLOTS_PER_LANE = {"forward": 8, "backward": 4}
 
 
@@ -139,8 +138,7 @@ def _launch(direction, c_t, args, rows, k, scale):
 
 # Rows whose 32-row tiles (one array forward, two backward) take at most this many bytes of
 # shared memory a warp run one lane a row (na_softmax_rows_*), when the arrays are 16-byte
-# aligned. H200, W2 fp16 (K = 81): forward 1.68 -> 1.01 ms, backward 1.75 -> 1.47 ms against
-# the lane-group kernels; fp32 backward with 20 KiB a warp (2 CTAs an SM) was 60% slower.
+# aligned; larger tiles cost CTAs per SM (NOTES-tiled.md, "Constants").
 ROW_TILE_BYTES = 12288
 ROW_WARPS = 4                # kRowWarps in na_softmax.cu
 

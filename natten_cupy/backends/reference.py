@@ -36,7 +36,7 @@ NAME = "reference"
 DTYPES = tuple(DTYPE_NAMES)
 
 # Upper bound on the gathered operands alive at once in one chunk (bytes), per array module.
-# On the CPU 32 MiB chunks run W2 about 8x faster than 512 MiB ones (bench/reference_w2.py).
+# On the CPU small chunks stay in cache (bench/probes/reference_w2.py times the sizes).
 CHUNK_BYTES = {"numpy": 1 << 25, "cupy": 1 << 29}
 
 

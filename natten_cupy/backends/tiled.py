@@ -44,19 +44,17 @@ WARPS = 4              # warps per CTA (kWarps in na_tiled.cu)
 MAX_HEAD_DIM = 256
 SCORE_CHUNKS = (1, 2, 4, 8)          # head dim in chunks of 32 (scores kernel)
 SCORE_HEADS = 8                      # most heads per warp of the scores kernel
-# Heads whose fragment loads the scores kernel issues together (HP), by "is float32" (H200,
-# W2/W3: f16 2 heads 14-18% faster than 1 and 4; TF32 1 head 26-35% faster than 2 or 4, whose
-# registers cost a CTA per SM).
+# Heads whose fragment loads the scores kernel issues together (HP), by "is float32" (TF32:
+# one, since more cost a CTA per SM in registers). Timings: NOTES-tiled.md, "Constants".
 SCORE_BATCH = {False: 2, True: 1}
 STAGE_BYTES = 16384                  # shared memory per warp for staged scores
 WEIGHT_STAGE_BYTES = 24576           # shared memory per warp for staged weights (av, dq)
 SLICE_TILES = {True: (4, 8), False: (4, 8, 16)}   # n-tiles per head-dim slice, by "is float32"
-# Heads per warp of the exact-fp32 weighted sums, by "inverse" (H200, bench/results/
-# tiled_probe.json: forward sums 1 head 27% faster than 4 on W2, inverse sums 2 heads 36%).
+# Heads per warp of the exact-fp32 weighted sums, by "inverse" (NOTES-tiled.md, "Constants").
 EXACT_HEADS = {False: 1, True: 2}
 # Accumulators a lane of the tensor-core weighted sums holds (HB * NT * 4), by (is float32,
-# inverse). 32 leaves room for 3 CTAs an SM: H200, W2/W3 against 64: f16 forward sums 17%
-# faster, f16 inverse 3-6% slower; TF32 forward 28-34%, inverse 27-33% faster.
+# inverse). 32 leaves room for 3 CTAs an SM, which pays except for the f16 inverse sums
+# (NOTES-tiled.md, "Constants").
 TC_ACCUMULATORS = {(False, False): 32, (False, True): 64, (True, False): 32, (True, True): 32}
 RPB_BLOCK = 256
 RPB_SMEM_FLOATS = 12288              # 48 KiB of partial sums per pass

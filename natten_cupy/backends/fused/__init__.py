@@ -86,12 +86,8 @@ def _parts_for(op, problem):
 
 
 # Windows (neighbors per query) from which the Hopper forward beats the mma.sync one, per
-# head-dim bucket, and in 2-D with a bias. Kernels alone on the H200
-# (bench/results/hopper_dispatch.json; mma.sync / wgmma time): head dim 64, 1-D 63 keys
-# 0.94, 127 0.95, 255 1.13; 2-D 9x9 0.73, 11x11 1.02, 13x13 1.04, 15x15 1.22; 3-D 3x5x5 0.79,
-# 3x7x7 1.09. Head dim 128: 1-D 63 0.89, 127 1.14; 2-D 7x7 0.95, 9x9 1.05; 3-D 3x3x3 0.99,
-# 3x5x5 1.15. With a bias the 2-D kernels walk more (head dim 128: key boxes only) and
-# break even later: head dim 64 13x13 1.00, 15x15 1.01; 128 11x11 0.96, 13x13 1.07.
+# head-dim bucket, and in 2-D with a bias (whose kernels walk more and break even later).
+# Kernels alone, bench/results/hopper_dispatch.json; the ratios: NOTES-hopper-fwd.md (v6).
 HOPPER_FWD_FROM = {64: 128, 128: 64}
 HOPPER_FWD_FROM_2D_BIAS = {64: 256, 128: 150}
 
@@ -108,14 +104,10 @@ def _hopper_fwd_pays(problem):
 
 def _hopper_bwd_pays(problem):
     """Whether the backward goes to the Hopper part: where it accepts the problem and was
-    measured faster than the mma.sync backward (H200, bench/probes/hopper_bwd_probe.py): head dims
-    above 64 at every rank (16K dense 14.1 vs 64.8 ms, 2-D 21x21 2.42 vs 2.61, 3-D 5x7x7
-    1.41 vs 1.52), and at head dim 64 1-D windows from 1024 (2047: 2.92 vs 5.89 ms). At 64
-    the 128-key owner boxes waste too much of each tile on smaller windows and on 2-D/3-D
-    boxes (1-D 255: 1.23 vs 1.15, 2-D 15x15: 0.65 vs 0.57, 3-D 5x9x9: 9.6 vs 6.3). With a
-    bias the 1-D break-even at head dim 64 falls between windows 63 and 127 (H200,
-    bench/results/rpb_bwd_1d.json: 63 0.95 vs 0.84 ms, 127 0.98 vs 1.11, 255 1.17 vs 1.66);
-    2-D and 3-D at 64 stay (2-D 15x15 0.91 vs 0.56, 3-D 5x9x9 15.2 vs 9.4)."""
+    measured faster than the mma.sync backward: head dims above 64 at every rank, and at
+    head dim 64 1-D windows from 1024 (from 96 with a bias). At 64 the 128-key owner boxes
+    waste too much of each tile on smaller windows and on 2-D/3-D boxes. The timings:
+    NOTES-hopper-bwd.md, "Dispatch"."""
     if not _hopper_serves(problem, "wgmma_backward"):
         return False
     one_d_from = 96 if problem.has_rpb else 1024

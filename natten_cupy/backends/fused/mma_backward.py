@@ -248,8 +248,8 @@ def _slab_rows(reach_volume, dp, itemsize, nwarps, owner_is_key, extra=0):
     """Rows of one gathered slab (the whole reach when it fits) and the bytes of dynamic
     shared memory: owner rows, two gathered tensors, step descriptors, lse/delta, and
     ``extra`` bytes after them (the bias parts). The budget leaves room for as many CTAs per
-    SM as the registers allow (measured with a bias on M4/M7, H200: one CTA fewer with twice
-    the slab rows is 6-10% slower)."""
+    SM as the registers allow (one CTA fewer with twice the slab rows measured slower:
+    NOTES-fused-bwd.md, "Bias backward")."""
     budget = min(96 * 1024, SMEM_PER_SM // _resident(dp, owner_is_key) - 1024)
     row = (dp + 8) * itemsize * 2 + (8 if owner_is_key else 0)
     fixed = nwarps * 16 * (dp + 8) * itemsize * 2 + nwarps * 32 * 16 + extra

@@ -53,9 +53,8 @@ class TileConfig:
 # Per rank: the default first, then an alternative compiled for float16/bfloat16 up to head
 # dim 64 (reachable through ``problem.tile``). A line of the warp halo holds patch + kernel - 1
 # keys, padded to 8: the 2x8 patch makes a 9x9 window's lines exactly 16 wide, the 1x4x4 patch
-# a 3x5x5 window's 8. Chosen by the H200 timings in NOTES-fused-fwd.md (v3): the line walk is
-# faster where lines pad little (W2 -3%, W2 TF32 -12%, W3 -12%), slower where they pad much
-# (W3b 10 -> 16: +10%; 13x13 with 2x8 patches: +23%), and no faster in 1-D.
+# a 3x5x5 window's 8. The line walk pays where lines pad little, costs where they pad much,
+# and gains nothing in 1-D (NOTES-fused-fwd.md, v3).
 CONFIGS = {
     1: (TileConfig((16, 1, 1), (4, 1, 1), 4, False), TileConfig((16, 1, 1), (8, 1, 1), 4, False)),
     2: (TileConfig((2, 8, 1), (4, 1, 1), 2), TileConfig((4, 4, 1), (4, 2, 1), 2, False)),
