@@ -13,7 +13,12 @@
 * ``python_profile(fn)``: the Python calls one warm call of ``fn`` makes and the functions
   with the most own time (cProfile, which inflates small calls): where that overhead goes;
 * ``profiled_once(fn)``: one warm-up call, then one between cudaProfilerStart and Stop (what
-  ``ncu --profile-from-start off`` profiles).
+  ``ncu --profile-from-start off`` profiles);
+* ``launch_times(fn)``, ``kernel_split(fn)``, ``kernel_ms(fn)``: kernels alone, by the library's
+  profiler hook (``natten_cupy._launch.add_recorder``: CUDA events around every launch of
+  natten_cupy), so host time between launches does not count: (name, ms) of every launch of
+  one call; per kernel name the median over calls of its launches' sum; the median of a
+  call's summed kernel times.
 
 The events go on the stream the caller's work runs on: torch's current stream when the caller
 has imported torch (the suite, the torch layer, the peers), else CuPy's current stream (the
@@ -28,7 +33,7 @@ import sys
 import time
 
 __all__ = ["event_ms", "event_times", "graph_ms", "wall_us", "python_profile", "profiled_once",
-           "sync"]
+           "sync", "launch_times", "kernel_split", "kernel_ms"]
 
 
 class _TorchClock:
@@ -171,3 +176,48 @@ def profiled_once(fn):
         cupy.cuda.Device().synchronize()
     finally:
         cupy.cuda.profiler.stop()
+
+
+class _Launches:
+    """A profiler recorder (``natten_cupy._launch``) that keeps every launch's events."""
+
+    def __init__(self):
+        self.events = []
+
+    def record(self, name, start, stop, **_):
+        self.events.append((name, start, stop))
+
+
+def launch_times(fn):
+    """(name, ms) of every kernel launch of one call of ``fn``, in launch order."""
+    import cupy
+    from natten_cupy._launch import add_recorder, remove_recorder
+    rec = _Launches()
+    add_recorder(rec)
+    try:
+        fn()
+    finally:
+        remove_recorder(rec)
+    cupy.cuda.Device().synchronize()
+    return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in rec.events]
+
+
+def kernel_split(fn, reps=1):
+    """{kernel name: ms} of a call of ``fn`` (after a warm-up): per kernel name, the median
+    over ``reps`` calls of its launches' summed times."""
+    fn()
+    runs = []
+    for _ in range(reps):
+        run = {}
+        for name, ms in launch_times(fn):
+            run[name] = run.get(name, 0.0) + ms
+        runs.append(run)
+    return {name: round(statistics.median(r.get(name, 0.0) for r in runs), 4)
+            for name in runs[0]}
+
+
+def kernel_ms(fn, reps):
+    """Median over ``reps`` calls of the summed kernel times of one call of ``fn`` (after a
+    warm-up)."""
+    fn()
+    return statistics.median(sum(ms for _, ms in launch_times(fn)) for _ in range(reps))

@@ -29,9 +29,8 @@ import oracle  # noqa: E402
 import workloads as wl  # noqa: E402
 from natten_cupy import _args  # noqa: E402
 from natten_cupy._dtypes import BFLOAT16, FLOAT16, FLOAT32, canonical_dtype  # noqa: E402
-from natten_cupy._launch import add_recorder, remove_recorder  # noqa: E402
 from natten_cupy.backends.fused import mma_backward  # noqa: E402
-from timing import event_ms, sync  # noqa: E402
+from timing import event_ms, launch_times, sync  # noqa: E402
 
 
 # (rank, spatial, kernel, stride, dilation, causal, heads, head_dim, dtype, permuted input)
@@ -134,14 +133,6 @@ def check(cfg, rng):
     return errs, same
 
 
-class Recorder:
-    def __init__(self):
-        self.events = []
-
-    def record(self, name, start, stop, **_):
-        self.events.append((name, start, stop))
-
-
 def bench(wid, dtype, reps=10, fwd=True):
     """Time the backward (and the forward helper's kernel) on workload ``wid`` in ``dtype``
     (a ``workloads.DTYPES`` key; "tf32" is float32 I/O)."""
@@ -180,12 +171,8 @@ def bench(wid, dtype, reps=10, fwd=True):
     first = time.perf_counter() - t0
     ms = event_ms(lambda: mma_backward.backward(problem, q, k, v, o, lse, d_o, *grads),
                   warmup=2, reps=reps)
-    rec = Recorder()
-    add_recorder(rec)
-    mma_backward.backward(problem, q, k, v, o, lse, d_o, *grads)
-    remove_recorder(rec)
-    cupy.cuda.runtime.deviceSynchronize()
-    split = {n: cupy.cuda.get_elapsed_time(a, b) for n, a, b in rec.events}
+    split = dict(launch_times(lambda: mma_backward.backward(problem, q, k, v, o, lse, d_o,
+                                                            *grads)))
     flops = 2.5 * problem.flops_forward()
     finite = all(all_finite(g, dt) for g in grads)
     return name, ms, flops / ms / 1e9, first, split, finite, fwd_ms

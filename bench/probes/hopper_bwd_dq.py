@@ -4,7 +4,7 @@ backward for head dim 64 on 2-D/3-D (``fused._hopper_bwd_pays`` keeps those on m
 
 Per workload (``bench/workloads.py`` ids): the Hopper forward for out and lse, then each
 backward timed by CUDA events (median of 10 after 2 warm-ups, whole call) and split into its
-kernels by the profiler's launch events (``rpb_probe.kernel_split``). What decides
+kernels by the profiler's launch events (``timing.kernel_split``). What decides
 ``wgmma_backward.atomic_pays``. JSON to $OUT/hopper_bwd_dq.json.
 
     python bench/probes/hopper_bwd_dq.py [--only ID,...]
@@ -22,7 +22,7 @@ BENCH = os.path.dirname(PROBES)
 sys.path[:0] = [os.path.dirname(BENCH), BENCH, PROBES]   # natten_cupy, bench/, probes/
 
 import workloads as wl  # noqa: E402
-from rpb_probe import kernel_split  # noqa: E402
+from timing import kernel_split  # noqa: E402
 from timing import event_ms  # noqa: E402
 
 RUNS = (("SA", "float16"), ("W1", "float16"), ("M4", "bfloat16"), ("M7", "bfloat16"),

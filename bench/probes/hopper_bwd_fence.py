@@ -38,7 +38,7 @@ BENCH = os.path.dirname(PROBES)
 sys.path[:0] = [os.path.dirname(BENCH), BENCH, PROBES]   # natten_cupy, bench/, probes/
 
 from hopper_bwd_dq import backward_inputs  # noqa: E402
-from rpb_probe import kernel_split  # noqa: E402
+from timing import kernel_split  # noqa: E402
 
 RUNS = (("SA", "float16"), ("W1", "float16"), ("SA128", "float16"), ("M4", "bfloat16"),
         ("M6", "bfloat16"), ("M5", "bfloat16"))

@@ -5,7 +5,7 @@
 Per shape (1-D, 2-D and 3-D; windows from small to large; head dims 64 and 128; float16) and
 with and without a relative positional bias, both forward parts are called directly on the
 same inputs and timed kernels alone (CUDA events around each launch through the library's
-profiler hook, as ``rpb_probe.py`` does: host time between calls does not count; median
+profiler hook, ``timing.kernel_ms``: host time between calls does not count; median
 after a warm-up), so that the dispatch rule of
 ``natten_cupy.backends.fused._hopper_serves`` can be read off the table: the ratio
 mma.sync / wgmma is printed per row (above 1: the Hopper kernel is faster).
@@ -23,7 +23,7 @@ import cupy  # noqa: E402
 
 from natten_cupy import _args  # noqa: E402
 from natten_cupy.profile import random_array  # noqa: E402
-from rpb_probe import kernel_ms  # noqa: E402
+from timing import kernel_ms  # noqa: E402
 
 # (spatial, kernel sizes to try, batch, heads)
 GRID = [

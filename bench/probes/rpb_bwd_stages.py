@@ -70,7 +70,7 @@ def run_workload(wid, dtype, reps):
     import natten_cupy as nc
     from natten_cupy.backends.fused import mma_backward
     from natten_cupy._dtypes import canonical_dtype
-    from rpb_probe import _launches
+    from timing import launch_times
 
     w = wl.probe_workload(wid) if wid in wl.PROBE_WORKLOADS else wl.model_workload(wid)
     dt = canonical_dtype(wl.dtype_spec(dtype)["name"])
@@ -89,7 +89,7 @@ def run_workload(wid, dtype, reps):
         call()
         times = []
         for _ in range(reps):
-            times.append(sum(ms for n, ms in _launches(call) if n == "na_bwd_fused_q"))
+            times.append(sum(ms for n, ms in launch_times(call) if n == "na_bwd_fused_q"))
         return statistics.median(times)
 
     real = mma_backward.get_kernel

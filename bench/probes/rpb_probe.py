@@ -12,7 +12,7 @@ Per workload, side by side in one process on the same inputs:
   qk backwards with d_rpb), the way the bias ran before the fused kernels took it.
 
 Times are kernels alone: every launch of a call is bracketed by CUDA events through the
-library's profiler hook (``natten_cupy._launch.add_recorder``) and summed, median over
+library's profiler hook (``timing.kernel_ms``, ``timing.kernel_split``) and summed, median over
 ``--reps`` calls after a warm-up; host time between launches does not count. Errors: the
 fused biased out and d_rpb against the unfused chain's, both from the same inputs (max abs
 difference relative to the largest value). Usage::
@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -36,50 +35,9 @@ ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [ROOT, BENCH]
 
 import workloads as wl  # noqa: E402
+from timing import kernel_ms, kernel_split  # noqa: E402
 
 DEFAULT = "M1:fp16,M2:fp16,M3:fp16,M4:bf16,M5:bf16,M7:bf16,W2:fp16,W3:fp16"
-
-
-class _Recorder:
-    def __init__(self):
-        self.events = []
-
-    def record(self, name, start, stop, **_):
-        self.events.append((name, start, stop))
-
-
-def _launches(fn):
-    """(name, ms) of every launch of one call of ``fn``, by the library's profiler hook."""
-    import cupy
-    from natten_cupy._launch import add_recorder, remove_recorder
-    rec = _Recorder()
-    add_recorder(rec)
-    try:
-        fn()
-    finally:
-        remove_recorder(rec)
-    cupy.cuda.Device().synchronize()
-    return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in rec.events]
-
-
-def kernel_split(fn, reps=1):
-    """{kernel name: ms} of a call of ``fn`` (after a warm-up): per kernel name, the median
-    over ``reps`` calls of its launches' summed times."""
-    fn()
-    runs = []
-    for _ in range(reps):
-        run = {}
-        for name, ms in _launches(fn):
-            run[name] = run.get(name, 0.0) + ms
-        runs.append(run)
-    return {name: round(statistics.median(r.get(name, 0.0) for r in runs), 4)
-            for name in runs[0]}
-
-
-def kernel_ms(fn, reps):
-    """Median over ``reps`` calls of the summed kernel times of one call of ``fn``."""
-    fn()
-    return statistics.median(sum(ms for _, ms in _launches(fn)) for _ in range(reps))
 
 
 def _rel(a, b):

@@ -58,6 +58,8 @@ def test_readme_lists_every_file():
 def test_one_timer_and_one_workload_table(path):
     src = path.read_text()
     assert "Event(" not in src, f"{_id(path)} makes CUDA events: time with bench/timing.py"
+    for own in ("elapsed_time(", "add_recorder("):   # reading events, or the launch hook
+        assert own not in src, f"{_id(path)} times with {own}...): use bench/timing.py"
     assert not re.search(r"^WORKLOADS\s*=", src, re.M), \
         f"{_id(path)} has its own workload table: add its workloads to bench/workloads.py"
 
