@@ -26,9 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import timing  # noqa: E402
-
-SHAPE = (1, 8, 8, 1, 32)
-KERNEL = 3
+from workloads import OVERHEAD_KERNEL as KERNEL, OVERHEAD_SHAPE as SHAPE  # noqa: E402
 
 
 def main(argv=None):

@@ -203,6 +203,24 @@ def probe_workload(wid):
     return WORKLOADS[wid] if wid in WORKLOADS else PROBE_WORKLOADS[wid]
 
 
+# The shapes bench/probes/hopper_dispatch.py times both fused-forward parts on, to place the
+# Hopper forward's dispatch thresholds (fused.HOPPER_FWD_FROM): (spatial, kernel sizes to try,
+# batch, heads), at head dims 64 and 128 in float16.
+DISPATCH_GRID = [
+    ((8192,), [(7,), (15,), (31,), (63,), (127,), (255,)], 4, 8),
+    ((64, 64), [(3, 3), (5, 5), (7, 7), (9, 9), (11, 11), (13, 13)], 4, 8),
+    ((56, 56), [(7, 7)], 8, 4),
+    ((8, 32, 32), [(3, 3, 3), (3, 5, 5), (3, 7, 7), (5, 7, 7)], 2, 8),
+]
+
+
+# The host-overhead problem of bench/overhead.py and the torch-layer probes
+# (probes/torch_dispatch.py, probes/torch_overhead_split.py): [B, 8, 8, H, D] float16 with a
+# 3x3 window, so small that a call's time is its host time.
+OVERHEAD_SHAPE = (1, 8, 8, 1, 32)
+OVERHEAD_KERNEL = 3
+
+
 # The model-shaped set with its dtype (BENCH.md), the extra fp32 runs it asks for, then (last,
 # so that a budgeted run covers the rows above first) M4's variants.
 MODEL_WORKLOADS = (("M1", "fp16"), ("M2", "fp16"), ("M3", "fp16"), ("M4", "bf16"),

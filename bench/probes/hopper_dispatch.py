@@ -24,14 +24,7 @@ import cupy  # noqa: E402
 from natten_cupy import _args  # noqa: E402
 from natten_cupy.profile import random_array  # noqa: E402
 from timing import kernel_ms  # noqa: E402
-
-# (spatial, kernel sizes to try, batch, heads)
-GRID = [
-    ((8192,), [(7,), (15,), (31,), (63,), (127,), (255,)], 4, 8),
-    ((64, 64), [(3, 3), (5, 5), (7, 7), (9, 9), (11, 11), (13, 13)], 4, 8),
-    ((56, 56), [(7, 7)], 8, 4),
-    ((8, 32, 32), [(3, 3, 3), (3, 5, 5), (3, 7, 7), (5, 7, 7)], 2, 8),
-]
+from workloads import DISPATCH_GRID  # noqa: E402
 
 
 def run(spatial, kernel, batch, heads, dim, bias, reps):
@@ -64,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
-    for spatial, kernels, batch, heads in GRID:
+    for spatial, kernels, batch, heads in DISPATCH_GRID:
         for kernel in kernels:
             for dim in (64, 128):
                 for bias in (False, True):

@@ -42,6 +42,7 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # natten_cupy, bench/
 
 import timing  # noqa: E402
 import torch  # noqa: E402
+from workloads import OVERHEAD_KERNEL, OVERHEAD_SHAPE as SHAPE  # noqa: E402
 
 NS = "natten_cupy_dispatch_probe"
 FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, SymInt[] kernel_size, SymInt[] stride, "
@@ -51,8 +52,7 @@ BWD_SCHEMA = ("(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor l
               "SymInt[] kernel_size, SymInt[] stride, SymInt[] dilation, bool[] is_causal, "
               "float? scale, str backend, bool allow_tf32, bool deterministic) "
               "-> (Tensor, Tensor, Tensor)")
-SHAPE = (1, 8, 8, 1, 32)
-OPTS = ([3, 3], [1, 1], [1, 1], [False, False], None, "auto", False, False)
+OPTS = ([OVERHEAD_KERNEL] * 2, [1, 1], [1, 1], [False, False], None, "auto", False, False)
 
 
 # ---- stand-in bodies ----------------------------------------------------------------------

@@ -30,9 +30,7 @@ BENCH = os.path.dirname(PROBES)
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # natten_cupy, bench/
 
 import timing  # noqa: E402
-
-SHAPE = (1, 8, 8, 1, 32)
-KERNEL = 3
+from workloads import OVERHEAD_KERNEL as KERNEL, OVERHEAD_SHAPE as SHAPE  # noqa: E402
 
 
 def _per_call_us(fn, n=2000):
