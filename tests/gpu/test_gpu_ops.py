@@ -65,44 +65,55 @@ def _public_calls(cupy, B, H, backend):
         yield op, calls[op], expect[op]
 
 
+# The case of each public call of _public_calls, for the capability table.
+_PUBLIC_KINDS = {"fused_forward": "fused", "fused_backward": "fused", "qk": "qk_rpb",
+                 "av": "av", "qk_backward": "qk_backward_rpb", "av_backward": "av_backward"}
+
+
+def _available(backend):
+    mod = get_backend(backend)
+    assert mod is not None, f"backend {backend} is not available in this install"
+    return mod
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("B,H", [(0, 3), (2, 0)])
 def test_zero_batch_or_heads(backend, B, H):
-    """Empty batch or heads: right empty shapes, no launch; d_rpb of an empty batch is 0."""
+    """Empty batch or heads: right empty shapes, no launch; d_rpb of an empty batch is 0.
+    An op the capability table says the backend runs must run; the others must be refused
+    for the table's reason."""
     import cupy
-    mod = get_backend(backend)
-    if mod is None:
-        pytest.skip(f"{backend} not available")
-    ran = 0
+    _available(backend)
     for op, call, expect in _public_calls(cupy, B, H, backend):
-        try:
-            result = call()
-        except ValueError as e:
-            if "cannot run" in str(e):
-                continue  # refused by this backend
-            raise
-        ran += 1
+        case = Case(_PUBLIC_KINDS[op], 2, "float16", (9, 7), (3, 3), (1, 1), (1, 1),
+                    (False, False), 32, batch=B, heads=H)
+        refused = gpu_cases.expected_refusal(case, backend)
+        if refused is not None:
+            with pytest.raises(ValueError, match="cannot run") as e:
+                call()
+            assert refused in str(e.value), (op, refused, str(e.value))
+            continue
+        result = call()
         if not isinstance(result, tuple):  # qk and av return one array
             result = (result,)
         assert tuple(tuple(r.shape) for r in result) == expect, op
         if op == "qk_backward" and B == 0:
             assert (result[2] == 0).all(), "d_rpb of an empty batch must be zero"
-    if not ran:
-        pytest.skip(f"{backend} runs none of the ops on float16 2-D")
 
 
 def _stream_case(backend):
-    """A fused case for backends that run fused ops, an unfused one otherwise."""
-    mod = get_backend(backend)
-    if mod is None:
-        pytest.skip(f"{backend} not available")
+    """A fused case for backends that run fused ops, an unfused one otherwise (the first the
+    capability table says the backend runs; then a refusal fails the test)."""
+    mod = _available(backend)
     for kind in ("fused", "qk_backward_rpb", "av"):
         case = Case(kind, 2, "float16", (9, 11), (5, 4), (1, 1), (1, 2), (True, False), 32,
                     permuted=True)
-        if gpu_cases.refusal(case, mod) is None:
+        if gpu_cases.expected_refusal(case, backend) is None:
+            why = gpu_cases.refusal(case, mod)
+            assert why is None, f"{backend} must run {case.id} but refuses it: {why}"
             return case, mod
-    pytest.skip(f"{backend} refuses every stream case")
+    raise AssertionError(f"the capability table gives {backend} no stream case")
 
 
 @pytest.mark.gpu
