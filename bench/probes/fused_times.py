@@ -6,7 +6,8 @@
 Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and kernel family
 (``wgmma``: the Hopper parts, ``mma.sync``: the mma.sync parts, called directly; ``default``:
 the array API's own choice, warm calls; ``F@base``: family F built from other kernel sources,
-``--baseline``), on the same inputs: forward and backward CUDA-event
+``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
+dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says), on the same inputs: forward and backward CUDA-event
 medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times
 that). Each backward's gradients are checked to be finite; correctness against the reference
 is the GPU tests' job.
@@ -35,7 +36,7 @@ def _parts(family):
     from natten_cupy.backends.fused import (mma_backward, mma_forward, wgmma_backward,
                                             wgmma_forward)
     return {"wgmma": (wgmma_forward, wgmma_backward),
-            "mma.sync": (mma_forward, mma_backward)}[family.split("@")[0]]
+            "mma.sync": (mma_forward, mma_backward)}[family.split("@")[0].split("+")[0]]
 
 
 @contextlib.contextmanager
@@ -89,8 +90,11 @@ def _run(wid, dtype, family, reps):
             fpart.forward(problem, q, k, v, out, lse)
             return out, lse
 
+        way = {"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(
+            family.split("@")[0].partition("+")[2], {})
+
         def bwd_call():
-            bpart.backward(problem, q, k, v, out, lse, do, *grads)
+            bpart.backward(problem, q, k, v, out, lse, do, *grads, **way)
             return grads
     out, lse = fwd_call()
     fwd = event_ms(fwd_call, reps=reps)
