@@ -1,7 +1,8 @@
 """Array interop: NumPy, CuPy and any DLPack tensor (PyTorch, JAX) in, the caller's type out.
 
-``Inputs.gather(...)`` turns the caller's arrays into NumPy arrays (CPU) or CuPy arrays (GPU)
-without copies, remembers how to hand results back (a torch tensor for torch inputs, a JAX
+``place(...)`` inspects the caller's arrays once (which module runs them, the framework, the
+GPU; no GPU work, so a backend can be chosen first); ``Inputs.gather(...)`` then turns them
+into NumPy arrays (CPU) or CuPy arrays (GPU) without copies, remembers how to hand results back (a torch tensor for torch inputs, a JAX
 array for JAX inputs) and which stream to launch on (PyTorch's current stream for torch
 inputs). Mixing CPU and GPU arrays, or passing something that is no array, raises before any
 GPU work.
@@ -10,13 +11,14 @@ GPU work.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import numpy
 
 from ._args import not_an_array
 from ._dtypes import BFLOAT16
 
-__all__ = ["Inputs", "array_module", "check_one_device"]
+__all__ = ["Inputs", "Placement", "place", "array_module", "check_one_device"]
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -67,18 +69,25 @@ def check_one_device(kinds):
         raise ValueError(f"all arrays must be on the same device, got {where}")
 
 
+class Placement(NamedTuple):
+    """Where a call's arrays live, as ``place`` found it."""
+    xp: object        # numpy or cupy
+    family: str       # the caller's framework ("numpy", "cupy", "torch", "jax", "dlpack")
+    present: list     # (name, array) pairs of the arrays given (not None)
+    device_id: int | None   # their GPU (None on the CPU)
+
+
 def array_module(named):
-    """numpy or cupy: where the arrays of ``named`` (as for ``Inputs.gather``) run.
-
-    Raises what ``Inputs.gather`` raises for non-arrays, mixed devices, tensors that require
-    grad and a missing CuPy, without touching a GPU: a call can pick its backend (and refuse)
-    before any GPU work."""
-    return _place(named)[0]
+    """numpy or cupy: where the arrays of ``named`` (as for ``Inputs.gather``) run (the
+    ``xp`` of ``place``)."""
+    return place(named).xp
 
 
-def _place(named):
-    """(numpy or cupy, family, present (name, array) pairs, GPU id or None); checks only,
-    no GPU work."""
+def place(named):
+    """The ``Placement`` of ``named`` (list of (argument name, array or None)): checks only,
+    no GPU work, so that a call can pick its backend (and refuse) first. Raises what
+    ``Inputs.gather`` raises for non-arrays, mixed devices, tensors that require grad and a
+    missing CuPy."""
     present = [(n, x) for n, x in named if x is not None]
     for n, x in present:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -95,7 +104,7 @@ def _place(named):
                 "natten_cupy.torch (autograd) or pass a detached tensor")
     on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
     if not on_gpu:
-        return numpy, family, present, None
+        return Placement(numpy, family, present, None)
     cupy = _cupy()
     if cupy is None:
         raise TypeError("GPU arrays were given but CuPy is not installed "
@@ -103,7 +112,7 @@ def _place(named):
     devices = {_device_id(cupy, x) for _, x in present}
     if len(devices) > 1:
         raise ValueError(f"all arrays must be on the same GPU, got devices {sorted(devices)}")
-    return cupy, family, present, devices.pop()
+    return Placement(cupy, family, present, devices.pop())
 
 
 def _device_id(cupy, x):
@@ -122,9 +131,10 @@ class Inputs:
         self.device_id = device_id
 
     @classmethod
-    def gather(cls, named):
-        """``named``: list of (argument name, array or None). Nones pass through."""
-        xp, family, present, device_id = _place(named)
+    def gather(cls, named, placement=None):
+        """``named``: list of (argument name, array or None). Nones pass through.
+        ``placement``: ``place(named)`` where the caller has it already."""
+        xp, family, present, device_id = placement or place(named)
         if xp is numpy:
             arrays = [None if x is None else _as_numpy(x) for _, x in named]
             return cls(numpy, family, None, arrays, None)

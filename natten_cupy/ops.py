@@ -17,7 +17,7 @@ import logging
 import numpy
 
 from . import _args, _extra, _fast
-from ._arrays import Inputs, array_module
+from ._arrays import Inputs, place
 from ._dtypes import accumulator_dtype
 from .backends import get_backend, PREFERENCE
 
@@ -149,8 +149,9 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
                                 additional_keys, additional_values)
     named = [("q", q), ("k", k), ("v", v), ("rpb", rpb), ("additional_keys", additional_keys),
              ("additional_values", additional_values)]
-    be = select_backend("fused_forward", problem, array_module(named), backend)
-    ins = Inputs.gather(named)
+    where = place(named)
+    be = select_backend("fused_forward", problem, where.xp, backend)
+    ins = Inputs.gather(named, where)
     xp = ins.xp
     with ins.on_device():
         qa, ka, va, ra, xka, xva = ins.arrays
@@ -185,8 +186,9 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
     named = [("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
              ("rpb", rpb), ("additional_keys", additional_keys),
              ("additional_values", additional_values)]
-    be = select_backend("fused_backward", problem, array_module(named), backend)
-    ins = Inputs.gather(named)
+    where = place(named)
+    be = select_backend("fused_backward", problem, where.xp, backend)
+    ins = Inputs.gather(named, where)
     xp = ins.xp
     with ins.on_device():
         do_a, qa, ka, va, oa, la, ra, xka, xva = ins.arrays
@@ -210,8 +212,9 @@ def qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backen
     problem = _args.check_qk(rank, q, k, kernel_size, dilation, is_causal, rpb, backend,
                              allow_tf32)
     named = [("q", q), ("k", k), ("rpb", rpb)]
-    be = select_backend("qk", problem, array_module(named), backend)
-    ins = Inputs.gather(named)
+    where = place(named)
+    be = select_backend("qk", problem, where.xp, backend)
+    ins = Inputs.gather(named, where)
     with ins.on_device():
         qa, ka, ra = ins.arrays
         attn = _empty(ins.xp, tuple(qa.shape[:-1]) + (problem.num_neighbors,), qa.dtype)
@@ -227,8 +230,9 @@ def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto
     problem = _args.check_av(rank, attn, v, kernel_size, dilation, is_causal, backend,
                              allow_tf32)
     named = [("attn", attn), ("v", v)]
-    be = select_backend("av", problem, array_module(named), backend)
-    ins = Inputs.gather(named)
+    where = place(named)
+    be = select_backend("av", problem, where.xp, backend)
+    ins = Inputs.gather(named, where)
     with ins.on_device():
         aa, va = ins.arrays
         out = _empty(ins.xp, tuple(aa.shape[:-1]) + (va.shape[-1],), va.dtype)  # H, not H_kv
@@ -246,8 +250,9 @@ def qk_backward(rank, d_attn, q, k, kernel_size, *, dilation=1, is_causal=False,
     problem = _args.check_qk_backward(rank, d_attn, q, k, kernel_size, dilation, is_causal,
                                       rpb, backend, allow_tf32)
     named = [("d_attn", d_attn), ("q", q), ("k", k), ("rpb", rpb)]
-    be = select_backend("qk_backward", problem, array_module(named), backend)
-    ins = Inputs.gather(named)
+    where = place(named)
+    be = select_backend("qk_backward", problem, where.xp, backend)
+    ins = Inputs.gather(named, where)
     with ins.on_device():
         da, qa, ka, ra = ins.arrays
         dq = _empty(ins.xp, qa.shape, qa.dtype)
@@ -270,8 +275,9 @@ def av_backward(rank, d_out, attn, v, kernel_size, *, dilation=1, is_causal=Fals
     problem = _args.check_av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal,
                                       backend, allow_tf32)
     named = [("d_out", d_out), ("attn", attn), ("v", v)]
-    be = select_backend("av_backward", problem, array_module(named), backend)
-    ins = Inputs.gather(named)
+    where = place(named)
+    be = select_backend("av_backward", problem, where.xp, backend)
+    ins = Inputs.gather(named, where)
     with ins.on_device():
         do_a, aa, va = ins.arrays
         d_attn = _empty(ins.xp, aa.shape, aa.dtype)
