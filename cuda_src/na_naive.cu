@@ -155,8 +155,8 @@ __device__ __forceinline__ InverseWindow inverse_window_of(const NAParams& p, co
   for (int a = 0; a < 3; ++a) {
     if (a < RANK) {
       const Axis ax = axis_of(p, a);
-      iw.group[a] = y[a] % ax.dilation;
-      iw.jg[a] = y[a] / ax.dilation;
+      iw.group[a] = ax.group_of(y[a]);
+      iw.jg[a] = ax.in_group(y[a]);
       iw.glen[a] = ax.group_len(iw.group[a]);
       iw.step[a] = ax.dilation;
       ax.inverse_window(iw.jg[a], iw.glen[a], iw.lo[a], iw.hi[a]);
@@ -372,10 +372,10 @@ __device__ __forceinline__ void rpb_sums(const NAParams& p, typename Acc<T>::typ
 #pragma unroll
       for (int a = 0; a < RANK; ++a) {
         const Axis ax = axis_of(p, a);
-        const int g = row.x[a] % ax.dilation;
-        const int jg = row.x[a] / ax.dilation + rel[a];
+        const int g = ax.group_of(row.x[a]);
+        const int jg = ax.in_group(row.x[a]) + rel[a];
         int start, end;
-        ax.window(row.x[a] / ax.dilation, ax.group_len(g), start, end);
+        ax.window(ax.in_group(row.x[a]), ax.group_len(g), start, end);
         valid = valid && jg >= start && jg < end;
         t = t * ax.kernel + (jg - start);
         y[a] = g + ax.dilation * jg;

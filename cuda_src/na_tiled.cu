@@ -828,9 +828,9 @@ na_tiled_rpb_grad(const T* __restrict__ d_attn, float* __restrict__ d_rpb, RpbGr
     x[0] = (int)(rest % p.extent[0]); rest /= p.extent[0];
     int base = 0, n[3];  // base: offset index of slot 0
     for (int a = 0; a < 3; ++a) {
-      const int ig = x[a] / ax[a].dilation;
+      const int ig = ax[a].in_group(x[a]);
       int s, e;
-      ax[a].window(ig, ax[a].group_len(x[a] % ax[a].dilation), s, e);
+      ax[a].window(ig, ax[a].group_len(ax[a].group_of(x[a])), s, e);
       n[a] = e - s;
       base += (s - ig + ax[a].kernel - 1) * rs[a];
     }

@@ -102,7 +102,7 @@ na_fwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     for (int a = 2; a >= 0; --a) {
       ax[a] = axis_of(p, a);
       if (a >= RANK) { grp[a] = 0; q0[a] = 0; continue; }
-      const int gmax = (ax[a].extent + ax[a].dilation - 1) / ax[a].dilation;
+      const int gmax = ax[a].longest_group();
       const int ntile = (gmax + TQ[a] - 1) / TQ[a];
       const unsigned span = (unsigned)(ntile * ax[a].dilation);
       u[a] = (int)(id % span);

@@ -10,9 +10,19 @@ namespace natten {
 struct Axis {
   int extent, kernel, stride, dilation, causal;
 
+  // Full-axis coordinate i is member in_group(i) of dilation group group_of(i); group g's
+  // members are the coordinates g + dilation * ig.
+  __device__ __forceinline__ int group_of(int i) const { return i % dilation; }
+  __device__ __forceinline__ int in_group(int i) const { return i / dilation; }
+
   // Members of dilation group g: ceil((L - g) / d).
   __device__ __forceinline__ int group_len(int g) const {
     return dilation == 1 ? extent : (extent - g + dilation - 1) / dilation;
+  }
+  // Members of the longest group, group 0: ceil(L / d). No dilation-1 branch (group_len(0)
+  // has one): callers size grids and tiles with it, off the per-element path.
+  __device__ __forceinline__ int longest_group() const {
+    return (extent + dilation - 1) / dilation;
   }
 
   // In-group window [start, end) of in-group query index ig, in a group of glen members.
@@ -71,7 +81,7 @@ struct Axis {
   // Window of coordinate i in full-axis coordinates: its keys are first + dilation * t for
   // t in [0, count), and slot t of the unfused attention weights holds key first + dilation * t.
   __device__ __forceinline__ void query_window(int i, int& first, int& count) const {
-    const int g = dilation == 1 ? 0 : i % dilation, ig = dilation == 1 ? i : i / dilation;
+    const int g = dilation == 1 ? 0 : group_of(i), ig = dilation == 1 ? i : in_group(i);
     int s, e;
     window(ig, group_len(g), s, e);
     first = g + dilation * s;
