@@ -21,6 +21,67 @@ constexpr int kNB = 32;    // gathered rows per warp step
 // r starts at bank 8 r mod 32); reading a row across the lanes is conflict-free at any stride.
 constexpr int kTileStride = kNB + 8;
 
+// One warp step: the warp's 16 owner rows against the kNB gathered rows whose descriptors
+// it has just written to wdesc. S = own0 gat0^T and dP = own1 gat1^T; where the owner row
+// attends P = exp2(S sl2 + bias - lse), else 0, and dS = P (dP - delta); then acc0 += dS
+// gat0 and, where owners are keys, acc1 += P gat1, over the columns from col0.
+// Shared memory: own_a0 is the lane's address in the owner tile (the second owner tensor
+// own_shift bytes on), gat_base the slab's (the second gathered tensor gat_shift bytes on).
+// Key owners take lse and delta from the descriptors, query owners from l2s and dls (the
+// lane's two accumulator rows). With a bias: the head's table in shared memory (btab), the
+// gathered rows' parts of an index into it (wbdesc), the owner rows' parts (own_t), and in
+// the dQ pass the lane's entries of the warp's dS tile (wtl), stored here.
+// Every: every owner row attends to every described row (masks all or nothing).
+// The caller declares the step's tiles in its step loop: r0, r1 (the lane's row addresses
+// in gat0 and gat1, set here) and s, dp (zeroed; S then P, dP then dS). As locals of this
+// function they would sit ahead of the kernel's accumulators, which renumbers its registers.
+template <typename T, int Dp, int DC, int N1, bool OwnerIsKey, bool BIAS, bool Every>
+__device__ __forceinline__ void warp_step(
+    float (&acc0)[DC / 8][4], float (&acc1)[N1][4], typename bwd::Step<T>::Rows& r0,
+    typename bwd::Step<T>::Rows& r1, float (&s)[4][4], float (&dp)[4][4],
+    const bwd::RowDesc* wdesc, unsigned own_a0, unsigned own_shift, unsigned gat_base,
+    unsigned gat_shift, int col0, float sl2, const float* l2s, const float* dls,
+    const int* own_t, const float* btab, const bwd::BiasDesc* wbdesc, float* wtl) {
+  typedef bwd::Step<T> St;
+  constexpr unsigned RB = (Dp + 8) * sizeof(T);  // slab and owner-tile row stride in bytes
+  const int lane = threadIdx.x & 31, group = lane >> 2, quad = lane & 3;
+  r0 = St::rows(wdesc, lane, gat_base, RB, col0);
+  r1 = St::shifted(r0, gat_shift);
+  St::template abt<Dp>(s, own_a0, r0, RB);
+  St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
+
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
+      int bt = 0;  // the gathered row's part of the table index
+      if constexpr (BIAS) bt = wbdesc[nt * 8 + quad * 2 + c].t;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float l2 = OwnerIsKey ? d.l2 : l2s[hh];
+        const float dl = OwnerIsKey ? d.dl : dls[hh];
+        const int e = hh * 2 + c;
+        const bool on = Every ? d.mask != 0u : (d.mask >> (group + 8 * hh)) & 1u;
+        float x = s[nt][e] * sl2;
+        if (BIAS && on) x += btab[bt - own_t[hh]];
+        const float pv = on ? fast_exp2(x - l2) : 0.f;
+        s[nt][e] = pv;
+        dp[nt][e] = pv * (dp[nt][e] - dl);
+      }
+    }
+  if constexpr (BIAS && !OwnerIsKey) {   // this lane's dS entries, two per store
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        *reinterpret_cast<float2*>(wtl + hh * 8 * kTileStride + nt * 8) =
+            make_float2(dp[nt][hh * 2], dp[nt][hh * 2 + 1]);
+  }
+  St::template ab<DC>(acc0, dp, r0, RB);
+  if (OwnerIsKey) St::template ab<N1 * 8>(acc1, s, r1, RB);
+}
+
 // One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
 // queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
 // (q, d_o), gathered rows keys (k, v), output dq (scaled); this pass also computes the
@@ -387,43 +448,11 @@ __device__ __forceinline__ void bwd_pass(
         wdesc[lane] = d;
       }
       __syncwarp();
-      const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
-      const typename St::Rows r1 = St::shifted(r0, gat_shift);
-
+      typename St::Rows r0, r1;
       float s[4][4] = {}, dp[4][4] = {};
-      St::template abt<Dp>(s, own_a0, r0, RB);
-      St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
-
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
-          int bt = 0;  // the gathered row's part of the table index
-          if constexpr (BIAS) bt = wbdesc[nt * 8 + quad * 2 + c].t;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float l2 = OwnerIsKey ? d.l2 : row_l2[hh];
-            const float dl = OwnerIsKey ? d.dl : row_dl[hh];
-            const int e = hh * 2 + c;
-            const bool on = (d.mask >> (group + 8 * hh)) & 1u;
-            float x = s[nt][e] * sl2;
-            if (BIAS && on) x += btab[bt - own_t[hh]];
-            const float pv = on ? fast_exp2(x - l2) : 0.f;
-            s[nt][e] = pv;
-            dp[nt][e] = pv * (dp[nt][e] - dl);
-          }
-        }
-      if constexpr (BIAS && !OwnerIsKey) {   // this lane's dS entries, two per store
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            *reinterpret_cast<float2*>(wtl + hh * 8 * kTileStride + nt * 8) =
-                make_float2(dp[nt][hh * 2], dp[nt][hh * 2 + 1]);
-      }
-      St::template ab<DC>(acc0, dp, r0, RB);
-      if (OwnerIsKey) St::template ab<NACC1 * 8>(acc1, s, r1, RB);
+      warp_step<T, Dp, DC, NACC1, OwnerIsKey, BIAS, false>(
+          acc0, acc1, r0, r1, s, dp, wdesc, own_a0, own_shift, gat_base, gat_shift, col0, sl2,
+          row_l2, row_dl, own_t, btab, wbdesc, wtl);
       if constexpr (BIAS && !OwnerIsKey) {
         if (col0 == 0) {   // lane: gathered row `lane` of the step, owner rows in order
           __syncwarp();
@@ -715,7 +744,7 @@ na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
 // tokens, 16 per warp and 64 per CTA, gathered rows the query tokens of one split [z *
 // split_rows, ...) of the flattened extents, for each query head of the owner's extra head
 // in turn, slab_rows at a time (with their lse and the delta of the dQ pass). The same warp
-// step as the dK/dV pass, with every owner row attending to every gathered row. Grid: x =
+// step as the dK/dV pass (warp_step), every owner row attending to every gathered row. Grid: x =
 // (token tile, head-dim chunk), y = batch * extra heads from bh0, z = splits. Writes float32
 // partial sums, dK already scaled, to part [2][splits][B][T][H_x][Dp] (dK, then dV), which
 // na_bwd_extra_sum adds in split order: no atomics, the same bits every run.
@@ -824,27 +853,11 @@ na_bwd_extra_kv(const T* __restrict__ q, const T* __restrict__ d_o,
           wdesc[lane] = d;
         }
         __syncwarp();
-        const typename St::Rows r0 = St::rows(wdesc, lane, gat_base, RB, col0);
-        const typename St::Rows r1 = St::shifted(r0, gat_shift);
+        typename St::Rows r0, r1;
         float s[4][4] = {}, dp[4][4] = {};
-        St::template abt<Dp>(s, own_a0, r0, RB);
-        St::template abt<Dp>(dp, own_a0 + own_shift, r1, RB);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const bwd::RowDesc d = wdesc[nt * 8 + quad * 2 + c];
-            const bool on = d.mask != 0u;
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int e = hh * 2 + c;
-              const float pv = on ? fast_exp2(s[nt][e] * sl2 - d.l2) : 0.f;
-              s[nt][e] = pv;
-              dp[nt][e] = pv * (dp[nt][e] - d.dl);
-            }
-          }
-        St::template ab<DC>(acc0, dp, r0, RB);
-        St::template ab<DC>(acc1, s, r1, RB);
+        warp_step<T, Dp, DC, DC / 8, true, false, true>(
+            acc0, acc1, r0, r1, s, dp, wdesc, own_a0, own_shift, gat_base, gat_shift, col0, sl2,
+            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
         __syncwarp();  // descriptors are rewritten next step
       }
     }
