@@ -483,7 +483,7 @@ na_tiled_scores(const T* __restrict__ a_in, const T* __restrict__ b_in, const T*
 // over the 2 * NT elements it stores. (Passing them around with shuffles instead kept the
 // shuffle unit busier than the FMA pipes.)
 // Registers: HB * NT * 4 accumulators a lane; up to 32 of them leave room for 3 CTAs an SM
-// on sm_90 (measured there: 8 -> 12 warps an SM made these kernels up to 30% faster). Other
+// on sm_90, which measured faster there (NOTES-tiled.md, tiled.TC_ACCUMULATORS). Other
 // architectures keep 2 CTAs, which needs no spills.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kWeightedSmallCtas = 3;

@@ -654,7 +654,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
       } else {
         // Lane l adds columns l, l + 32, ... row by row: one row's keys have distinct
         // offsets, so the lanes' words differ. (Diagonal runs as in 1-D break at every key
-        // row of the region here; measured slower: M5 3.31 vs 2.38 ms, 3D-D128 2.05 vs 1.47.)
+        // row of the region here and measured slower: NOTES-hopper-bwd.md, bias section.)
         int place[BN / 32];
 #pragma unroll
         for (int m = 0; m < BN / 32; ++m) {
