@@ -67,6 +67,9 @@ struct Geom : TileBox<RANK, T0, T1, T2> {  // o0: the query box's origin
       const Axis ax = axis_of(p, a);
       const int n = (ax.group_len(0) + tdim[a] - 1) / tdim[a];  // group 0 is the longest
       tile[a] = x % n;
+      // Along a causal axis later queries have longer windows: the grid runs those tiles
+      // first, so that the short ones fill the last wave.
+      if (ax.causal) tile[a] = n - 1 - tile[a];
       x /= n;
     }
     bool spans = true;
