@@ -7,7 +7,8 @@ Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and ke
 (``wgmma``: the Hopper parts, ``mma.sync``: the mma.sync parts, called directly; ``default``:
 the array API's own choice, warm calls; ``F@base``: family F built from other kernel sources,
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
-dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says), on the same inputs: forward and backward CUDA-event
+dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
+forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``), on the same inputs: forward and backward CUDA-event
 medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times
 that). Each backward's gradients are checked to be finite; correctness against the reference
 is the GPU tests' job.
@@ -86,12 +87,14 @@ def _run(wid, dtype, family, reps):
         out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], cupy.float32)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
 
-        def fwd_call():
-            fpart.forward(problem, q, k, v, out, lse)
-            return out, lse
+        mod = family.split("@")[0].partition("+")[2]
+        way = {"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(mod, {})
+        box = (dict(tile=fpart.SMALL_BOX[fpart._bucket(problem.head_dim)])
+               if mod == "small" else {})
 
-        way = {"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(
-            family.split("@")[0].partition("+")[2], {})
+        def fwd_call():
+            fpart.forward(problem, q, k, v, out, lse, **box)
+            return out, lse
 
         def bwd_call():
             bpart.backward(problem, q, k, v, out, lse, do, *grads, **way)

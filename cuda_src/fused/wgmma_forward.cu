@@ -626,11 +626,14 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   // Register split (loader, each compute warpgroup), within the 3 x 168 the CTA holds: the
   // 2-D and 3-D loaders do index math per row; 2-D at head dim 64 gives its loader 56 (at 40
   // it spilled 16 bytes once it computes the GQA kv head), its compute warpgroups fit in 224.
+  // One compute warpgroup: two CTAs an SM (128 registers a thread at entry).
   constexpr int kLoaderRegs = WG == 2 ? (RANK == 1 ? kLoaderRegs1D
-                                         : (RANK == 2 || BIAS) && D > 64 ? 40 : 56) : 32;
+                                         : (RANK == 2 || BIAS) && D > 64 ? 40 : 56) : WG == 1 ? 56 : 32;
   constexpr int kComputeRegs = WG == 2 ? (RANK == 1 ? kComputeRegs1D
-                                          : (RANK == 2 || BIAS) && D > 64 ? 232 : 224) : 160;
+                                          : (RANK == 2 || BIAS) && D > 64 ? 232 : 224)
+                                       : WG == 1 ? 200 : 160;
   static_assert(WG != 2 || kLoaderRegs + 2 * kComputeRegs <= 3 * 168, "over the CTA's registers");
+  static_assert(WG != 1 || kLoaderRegs + kComputeRegs <= 2 * 128, "over the CTA's registers");
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 128);
@@ -662,7 +665,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 
 template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
           int T1, int T2, bool BOX, bool BIAS>
-__global__ void __launch_bounds__(128 * (WG + 1), 1)
+__global__ void __launch_bounds__(128 * (WG + 1), WG == 1 ? 2 : 1)
 na_fwd_hopper(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ rpb,
               const NAParams p) {

@@ -121,6 +121,16 @@ def test_hopper_key_walks(case, walk_boxes, rng):
     check_case(case, rng, walk_boxes=walk_boxes)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if len(c[0]) > 1],
+                         ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}")
+@pytest.mark.parametrize("walk_boxes", [False, True], ids=("flat", "boxes"))
+def test_hopper_small_box_tiles(case, walk_boxes, rng):
+    """Rank 2 and 3 with one compute warpgroup (64-query boxes, two CTAs an SM)."""
+    _skip_unless_hopper()
+    check_case(case, rng, walk_boxes=walk_boxes,
+               tile=wgmma_forward.SMALL_BOX[wgmma_forward._bucket(case[6])])
+
+
 @pytest.mark.parametrize("tile", [t for ts in wgmma_forward.ALTERNATIVES.values() for t in ts],
                          ids=str)
 def test_hopper_alternative_tiles(tile, rng):

@@ -4,6 +4,8 @@ has to wait after each one). Registers per kernel are printed to the log; the HG
 the SASS is checked on the device by bench/probes/hopper_probe.py (CI has no disassembler).
 """
 
+import dataclasses
+
 import numpy
 import pytest
 
@@ -50,3 +52,30 @@ def test_hopper_refusals():
     assert "compute capability" in wgmma_forward.refuse(_problem(two, 2, 3))
     ok = numpy.zeros((1, 16, 1, 64), numpy.float16)
     assert "positive scale" in wgmma_forward.refuse(_problem(ok, 1, 3, scale=-1.0))
+
+
+@pytest.mark.parametrize("shape, kernel", [((2, 33, 41, 2, 64), (7, 5)),
+                                           ((1, 30, 29, 1, 128), 13),
+                                           ((1, 9, 17, 13, 2, 64), (3, 5, 4)),
+                                           ((1, 16, 32, 32, 1, 128), (5, 7, 7))])
+def test_hopper_small_box_plans(shape, kernel):
+    """Rank 2 and 3 with one compute warpgroup: 64-query boxes (2-D 8 x 8, 3-D 2 x 4 x 8), a
+    CTA per box of each dilation group, shared memory for two CTAs an SM (228 KiB, 1 KiB of
+    it reserved per CTA), and every name it launches among the instantiations."""
+    from math import ceil, prod
+    x = numpy.zeros(shape, numpy.float16)
+    rank = len(shape) - 3
+    prob = _problem(x, rank, kernel)
+    tile = wgmma_forward.SMALL_BOX[wgmma_forward._bucket(shape[-1])]
+    box = wgmma_forward._box(rank, tile)
+    assert prod(box) == tile.bm == 64
+    for walk in (False, True):
+        plan = wgmma_forward._plan(prob, tile, walk)
+        assert plan.grid == (prod(ceil(L / t) for L, t in zip(shape[1:-2], box)), shape[-2],
+                             shape[0])
+        assert plan.block == (256, 1, 1)
+        assert 2 * (plan.smem + 1024) <= 228 * 1024
+        assert (wgmma_forward.SOURCE, plan.name) in wgmma_forward.instantiations()
+    # the default walk takes key boxes only where a box is as long as a key tile
+    assert not wgmma_forward._plan(prob, dataclasses.replace(tile, bn=128), None).name.endswith(
+        "true, false>")

@@ -62,8 +62,13 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
     64: (T(2, 128, 3, True, True), T(3, 128, 2, True, True)),
     128: (T(2, 128, 3),),
 }
-# The query box of 128 queries per rank (64 * wg with wg 2; rank 1 takes any wg).
-QUERY_BOX = {2: (8, 16, 1), 3: (2, 8, 8)}
+# Rank 2 and 3 with one compute warpgroup: 64-query boxes (2-D 8 x 8, 3-D 2 x 4 x 8), two
+# CTAs an SM (shared memory for both: head dim 128 two stages of 64 keys). A box's key region
+# is smaller per query than the 128-query box's (2-D, window 21 x 21: 28 x 28 keys against
+# 28 x 36), but each CTA stages its own.
+SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 2, True)}
+# The query box per (rank, compute warpgroups): 64 * wg queries (rank 1 takes any wg).
+QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (2, 4, 8)}
 # With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
 # since three fill the 227 KiB a CTA may hold and leave no room for the bias box, and in 3-D
 # the key-box walk only (the flat walk spills there); 1-D at head dim 64 two compute
@@ -114,7 +119,7 @@ def refuse(problem):
 
 
 def _box(rank, tile):
-    return (tile.bm, 1, 1) if rank == 1 else QUERY_BOX[rank]
+    return (tile.bm, 1, 1) if rank == 1 else QUERY_BOX[(rank, tile.wg)]
 
 
 def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False):
@@ -144,8 +149,8 @@ def instantiations():
             out.append((SOURCE, _name(dtype, dp, DEFAULT[dp])))
             out.append((SOURCE, _name(dtype, dp, BIAS_TILE[(1, dp)], bias=True)))
             for rank in (2, 3):
-                out += [(SOURCE, _name(dtype, dp, DEFAULT_ND, rank, walk))
-                        for walk in (False, True)]
+                out += [(SOURCE, _name(dtype, dp, tile, rank, walk))
+                        for tile in (DEFAULT_ND, SMALL_BOX[dp]) for walk in (False, True)]
                 out += [(SOURCE, _name(dtype, dp, BIAS_TILE.get((rank, dp), DEFAULT_ND), rank,
                                        walk, True)) for walk in _bias_walks(rank, dp)]
             if dtype == FLOAT16:
@@ -188,7 +193,7 @@ def _walk_boxes(problem, box):
     tiles, 0.52 vs 0.49 ms; 21x21: 12 vs 8 tiles, 0.81 vs 0.67 ms)."""
     rk = [min(-(-L // d), t + k - 1) for L, d, t, k in
           zip(problem.spatial, problem.dilation, box, problem.kernel_size)]
-    flat = -(-math.prod(rk) // 128)
+    flat = -(-math.prod(rk) // math.prod(box))   # flat tiles of as many keys as a box
     boxes = math.prod(-(-r // t) for r, t in zip(rk, box))
     return boxes <= flat
 
@@ -209,13 +214,16 @@ def _plan(problem, tile=None, walk_boxes=None):
     dp = _bucket(problem.head_dim)
     default = _default_tile(problem)
     tile = tile or default
-    if (problem.rank > 1 or problem.has_rpb) and tile != default:
-        raise ValueError(f"rank {problem.rank}{' with a bias' if problem.has_rpb else ''} "
-                         f"runs {default} only, not {tile}")
+    if problem.has_rpb and tile != default:
+        raise ValueError(f"a bias runs {default} only, not {tile}")
+    if problem.rank > 1 and (problem.rank, tile.wg) not in QUERY_BOX:
+        raise ValueError(f"rank {problem.rank} has no query box of {tile.bm} queries")
     box = _box(problem.rank, tile)
     walks = _bias_walks(problem.rank, dp) if problem.has_rpb else (False, True)
+    if tile.bn != tile.bm:  # key boxes have the query box's shape
+        walks = (False,)
     if walk_boxes is None:
-        walk_boxes = problem.rank > 1 and (
+        walk_boxes = problem.rank > 1 and True in walks and (
             walks == (True,) or _walk_boxes(problem, box)
             or _smem(problem, tile, False) > SMEM_LIMIT)   # the key indices do not fit
     if problem.rank > 1 and walk_boxes not in walks:
