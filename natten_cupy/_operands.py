@@ -24,7 +24,7 @@ import numpy
 
 __all__ = ["Layout", "layout_of", "is_aligned", "rows_ready", "ready_inputs", "writable_outputs",
            "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from",
-           "head_dim_bucket", "DeviceLimits", "device_limits"]
+           "head_dim_bucket", "DeviceLimits", "device_limits", "SM90_SMEM_PER_BLOCK"]
 
 
 def contiguous_strides(shape, itemsize):
@@ -177,6 +177,11 @@ def run_backward(plan_backward, problem, q, k, v, out, lse, d_out, dq, dk, dv, r
 
 
 # ---- what the launchers size their kernels by ---------------------------------------------
+
+# Opt-in shared memory of one block on compute capability 9.0 (H100, H200): what the Hopper
+# parts, which run there only, size their tiles by before any device is at hand (refusals).
+SM90_SMEM_PER_BLOCK = 227 * 1024
+
 
 def head_dim_bucket(head_dim, buckets):
     """The smallest of ``buckets`` (ascending) that holds ``head_dim``; None if none does."""

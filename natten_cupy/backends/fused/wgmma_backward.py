@@ -40,7 +40,7 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import Layout, rows_ready, run_backward
+from ..._operands import SM90_SMEM_PER_BLOCK, Layout, head_dim_bucket, rows_ready, run_backward
 from ..._params import make_params
 from ..._window import group_size, inverse_bounds, window_bounds
 
@@ -66,14 +66,11 @@ class BwdTile:
 DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 # The owner box per rank (128 rows), the forward's query boxes.
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
-SMEM_LIMIT = 227 * 1024   # opt-in shared memory per block on compute capability 9.0
+SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 
 
 def _bucket(head_dim):
-    for b in BUCKETS:
-        if head_dim <= b:
-            return b
-    return None
+    return head_dim_bucket(head_dim, BUCKETS)
 
 
 def _compute_capability():

@@ -26,7 +26,7 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT16, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import rows_ready, run_forward
+from ..._operands import SM90_SMEM_PER_BLOCK, head_dim_bucket, rows_ready, run_forward
 from ..._params import make_params
 
 SOURCE = "fused/wgmma_forward.cu"
@@ -75,14 +75,11 @@ QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (
 # warpgroups (three spill). Rank 2 and 3 at 64 keep the defaults.
 BIAS_TILE = {(1, 64): T(2, 128, 3, True, True), (1, 128): T(2, 128, 2, True, True),
              (2, 128): T(2, 128, 2, True, True), (3, 128): T(2, 128, 2, True, True)}
-SMEM_LIMIT = 227 * 1024   # opt-in shared memory per block on compute capability 9.0
+SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 
 
 def _bucket(head_dim):
-    for b in BUCKETS:
-        if head_dim <= b:
-            return b
-    return None
+    return head_dim_bucket(head_dim, BUCKETS)
 
 
 @functools.lru_cache(maxsize=None)
