@@ -27,6 +27,7 @@ __all__ = [
     "inverse_bounds",
     "forward_table",
     "inverse_table",
+    "box_ranges",
     "box_span",
 ]
 
@@ -89,22 +90,28 @@ def inverse_bounds(jg, group_len, kernel, stride, causal):
     return first_true(ends_after), first_true(starts_after)
 
 
+def box_ranges(group_len, kernel, stride, causal, rows, inverse=False):
+    """The boxes of ``rows`` rows of one dilation group (starting at multiples of ``rows``,
+    the last one cut at the group's end): arrays (first row, last row, start, end), where
+    ``[start, end)`` is the union of the rows' windows (with ``inverse``: inverse windows).
+    Starts and ends never decrease with the row, so that union is one range."""
+    first = numpy.arange(0, group_len, rows, dtype=numpy.int64)
+    last = numpy.minimum(first + rows, group_len) - 1
+    bounds = inverse_bounds if inverse else window_bounds
+    start, _ = bounds(first, group_len, kernel, stride, causal)
+    _, end = bounds(last, group_len, kernel, stride, causal)
+    return first, last, start, end
+
+
 def box_span(extent, kernel, stride, dilation, causal, rows, inverse=False):
     """Largest span on one axis, over every dilation group and every box of ``rows`` rows
-    (boxes start at multiples of ``rows``): ``end(last row) - start(first row)`` of the
-    windows, or with ``inverse`` of the inverse windows. Starts and ends never decrease
-    with the row, so the union of a box's windows is that range."""
-    longest = -(-extent // dilation)
-    firsts = numpy.arange(0, longest, rows, dtype=numpy.int64)
-    bounds = inverse_bounds if inverse else window_bounds
+    (``box_ranges``): ``end - start`` of the union of the box's windows, or with ``inverse``
+    of its inverse windows."""
     best = 1
     for g in range(dilation):
-        glen = group_size(extent, dilation, g)
-        first = numpy.minimum(firsts, glen - 1)   # past a shorter group: its last row
-        last = numpy.minimum(firsts + rows - 1, glen - 1)
-        lo, _ = bounds(first, glen, kernel, stride, causal)
-        _, hi = bounds(last, glen, kernel, stride, causal)
-        best = max(best, int((hi - lo).max()))
+        _, _, start, end = box_ranges(group_size(extent, dilation, g), kernel, stride, causal,
+                                      rows, inverse)
+        best = max(best, int((end - start).max()))
     return best
 
 

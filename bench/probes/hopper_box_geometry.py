@@ -23,7 +23,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from natten_cupy import _args  # noqa: E402
-from natten_cupy._window import group_size, window_bounds  # noqa: E402
+from natten_cupy._window import box_ranges, group_size, window_bounds  # noqa: E402
 from natten_cupy.backends.fused import wgmma_forward as F  # noqa: E402
 from workloads import probe_workload  # noqa: E402
 
@@ -36,13 +36,10 @@ def axis_regions(L, k, s, d, causal, t):
     out = []
     for g in range(d):
         glen = group_size(L, d, g)
-        o0 = numpy.arange(0, glen, t)
-        last = numpy.minimum(o0 + t, glen) - 1
-        fs, _ = window_bounds(o0, glen, k, s, causal)
-        _, le = window_bounds(last, glen, k, s, causal)
+        first, last, start, end = box_ranges(glen, k, s, causal, t)
         ws, we = window_bounds(numpy.arange(glen), glen, k, s, causal)
         per_query = we - ws
-        for a, b, r in zip(o0, last, le - fs):
+        for a, b, r in zip(first, last, end - start):
             out.append((int(r), int(per_query[a:b + 1].sum()), int(b - a + 1)))
     return out
 

@@ -42,7 +42,7 @@ from ..._dtypes import HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import SM90_SMEM_PER_BLOCK, Layout, head_dim_bucket, rows_ready, run_backward
 from ..._params import make_params
-from ..._window import group_size, inverse_bounds, window_bounds
+from ..._window import box_ranges, group_size
 
 SOURCE = "fused/wgmma_backward.cu"
 OPTIONS = ("-arch=sm_90a",)
@@ -142,13 +142,9 @@ def _bias_extents(problem):
         keys = queries = kv_box = 1
         for g in range(d):
             glen = group_size(L, d, g)
-            o0 = numpy.arange(0, glen, t)
-            last = numpy.minimum(o0 + t, glen) - 1
-            fs, _ = window_bounds(o0, glen, k, st, causal)
-            _, le = window_bounds(last, glen, k, st, causal)
+            _, _, fs, le = box_ranges(glen, k, st, causal, t)
             keys = max(keys, int((le - fs).max()))
-            lo, _ = inverse_bounds(o0, glen, k, st, causal)
-            _, hi = inverse_bounds(last, glen, k, st, causal)
+            o0, last, lo, hi = box_ranges(glen, k, st, causal, t, inverse=True)
             rk = numpy.maximum(hi - lo, 0)
             org = numpy.maximum(o0 - (lo + rk - 1) + k - 1, 0)
             dim = numpy.maximum(numpy.minimum(2 * k - 2, last - lo + k - 1) - org + 1, 1)
