@@ -628,7 +628,8 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   // it spilled 16 bytes once it computes the GQA kv head), its compute warpgroups fit in 224.
   // One compute warpgroup: two CTAs an SM (128 registers a thread at entry).
   constexpr int kLoaderRegs = WG == 2 ? (RANK == 1 ? kLoaderRegs1D
-                                         : (RANK == 2 || BIAS) && D > 64 ? 40 : 56) : WG == 1 ? 56 : 32;
+                                         : (RANK == 2 || BIAS) && D > 64 ? 40 : 56)
+                                      : WG == 1 ? 56 : 32;
   constexpr int kComputeRegs = WG == 2 ? (RANK == 1 ? kComputeRegs1D
                                           : (RANK == 2 || BIAS) && D > 64 ? 232 : 224)
                                        : WG == 1 ? 200 : 160;
