@@ -2,9 +2,9 @@
 
 ``place(...)`` inspects the caller's arrays once (which module runs them, the framework, the
 GPU; no GPU work, so a backend can be chosen first); ``Inputs.gather(...)`` then turns them
-into NumPy arrays (CPU) or CuPy arrays (GPU) without copies, remembers how to hand results back (a torch tensor for torch inputs, a JAX
-array for JAX inputs) and which stream to launch on (PyTorch's current stream for torch
-inputs). Mixing CPU and GPU arrays, or passing something that is no array, raises before any
+into NumPy arrays (CPU) or CuPy arrays (GPU) without copies, remembers how to hand results
+back (a torch tensor for torch inputs, a JAX array for JAX inputs) and which stream to
+launch on (PyTorch's current stream for torch inputs). Mixing CPU and GPU arrays, or passing something that is no array, raises before any
 GPU work.
 """
 

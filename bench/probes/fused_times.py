@@ -9,9 +9,9 @@ the array API's own choice, warm calls; ``F@base``: family F built from other ke
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``), on the same inputs: forward
-and backward CUDA-event medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times
-that). Each backward's gradients are checked to be finite; correctness against the reference
-is the GPU tests' job.
+and backward CUDA-event medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H
+K D, backward 2.5 times that). Each backward's gradients are checked to be finite;
+correctness against the reference is the GPU tests' job.
 """
 
 import argparse
