@@ -39,15 +39,20 @@ def run(spatial, kernel, batch, heads, dim, bias, reps):
                bias=bias)
     out, lse = cupy.empty_like(q), cupy.empty(shape[:-1], cupy.float32)
     kw = {} if rpb is None else {"rpb": rpb}
-    for name, part in (("wgmma", wgmma_forward), ("mma.sync", mma_forward)):
+    small = wgmma_forward.SMALL_BOX[wgmma_forward._bucket(dim)]
+    runs = [("wgmma", wgmma_forward, {}), ("mma.sync", mma_forward, {})]
+    if rank > 1 and not bias:
+        runs.append(("wgmma+small", wgmma_forward, {"tile": small}))
+    for name, part, tile in runs:
         why = part.refuse(problem)
         if why:
             row[name] = f"refused: {why}"[:200]
             continue
-        row[name] = round(kernel_ms(lambda: part.forward(problem, q, k, v, out, lse, **kw),
-                                    reps), 4)
-    if isinstance(row["wgmma"], float) and isinstance(row["mma.sync"], float):
-        row["mma/wgmma"] = round(row["mma.sync"] / row["wgmma"], 3)
+        row[name] = round(kernel_ms(lambda: part.forward(problem, q, k, v, out, lse, **kw,
+                                                         **tile), reps), 4)
+    for name in ("wgmma", "wgmma+small"):
+        if isinstance(row.get(name), float) and isinstance(row["mma.sync"], float):
+            row[f"mma/{name}"] = round(row["mma.sync"] / row[name], 3)
     return row
 
 
@@ -55,18 +60,26 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ranks", default="1,2,3", help="ranks of the grid to time")
+    ap.add_argument("--no-bias", action="store_true", help="skip the rows with a bias")
     args = ap.parse_args(argv)
+    ranks = {int(r) for r in args.ranks.split(",")}
     rows = []
     for spatial, kernels, batch, heads in DISPATCH_GRID:
+        if len(spatial) not in ranks:
+            continue
         for kernel in kernels:
             for dim in (64, 128):
-                for bias in (False, True):
+                for bias in ((False,) if args.no_bias else (False, True)):
                     row = run(spatial, kernel, batch, heads, dim, bias, args.reps)
                     rows.append(row)
                     print(f"{str(tuple(spatial)):>14} k{str(tuple(kernel)):<12} D{dim:<4} "
                           f"{'rpb ' if bias else '    '} wgmma {row['wgmma']!s:>8}  "
                           f"mma.sync {row['mma.sync']!s:>8}  mma/wgmma "
-                          f"{row.get('mma/wgmma', '-')}", flush=True)
+                          f"{row.get('mma/wgmma', '-')}"
+                          + (f"  small {row['wgmma+small']!s:>8}  mma/small "
+                             f"{row.get('mma/wgmma+small', '-')}" if "wgmma+small" in row
+                             else ""), flush=True)
     if args.out:
         meta = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                     commit=os.environ.get("NATTEN_CUPY_COMMIT", ""))
