@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 
-import natten_cupy.profile as na_profile  # noqa: E402  (the submodule: unfused chain)
+from natten_cupy.profile_cli import unfused_backward, unfused_forward  # noqa: E402
 import timing  # noqa: E402
 import workloads as wl  # noqa: E402
 from natten_cupy import ops as na_ops  # noqa: E402
@@ -180,7 +180,7 @@ class Ours:
         if self.path == "fused":
             return na_ops.fused_forward(w.rank, q, k, v, w.kernel, stride=w.stride,
                                      return_lse=True, **self.kw)
-        return na_profile.unfused_forward(w.rank, q, k, v, w.kernel, **self.kw)
+        return unfused_forward(w.rank, q, k, v, w.kernel, **self.kw)
 
     def _bwd(self, q, k, v, do, saved):
         w = self.w
@@ -188,7 +188,7 @@ class Ours:
             out, lse = saved
             return na_ops.fused_backward(w.rank, do, q, k, v, out, lse, w.kernel,
                                       stride=w.stride, **self.kw)
-        return na_profile.unfused_backward(w.rank, do, q, k, v, saved[1], w.kernel, **self.kw)
+        return unfused_backward(w.rank, do, q, k, v, saved[1], w.kernel, **self.kw)
 
     def forward(self):
         q, k, v, _ = self._next()

@@ -238,7 +238,7 @@ __all__ += ["softmax", "softmax_backward", "merge_attentions"]
 
 
 def profile(*args, **kwargs):
-    """Record every kernel natten_cupy launches inside the block (see natten_cupy.profile)."""
+    """Record every kernel natten_cupy launches inside the block (see natten_cupy.profiler)."""
     from .profiler import Profiler
     return Profiler(*args, **kwargs)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from natten_cupy import __main__ as cli
-import natten_cupy.profile as profile
+from natten_cupy import profile_cli
 from natten_cupy import _device, _env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]   # tests/<kind>/ -> the repository
@@ -34,7 +34,8 @@ def _options(parser):
             yield parser, action
 
 
-PARSERS = {"python -m natten_cupy": cli.make_parser(), "natten-cupy-profile": profile.make_parser()}
+PARSERS = {"python -m natten_cupy": cli.make_parser(),
+           "natten-cupy-profile": profile_cli.make_parser()}
 
 
 @pytest.mark.parametrize("prog", sorted(PARSERS))
@@ -52,7 +53,7 @@ def test_every_option_has_help_and_states_its_default(prog):
 
 @pytest.mark.parametrize("args", [("-m", "natten_cupy", "--help"),
                                   ("-m", "natten_cupy", "demo", "--help"),
-                                  ("-m", "natten_cupy.profile", "--help")])
+                                  ("-m", "natten_cupy.profile_cli", "--help")])
 def test_help_runs_without_a_gpu(args):
     res = _run(*args)
     assert res.returncode == 0, res.stderr
@@ -60,7 +61,7 @@ def test_help_runs_without_a_gpu(args):
 
 
 def test_profile_help_gives_the_defaults():
-    out = " ".join(_run("-m", "natten_cupy.profile", "--help").stdout.split())
+    out = " ".join(_run("-m", "natten_cupy.profile_cli", "--help").stdout.split())
     for text in ("head dim D (default 64)", "(default fp16)", "(default auto",
                  "default 10", "(default 0)", "(default 1)"):
         assert text in out, text
@@ -69,7 +70,7 @@ def test_profile_help_gives_the_defaults():
 @pytest.mark.parametrize("backend", ["auto", "reference", "fused"])
 def test_profile_without_a_gpu_says_so(backend):
     pytest.importorskip("rich")
-    res = _run("-m", "natten_cupy.profile", "-i", "32", "32", "-k", "3", "--backend", backend)
+    res = _run("-m", "natten_cupy.profile_cli", "-i", "32", "32", "-k", "3", "--backend", backend)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "Traceback" not in res.stderr, res.stderr
     assert "needs a CUDA GPU, and none is visible here (NATTEN_CUPY_NO_GPU is set)" in res.stderr
@@ -78,14 +79,14 @@ def test_profile_without_a_gpu_says_so(backend):
 
 def test_profile_dry_run_needs_no_gpu():
     pytest.importorskip("rich")
-    res = _run("-m", "natten_cupy.profile", "-i", "32", "32", "-k", "3", "--dry-run")
+    res = _run("-m", "natten_cupy.profile_cli", "-i", "32", "32", "-k", "3", "--dry-run")
     assert res.returncode == 0, res.stderr
     assert "auto picks" in res.stdout and "Traceback" not in res.stderr
 
 
 def test_profile_rejects_a_bad_problem_in_one_line():
     pytest.importorskip("rich")
-    res = _run("-m", "natten_cupy.profile", "-i", "4", "4", "-k", "7")
+    res = _run("-m", "natten_cupy.profile_cli", "-i", "4", "4", "-k", "7")
     assert res.returncode == 2
     assert "invalid problem" in res.stdout and "Traceback" not in res.stderr
 

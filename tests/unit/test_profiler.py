@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 import natten_cupy
-import natten_cupy.profile as profile_cli  # the submodule (``from ... import`` gives the function)
+from natten_cupy import profile_cli
 from natten_cupy import profiler
 from natten_cupy._window import forward_table
 
@@ -91,18 +91,25 @@ def test_invalid_problem_is_reported(capsys):
     assert "kernel_size * dilation" in capsys.readouterr().out
 
 
-def test_callable_module_before_and_after_import():
+def test_profile_stays_the_function_after_the_cli_is_imported():
+    """Importing the CLI module leaves ``natten_cupy.profile`` the context-manager function, and
+    no submodule named ``profile`` exists to replace it (run in a fresh interpreter, so the
+    order is: the package, then the CLI module)."""
     code = (
+        "import importlib.util, types\n"
         "import natten_cupy\n"
         "from natten_cupy.profiler import Profiler\n"
+        "before = natten_cupy.profile\n"
+        "assert isinstance(before, types.FunctionType)\n"
+        "import natten_cupy.profile_cli as cli\n"
+        "assert callable(cli.main)\n"
+        "assert natten_cupy.profile is before\n"
         "assert isinstance(natten_cupy.profile(), Profiler)\n"
-        "import natten_cupy.profile as m\n"
-        "assert natten_cupy.profile is m\n"
-        "assert isinstance(natten_cupy.profile(), Profiler)\n"
-        "assert callable(m.main)\n"
         "with natten_cupy.profile() as prof:\n"
         "    pass\n"
         "assert prof.records == [] and prof.total_ms == 0\n"
+        "assert importlib.util.find_spec('natten_cupy.profile') is None\n"
+        "assert natten_cupy.profile is before\n"
         "print('ok')\n")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -416,7 +423,7 @@ def test_profiler_kernels_add_up(backend, path, dtype, tf32, spatial):
     import cupy
     from natten_cupy import _compile
     from natten_cupy.backends import get_backend
-    from natten_cupy.profile import random_array, unfused_backward, unfused_forward
+    from natten_cupy.profile_cli import random_array, unfused_backward, unfused_forward
     if get_backend(backend) is None:
         pytest.skip(f"{backend} backend not available")
     shape = (1, *spatial, 4, 32)

@@ -1,4 +1,5 @@
-"""Profile one neighborhood-attention problem kernel by kernel: ``python -m natten_cupy.profile``.
+"""Profile one neighborhood-attention problem kernel by kernel, from the command line:
+``python -m natten_cupy.profile_cli`` (installed as the ``natten-cupy-profile`` command).
 
 Builds random inputs for the problem the flags describe, warms up, then runs the forward (and
 with ``--backprop`` the backward) once inside ``natten_cupy.profile()`` and prints each
@@ -6,8 +7,8 @@ kernel's time next to the time measured around the whole call, with useful TFLOP
 fraction of the floor reached (see ``natten_cupy.profiler``). ``--dry-run`` needs no GPU: it
 lists which backends can run the problem and why the others cannot.
 
-This module is also what ``natten_cupy.profile`` names once imported, so it is callable:
-``natten_cupy.profile()`` returns a ``Profiler`` whether or not this module was imported.
+The module is not named ``profile``: ``natten_cupy.profile`` is the context-manager function
+of the package, and a submodule of that name would replace it once imported.
 """
 
 from __future__ import annotations
@@ -389,16 +390,6 @@ def main(argv=None):
         print(f"error: {msg}", file=sys.stderr)
         return 2
 
-
-# ``natten_cupy.profile`` is both this module (once imported) and the context-manager
-# factory defined in natten_cupy/__init__.py: importing the module rebinds the package
-# attribute to it, so the module itself must answer calls the same way.
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        return Profiler(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())
