@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 import cupy  # noqa: E402
 
 from natten_cupy import _args, ops  # noqa: E402
-from natten_cupy.profile import random_array  # noqa: E402
+from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import event_ms  # noqa: E402
 from workloads import dtype_spec, probe_workload  # noqa: E402
 

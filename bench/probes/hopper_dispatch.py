@@ -22,7 +22,7 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH, os.path.join(BENCH, "probes")]
 import cupy  # noqa: E402
 
 from natten_cupy import _args  # noqa: E402
-from natten_cupy.profile import random_array  # noqa: E402
+from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import kernel_ms  # noqa: E402
 from workloads import DISPATCH_GRID  # noqa: E402
 

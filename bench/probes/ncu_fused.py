@@ -18,7 +18,7 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # the repository (natten_cupy),
 import cupy  # noqa: E402
 
 from natten_cupy import ops  # noqa: E402
-from natten_cupy.profile import random_array  # noqa: E402
+from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import profiled_once  # noqa: E402
 from workloads import dtype_spec, probe_workload  # noqa: E402
 

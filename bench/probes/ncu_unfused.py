@@ -18,7 +18,7 @@ import cupy  # noqa: E402
 
 import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
-from natten_cupy.profile import random_array  # noqa: E402
+from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import profiled_once  # noqa: E402
 from workloads import WORKLOADS, dtype_spec  # noqa: E402
 

@@ -26,7 +26,7 @@ import cupy  # noqa: E402
 
 import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
-from natten_cupy.profile import random_array  # noqa: E402
+from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import event_ms  # noqa: E402
 from workloads import COPY_BANDWIDTH, WORKLOADS, dtype_spec  # noqa: E402
 
@@ -136,7 +136,7 @@ def _probe_backend(w, be, q, k, v, do, kw, scale, need, r):
             rows.append({"step": label, "kernel": name, "backend": backend, "ms": ms,
                          "bytes": b, "bandwidth_fraction":
                          None if b is None else b / (ms * 1e-3) / COPY_BANDWIDTH})
-    from natten_cupy.profile import unfused_backward, unfused_forward
+    from natten_cupy.profile_cli import unfused_backward, unfused_forward
     state = {}
 
     def fwd():
