@@ -7,7 +7,8 @@ last one's window end), walked in tiles of BN keys: ceil(region / BN) flat tiles
 3, key boxes of the query box's shape) the product of ceil(region_a / box_a). This probe adds
 that work up over every CTA of a workload, borders, dilation groups and causal axes included,
 and divides by the useful scores (each query's own window): the work per useful score before
-any instruction is spent, for each box, and the walk ``_plan`` would pick. No GPU needed.
+any instruction is spent, for each box, the walk ``_plan`` would pick, and which box the
+dispatch takes (``_default_tile``). No GPU needed.
 
     python bench/probes/hopper_box_geometry.py [--workloads 2D-33,M5,W2b,3D-D128,M4,M7,2D-D64]
 """
@@ -72,13 +73,15 @@ def main(argv=None):
         prob = _args.check_fused(w.rank, x, x, x, w.kernel, w.stride, w.dilation, w.causal,
                                  None, "fused")
         dp = F._bucket(w.dim)
-        for name, tile in (("default", F._default_tile(prob)), ("small", F.SMALL_BOX[dp])):
+        big = F.DEFAULT_ND if w.rank > 1 else F._default_tile(prob)
+        for name, tile in (("default", big), ("small", F.SMALL_BOX[dp])):
             picked = F._plan(prob, tile).name.endswith("true, false>")
             c, u = work(w, tile, picked)
             ctas = F._plan(prob, tile).grid[0]
             box = "x".join(map(str, F._box(w.rank, tile)[:w.rank]))
+            chosen = "  (dispatched)" if tile == F._default_tile(prob) else ""
             print(f"{wid:>9} {name + ' ' + box:>12} {'boxes' if picked else 'flat':>5} "
-                  f"{c / u:16.2f} {ctas:10d}")
+                  f"{c / u:16.2f} {ctas:10d}{chosen}")
 
 
 if __name__ == "__main__":

@@ -79,3 +79,32 @@ def test_hopper_small_box_plans(shape, kernel):
     # the default walk takes key boxes only where a box is as long as a key tile
     assert not wgmma_forward._plan(prob, dataclasses.replace(tile, bn=128), None).name.endswith(
         "true, false>")
+
+
+@pytest.mark.parametrize("shape, kernel, small", [
+    ((1, 64, 64, 2, 128), (9, 9), True),        # 3 key tiles of the 128-query box
+    ((1, 64, 64, 2, 64), (13, 13), True),       # 5
+    ((1, 8, 32, 32, 2, 128), (3, 5, 5), True),  # 5
+    ((1, 96, 96, 2, 64), (15, 15), False),      # 6
+    ((1, 256, 256, 2, 128), (33, 33), False),   # 15
+    ((1, 16, 32, 32, 2, 128), (5, 7, 7), False)])
+def test_hopper_small_box_dispatch(shape, kernel, small):
+    """Rank 2 and 3 take the 64-query boxes where the 128-query box walks at most
+    SMALL_BOX_UP_TO key tiles, never with a bias (whose kernels are built for the 128-query
+    box); rank 1 keeps its own boxes."""
+    x = numpy.zeros(shape, numpy.float16)
+    rank = len(shape) - 3
+    prob = _problem(x, rank, kernel)
+    dp = wgmma_forward._bucket(shape[-1])
+    assert (wgmma_forward._key_tiles(prob, wgmma_forward.DEFAULT_ND)
+            <= wgmma_forward.SMALL_BOX_UP_TO) == small
+    expect = wgmma_forward.SMALL_BOX[dp] if small else wgmma_forward.DEFAULT_ND
+    assert wgmma_forward._default_tile(prob) == expect
+    assert wgmma_forward._plan(prob).tile == expect
+    assert (wgmma_forward.SOURCE, wgmma_forward._plan(prob).name) in \
+        wgmma_forward.instantiations()
+    rpb = numpy.zeros((shape[-2], *(2 * k - 1 for k in kernel)), numpy.float16)
+    biased = _args.check_fused(rank, x, x, x, kernel, 1, 1, False, None, "fused", rpb=rpb)
+    assert wgmma_forward._default_tile(biased).bm == 128
+    one = _problem(numpy.zeros((1, 256, 2, shape[-1]), numpy.float16), 1, 9)
+    assert wgmma_forward._default_tile(one) == wgmma_forward.DEFAULT[dp]

@@ -65,8 +65,13 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
 # Rank 2 and 3 with one compute warpgroup: 64-query boxes (2-D 8 x 8, 3-D 2 x 4 x 8), two
 # CTAs an SM (shared memory for both: head dim 128 two stages of 64 keys). A box's key region
 # is smaller per query than the 128-query box's (2-D, window 21 x 21: 28 x 28 keys against
-# 28 x 36), but each CTA stages its own.
+# 28 x 36), but each CTA stages its own and runs without a second warpgroup to hide its
+# softmax. Taken without a bias where the 128-query box walks at most SMALL_BOX_UP_TO key
+# tiles (an interior box): measured on an H100 (NOTES-hopper-fwd.md, v8), 5-36% faster up to
+# 5 tiles (2-D windows 3 x 3 to 13 x 13, 3-D 3 x 3 x 3 to 3 x 5 x 5), mixed from 6 to 14
+# (2-D 15 x 15 at head dim 64: 7% slower), slower beyond (2-D 33 x 33: 46%).
 SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 2, True)}
+SMALL_BOX_UP_TO = 5
 # The query box per (rank, compute warpgroups): 64 * wg queries (rank 1 takes any wg).
 QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (2, 4, 8)}
 # With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
@@ -129,9 +134,11 @@ def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False):
 
 def _default_tile(problem):
     dp = _bucket(problem.head_dim)
-    if problem.has_rpb and (problem.rank, dp) in BIAS_TILE:
-        return BIAS_TILE[(problem.rank, dp)]
-    return DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
+    if problem.has_rpb:
+        return BIAS_TILE.get((problem.rank, dp), DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND)
+    if problem.rank == 1:
+        return DEFAULT[dp]
+    return SMALL_BOX[dp] if _key_tiles(problem, DEFAULT_ND) <= SMALL_BOX_UP_TO else DEFAULT_ND
 
 
 def _bias_walks(rank, dp):
@@ -181,6 +188,15 @@ def _smem(problem, tile, walk_boxes=True):
             + 4 * _bias_box(problem, tile) + (4 * _region_max(problem, tile) if flat else 0))
 
 
+def _interior_tiles(problem, box):
+    """(flat, boxes): the key tiles of as many keys as ``box`` holds that an interior CTA
+    walks, in the flat walk and in key boxes of the query box's shape (rank 2, 3; the region
+    per axis min(group, box + k - 1))."""
+    rk = [min(-(-L // d), t + k - 1) for L, d, t, k in
+          zip(problem.spatial, problem.dilation, box, problem.kernel_size)]
+    return (-(-math.prod(rk) // math.prod(box)), math.prod(-(-r // t) for r, t in zip(rk, box)))
+
+
 def _walk_boxes(problem, box):
     """Rank 2, 3: walk the key region in boxes of the query box's shape (no per-key index
     math, boxes inside every window unmasked) when padding the region to whole boxes costs no
@@ -188,11 +204,14 @@ def _walk_boxes(problem, box):
     H200 (NOTES-hopper-fwd.md, v4): boxes faster at equal tile counts in 3-D (5x9x9 window:
     3.00 vs 3.25 ms), equal in 2-D (33x33: 4.34 ms both), slower with more tiles (13x13: 6 vs 5
     tiles, 0.52 vs 0.49 ms; 21x21: 12 vs 8 tiles, 0.81 vs 0.67 ms)."""
-    rk = [min(-(-L // d), t + k - 1) for L, d, t, k in
-          zip(problem.spatial, problem.dilation, box, problem.kernel_size)]
-    flat = -(-math.prod(rk) // math.prod(box))   # flat tiles of as many keys as a box
-    boxes = math.prod(-(-r // t) for r, t in zip(rk, box))
+    flat, boxes = _interior_tiles(problem, box)
     return boxes <= flat
+
+
+def _key_tiles(problem, tile):
+    """Key tiles an interior CTA of ``tile`` walks (rank 2, 3), in the walk ``_plan`` picks
+    without a bias (key boxes where they cost no more tiles)."""
+    return min(_interior_tiles(problem, _box(problem.rank, tile)))
 
 
 @dataclasses.dataclass(frozen=True)
