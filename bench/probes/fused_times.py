@@ -2,6 +2,7 @@
 
     python bench/probes/fused_times.py [--workloads 2D-33:fp16,M5:bf16] [--tiles wgmma,mma.sync]
         [--reps 15] [--out times.json] [--baseline fused/mma_forward.cu=fused/old.cu]
+        [--forward-only]
 
 Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and kernel family
 (``wgmma``: the Hopper parts, ``mma.sync``: the mma.sync parts, called directly; ``default``:
@@ -58,12 +59,12 @@ def _source(family, baselines):
             m.SOURCE = src
 
 
-def run(wid, dtype, family, reps, baselines=None):
+def run(wid, dtype, family, reps, baselines=None, forward_only=False):
     with _source(family, baselines or {}):
-        return _run(wid, dtype, family, reps)
+        return _run(wid, dtype, family, reps, forward_only)
 
 
-def _run(wid, dtype, family, reps):
+def _run(wid, dtype, family, reps, forward_only=False):
     w = probe_workload(wid)
     spec = dtype_spec(dtype)
     q, k, v, do = (random_array(cupy, w.shape, spec["name"], i) for i in range(4))
@@ -101,12 +102,14 @@ def _run(wid, dtype, family, reps):
             return grads
     out, lse = fwd_call()
     fwd = event_ms(fwd_call, reps=reps)
+    flops = w.flops()
+    row.update(fwd_ms=round(fwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1))
+    if forward_only:
+        row["finite"] = bool(cupy.isfinite(out.astype(cupy.float32)).all())
+        return row
     finite = all(bool(cupy.isfinite(g.astype(cupy.float32)).all()) for g in bwd_call())
     bwd = event_ms(bwd_call, reps=reps)
-    flops = w.flops()
-    row.update(fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4), finite=finite,
-               fwd_tflops=round(flops / fwd / 1e9, 1),
-               bwd_tflops=round(2.5 * flops / bwd / 1e9, 1))
+    row.update(bwd_ms=round(bwd, 4), finite=finite, bwd_tflops=round(2.5 * flops / bwd / 1e9, 1))
     return row
 
 
@@ -116,6 +119,7 @@ def main(argv=None):
     ap.add_argument("--tiles", default="wgmma,mma.sync")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--forward-only", action="store_true", help="time the forward alone")
     ap.add_argument("--baseline", action="append", default=[], metavar="SHIPPED=OTHER",
                     help="for tiles F@base: compile cuda_src/OTHER in place of cuda_src/SHIPPED "
                          "(e.g. fused/mma_forward.cu=fused/mma_forward_base.cu, the file "
@@ -126,14 +130,15 @@ def main(argv=None):
     for spec in args.workloads.split(","):
         wid, dtype = spec.split(":")
         for tile in args.tiles.split(","):
-            row = run(wid, dtype, tile, args.reps, baselines)
+            row = run(wid, dtype, tile, args.reps, baselines, args.forward_only)
             rows.append(row)
             if "error" in row:
                 print(f"{wid:>10}:{dtype:<5} {tile:<9} {row['error'][:90]}", flush=True)
             else:
+                bwd = ("" if args.forward_only else f"  bwd {row['bwd_ms']:8.3f} ms "
+                       f"({row['bwd_tflops']:6.1f} TF)")
                 print(f"{wid:>10}:{dtype:<5} {tile:<9} fwd {row['fwd_ms']:8.3f} ms "
-                      f"({row['fwd_tflops']:6.1f} TF)  bwd {row['bwd_ms']:8.3f} ms "
-                      f"({row['bwd_tflops']:6.1f} TF)  finite {row['finite']}", flush=True)
+                      f"({row['fwd_tflops']:6.1f} TF){bwd}  finite {row['finite']}", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     if args.out:
         with open(args.out, "w") as f:
