@@ -2,8 +2,9 @@
 float16 and bfloat16 on warpgroup MMA (wgmma), 1-D, 2-D and 3-D.
 
 A CTA owns a box of 64 * WG in-group queries of one dilation group per axis (1-D: 128
-consecutive, 2-D: 8 x 16, 3-D: 2 x 8 x 8; a dilation group is a strided sub-grid, addressed
-by strides, never copied); its key region is the box of per-axis ranges [start(first query),
+consecutive, 2-D: 8 x 16, 3-D: 2 x 8 x 8; 2-D 8 x 8 and 3-D 2 x 4 x 8 where that box would walk
+few key tiles, ``SMALL_BOX``; a dilation group is a strided sub-grid, addressed by strides,
+never copied); its key region is the box of per-axis ranges [start(first query),
 end(last query)) by the window arithmetic, walked row-major in BN-key tiles that a
 STAGES-deep cp.async pipeline stages in 128-byte-swizzled shared memory; only tiles not inside
 every window of the CTA are masked. Each warpgroup computes S = Q K^T (wgmma, both operands
