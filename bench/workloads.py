@@ -18,8 +18,8 @@ from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
            "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "MODEL_VARIANTS",
-           "model_workload", "PROBE_WORKLOADS", "probe_workload", "CEILINGS", "COPY_BANDWIDTH",
-           "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
+           "model_workload", "PROBE_WORKLOADS", "CHECK_WORKLOADS", "probe_workload", "CEILINGS",
+           "COPY_BANDWIDTH", "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +198,51 @@ PROBE_WORKLOADS = {w.id: w for w in (
 )}
 
 
+# Small, odd-sized problems that bench/probes/fused_bwd_probe.py checks on the device against
+# the tests' float64 oracle (tests/oracle.py): every axis option (stride, dilation, causal,
+# uneven and even windows, a window as large as the map) at head dims 32 to 256, batch 2.
+# Checked, never timed: kept out of WORKLOADS and PROBE_WORKLOADS.
+CHECK_WORKLOADS = {w.id: w for w in (
+    Workload("chk1-odd", (37,), (5,), 2, 32, "1-D, odd length", batch=2),
+    Workload("chk1-sdc", (50,), (8,), 1, 64, "1-D, even window, strided, dilated, causal",
+             batch=2, stride=(3,), dilation=(2,), causal=(True,)),
+    Workload("chk1-large", (300,), (129,), 1, 256, "1-D, a large window at head dim 256",
+             batch=2),
+    Workload("chk1-dc", (97,), (7,), 2, 64, "1-D, dilated and causal", batch=2,
+             dilation=(2,), causal=(True,)),
+    Workload("chk2-mixed", (13, 11), (3, 4), 2, 40, "2-D, every option differs per axis",
+             batch=2, stride=(1, 2), dilation=(2, 1), causal=(False, True)),
+    Workload("chk2-d128", (20, 20), (7, 7), 1, 128, "2-D at head dim 128", batch=2),
+    Workload("chk2-k9", (24, 24), (9, 9), 2, 32, "W2's window and heads on a small map",
+             batch=2),
+    Workload("chk2-full", (16, 16), (16, 16), 1, 64, "2-D, the window is the whole map",
+             batch=2),
+    Workload("chk2-sdc", (21, 19), (5, 6), 1, 72, "2-D, strided, dilated, causal, D = 72",
+             batch=2, stride=(5, 3), dilation=(2, 3), causal=(True, True)),
+    Workload("chk2-sdc-d200", (21, 19), (5, 6), 1, 200, "chk2-sdc at head dim 200", batch=2,
+             stride=(5, 3), dilation=(2, 3), causal=(True, True)),
+    Workload("chk2-d64", (17, 15), (5, 4), 2, 64, "2-D, strided, dilated, causal, D = 64",
+             batch=2, stride=(2, 1), dilation=(1, 2), causal=(True, False)),
+    Workload("chk2-tile", (37, 21), (9, 5), 1, 32, "the 2-D tile variants' case", batch=2,
+             stride=(1, 2), dilation=(1, 2), causal=(False, True)),
+    Workload("chk3-sdc", (5, 9, 7), (3, 3, 5), 1, 72, "3-D, strided, dilated, causal time",
+             batch=2, stride=(1, 1, 2), dilation=(1, 2, 1), causal=(True, False, False)),
+    Workload("chk3-sdc-d128", (5, 9, 7), (3, 3, 5), 1, 128, "chk3-sdc at head dim 128",
+             batch=2, stride=(1, 1, 2), dilation=(1, 2, 1), causal=(True, False, False)),
+    Workload("chk3-k355", (6, 12, 12), (3, 5, 5), 2, 32, "W3's window and heads, small video",
+             batch=2),
+    Workload("chk3-tile", (6, 13, 12), (3, 5, 5), 1, 32, "the 3-D tile variants' case", batch=2,
+             stride=(1, 2, 1), dilation=(1, 1, 2), causal=(True, False, False)),
+)}
+
+
 def probe_workload(wid):
-    """A workload of WORKLOADS or PROBE_WORKLOADS by id (KeyError if neither has it)."""
-    return WORKLOADS[wid] if wid in WORKLOADS else PROBE_WORKLOADS[wid]
+    """A workload of WORKLOADS, PROBE_WORKLOADS or CHECK_WORKLOADS by id (KeyError if none
+    has it)."""
+    for table in (WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS):
+        if wid in table:
+            return table[wid]
+    raise KeyError(wid)
 
 
 # The shapes bench/probes/hopper_dispatch.py times both fused-forward parts on, to place the

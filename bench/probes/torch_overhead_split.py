@@ -35,15 +35,7 @@ from workloads import OVERHEAD_KERNEL as KERNEL, OVERHEAD_SHAPE as SHAPE  # noqa
 
 def _per_call_us(fn, n=2000):
     """Host microseconds per call of ``fn`` (n calls after 50, no synchronize inside)."""
-    for _ in range(50):
-        fn()
-    timing.sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    timing.sync()
-    return us
+    return timing.wall_us(fn, calls=n, reps=1, warmup=50, host=True)[1]
 
 
 def main(argv=None):
