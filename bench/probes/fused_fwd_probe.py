@@ -152,7 +152,7 @@ def time_all():
             tile = None
             key = (w.rank, mma_forward._bucket(w.dim))
             saved, mma_forward.DEFAULT[key] = mma_forward.DEFAULT[key], trial
-        mma_forward._tiling.cache_clear()  # plans are cached per problem, not per DEFAULT
+        mma_forward.configure.cache_clear()  # cached per problem, not per DEFAULT
         dtype = canonical_dtype("bfloat16" if dname == "bfloat16" else dname)
         q, k, v = _inputs(cp, w.shape, dtype)
         prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal, None,
@@ -163,7 +163,7 @@ def time_all():
         try:
             if why:
                 raise ValueError(why)
-            kname = mma_forward._tiling(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
+            kname = mma_forward.configure(prob).name.split("<", 1)[1].rstrip(">").replace(" ", "")
             run = functools.partial(fused.fused_forward, prob, q, k, v, out, lse)
             times = event_times(run, 15, warmup=2)
             ms = statistics.median(times)
@@ -178,7 +178,7 @@ def time_all():
             mma_forward.DEFAULT[key] = saved
             name = f"{trial.patch[:2]}x{trial.warps[:2]}k{trial.kb}{'' if trial.lines else ' flat'}"
             rows[-1] = (rows[-1][0], rows[-1][1], name) + rows[-1][3:]
-            mma_forward._tiling.cache_clear()
+            mma_forward.configure.cache_clear()
         del q, k, v, out, lse
         cp.get_default_memory_pool().free_all_blocks()
     print(f"{'id':<6}{'dtype':<9}{'tile':<30}{'ms':>8}{'TFLOP/s':>9}{'peer ms':>9}{'x peer':>8}  note")
@@ -212,7 +212,7 @@ def split():
     saved = mma_forward.DEFAULT[key]
     for cfg in (C((2, 8, 1), (4, 1, 1), 2), C((4, 4, 1), (2, 2, 1), 2, False)):
         mma_forward.DEFAULT[key] = cfg
-        mma_forward._tiling.cache_clear()
+        mma_forward.configure.cache_clear()
         its, mss = [], []
         for ks in (3, 5, 7, 9, 11, 13):
             prob = _args.check_fused(2, q, k, v, ks, 1, 1, False, None, "fused")
@@ -227,7 +227,7 @@ def split():
         slope, fixed = numpy.polyfit(its, mss, 1)
         print(f"  fit: {fixed:.3f} ms fixed + {slope:.3f} ms per iteration")
     mma_forward.DEFAULT[key] = saved
-    mma_forward._tiling.cache_clear()
+    mma_forward.configure.cache_clear()
 
 
 def small():

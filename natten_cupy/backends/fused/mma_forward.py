@@ -122,9 +122,14 @@ def _config(problem):
     return f"tile {problem.tile} is not a fused-forward tile for rank {problem.rank} ({have})"
 
 
-def refuse(problem):
+@functools.lru_cache(maxsize=512)
+def configure(problem):
+    """The Tiling of ``problem`` (everything a launch needs besides the device and the
+    arrays), or a str saying why this part cannot run it: the one place the part decides,
+    read by ``refuse`` and ``plan_forward``."""
     if problem.dtype not in HALF_TYPES and not (problem.dtype == FLOAT32 and problem.allow_tf32):
-        return f"fused forward on tensor cores runs float16, bfloat16 and TF32, not {problem.dtype_name}"
+        return ("fused forward on tensor cores runs float16, bfloat16 and TF32, not "
+                f"{problem.dtype_name}")
     if problem.head_dim % 8 or problem.head_dim > 256:
         return f"head dim {problem.head_dim} is not a multiple of 8 up to 256"
     cfg = _config(problem)
@@ -135,7 +140,12 @@ def refuse(problem):
     if _bias_table_bytes(problem) > BIAS_TABLE_BUDGET:
         return (f"the bias table of kernel {problem.kernel_size} exceeds "
                 f"{BIAS_TABLE_BUDGET // 1024} KB of shared memory (backend 'naive' runs it)")
-    return None
+    return _tiling(problem, cfg)
+
+
+def refuse(problem):
+    t = configure(problem)
+    return t if isinstance(t, str) else None
 
 
 @functools.lru_cache(maxsize=512)
@@ -178,9 +188,7 @@ class Tiling:
     ctas: int         # grid x: heads x tiles x dilation groups
 
 
-@functools.lru_cache(maxsize=512)
-def _tiling(problem):
-    cfg = _config(problem)
+def _tiling(problem, cfg):
     dp = _bucket(problem.head_dim)
     es = numpy.dtype(problem.dtype).itemsize
     q_bytes = cfg.num_warps * 16 * dp * es + _bias_table_bytes(problem)   # and the bias
@@ -228,7 +236,9 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     import cupy
     if not all(rows_ready(x) for x in (q, k, v, out, xk, xv) if x is not None):
         return None
-    t = _tiling(problem)
+    t = configure(problem)
+    if isinstance(t, str):
+        raise ValueError(t)
     limit = device_limits(cupy.cuda.Device().id).smem_per_block
     if t.smem > limit:
         raise RuntimeError(f"fused forward needs {t.smem} bytes of shared memory per block, "

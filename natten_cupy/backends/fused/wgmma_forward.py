@@ -111,9 +111,10 @@ def refuse(problem):
         return f"the Hopper fused forward needs a positive scale, got {problem.scale}"
     if problem.heads > 65535 or problem.batch > 65535:
         return f"heads {problem.heads} or batch {problem.batch} over 65535"
-    if problem.has_rpb and _smem(problem, _default_tile(problem)) > SMEM_LIMIT:
-        return (f"the bias box of kernel {problem.kernel_size} does not fit the Hopper fused "
-                "forward's shared memory")
+    try:
+        _plan(problem)   # the launch geometry, cached for plan_forward
+    except ValueError as e:
+        return str(e)
     cc = _compute_capability()
     if cc != (9, 0):
         return ("the Hopper fused forward needs compute capability 9.0, "
@@ -247,6 +248,9 @@ def _plan(problem, tile=None, walk_boxes=None):
         raise ValueError(f"rank {problem.rank} with a bias at head dim {problem.head_dim} "
                          "walks key boxes only")
     if _smem(problem, tile, walk_boxes) > SMEM_LIMIT:
+        if _smem(problem, tile, True) > SMEM_LIMIT:   # without key indices: the bias box
+            raise ValueError(f"the bias box of kernel {problem.kernel_size} does not fit the "
+                             "Hopper fused forward's shared memory")
         raise ValueError(f"the flat walk's key indices for kernel {problem.kernel_size} do not "
                          "fit the Hopper fused forward's shared memory (walk key boxes)")
     ctas = 1
