@@ -234,7 +234,7 @@ struct RowBlock {
       const unsigned koff = (kk % 4) * 32;
       const u64 kd = desc128(k_tile + (kk / 4) * (BN * 128) + koff, 16, 1024);
       if constexpr (QREG)
-        RSK<BN>::run(acc_s, qa[kk], kd, kk > 0, kind());
+        RS<BN, 0>::run(acc_s, qa[kk], kd, kk > 0, kind());
       else
         SS<BN>::run(acc_s, desc128(q_wg + (kk / 4) * (bm * 128) + koff, 16, 1024), kd, kk > 0,
                     kind());

@@ -136,11 +136,12 @@ def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False):
 
 def _default_tile(problem):
     dp = _bucket(problem.head_dim)
+    tile = DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
     if problem.has_rpb:
-        return BIAS_TILE.get((problem.rank, dp), DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND)
-    if problem.rank == 1:
-        return DEFAULT[dp]
-    return SMALL_BOX[dp] if _key_tiles(problem, DEFAULT_ND) <= SMALL_BOX_UP_TO else DEFAULT_ND
+        return BIAS_TILE.get((problem.rank, dp), tile)
+    if problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO:
+        return SMALL_BOX[dp]
+    return tile
 
 
 def _bias_walks(rank, dp):
