@@ -13,10 +13,10 @@ from natten_cupy._args import check_fused
 
 PROBE = r'''
 #include "natten/common.cuh"
-extern "C" __global__ void echo_params(long long* out, float* scale, natten::NAParams p) {
-  const long long* base = &p.extent[0];
-  for (int i = 0; i < 19 + 14 * 6; ++i) out[i] = base[i];
-  scale[0] = p.scale;
+extern "C" __global__ void echo_params(unsigned char* out, long long* size, natten::NAParams p) {
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(&p);
+  for (int i = 0; i < (int)sizeof(natten::NAParams); ++i) out[i] = base[i];
+  size[0] = sizeof(natten::NAParams);
 }
 '''
 
@@ -41,13 +41,20 @@ def main():
     p = _params.make_params(prob, q=q, k=qt)
     mod = cupy.RawModule(code=PROBE, options=_compile.compile_options())
     fn = mod.get_function("echo_params")
-    out = cupy.full(19 + 14 * 6, -1, dtype=cupy.int64)
-    scale = cupy.zeros(1, dtype=cupy.float32)
-    fn((1,), (1,), (out, scale, p))
-    want = numpy.concatenate([numpy.asarray(p[f], dtype=numpy.int64).ravel()
-                              for f in _params.PARAMS_DTYPE.names[:-3]])
-    check("NAParams by value", bool((out.get() == want).all()) and float(scale.get()[0]) == 0.25,
-          f"{out.get()[:20]}")
+    # The struct's bytes as the kernel received them, against the host's record, byte by
+    # byte (padding included: make_params zero-fills it); the sizes must agree first.
+    nbytes = _params.PARAMS_DTYPE.itemsize
+    out = cupy.full(nbytes + 64, 0xAB, dtype=cupy.uint8)
+    size = cupy.zeros(1, dtype=cupy.int64)
+    fn((1,), (1,), (out, size, p))
+    got, device_size = out.get(), int(size.get()[0])
+    want = numpy.frombuffer(p.tobytes(), dtype=numpy.uint8)
+    same = device_size == nbytes and bool((got[:nbytes] == want).all())
+    first = (int(numpy.flatnonzero(got[:nbytes] != want)[0]) if device_size == nbytes and not same
+             else None)
+    check("NAParams by value", same and float(p["scale"]) == 0.25,
+          f"sizeof {device_size} (host {nbytes})"
+          + (f", first differing byte {first}" if first is not None else ""))
 
     try:
         import torch

@@ -20,13 +20,6 @@ constexpr int kLoaderRegs1D = 32, kComputeRegs1D = 232;
 constexpr int kLoaderRegs1D = 24, kComputeRegs1D = 240;
 #endif
 
-// Q in registers for S = Q K^T (RowBlock) with NATTEN_FWD_QREG=1: built and compiled, not
-// yet timed on a GPU (NOTES-hopper-fwd.md, v9), so off by default (Q read from shared memory).
-#ifndef NATTEN_FWD_QREG
-#define NATTEN_FWD_QREG 0
-#endif
-constexpr bool kQInRegisters = NATTEN_FWD_QREG != 0;
-
 // Copies rows [row0, row0 + ROWS) of a row-major [*, head_dim] matrix (row stride `stride`
 // elements) into a swizzled tile of ROWS x D (layout in wgmma.cuh); rows at or past `rows`
 // and columns at or past head_dim are zero-filled, so padded keys and dims add nothing.
@@ -193,15 +186,12 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
 
 // One warpgroup's share of a query tile: the S and O accumulators, the running row maxima
 // (raw scores) and partial row sums of its thread's two rows, and the steps of one key tile.
-// With QREG its 64 rows of Q are held in registers as the A operand of S = Q K^T (read from
-// shared memory once), so that S reads only K from shared memory.
-template <typename T, int D, int BN, bool QREG>
+template <typename T, int D, int BN>
 struct RowBlock {
   typedef typename Kind<T>::type kind;
   float acc_o[D / 2], acc_s[BN / 2];
   float m[2], l[2];
   unsigned pa[BN / 16][4];  // P as the A operand of O += P V
-  unsigned qa[QREG ? D / 16 : 1][4];  // Q as the A operand of S = Q K^T (QREG)
 
   __device__ __forceinline__ void init() {
 #pragma unroll
@@ -210,34 +200,13 @@ struct RowBlock {
     l[0] = l[1] = 0.f;
   }
 
-  // QREG: this thread's A fragments of Q (layout in wgmma.cuh) from the swizzled Q tile;
-  // q_wg: this warpgroup's 64 rows (a multiple of 8 rows into column blocks of bm rows).
-  __device__ __forceinline__ void load_q(unsigned q_wg, int bm) {
-    const int lane = threadIdx.x % 32, r0 = 16 * ((threadIdx.x / 32) % 4) + lane / 4;
-    const unsigned col = 4 * (lane % 4);
-#pragma unroll
-    for (int kk = 0; kk < (QREG ? D / 16 : 0); ++kk) {
-      const unsigned blk = q_wg + (kk / 4) * (bm * 128) + col;
-      const int c0 = 2 * (kk % 4);
-      qa[kk][0] = lds_u32(blk + swz128(r0, c0));
-      qa[kk][1] = lds_u32(blk + swz128(r0 + 8, c0));
-      qa[kk][2] = lds_u32(blk + swz128(r0, c0 + 1));
-      qa[kk][3] = lds_u32(blk + swz128(r0 + 8, c0 + 1));
-    }
-  }
-
-  // S = Q K^T; q_wg: this warpgroup's 64 rows of Q (read with !QREG), k_tile: the BN x D key
-  // tile.
+  // S = Q K^T; q_wg: this warpgroup's 64 rows of Q, k_tile: the BN x D key tile.
   __device__ __forceinline__ void issue_qk(unsigned q_wg, unsigned k_tile, int bm) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const unsigned koff = (kk % 4) * 32;
-      const u64 kd = desc128(k_tile + (kk / 4) * (BN * 128) + koff, 16, 1024);
-      if constexpr (QREG)
-        RS<BN, 0>::run(acc_s, qa[kk], kd, kk > 0, kind());
-      else
-        SS<BN>::run(acc_s, desc128(q_wg + (kk / 4) * (bm * 128) + koff, 16, 1024), kd, kk > 0,
-                    kind());
+      SS<BN>::run(acc_s, desc128(q_wg + (kk / 4) * (bm * 128) + koff, 16, 1024),
+                  desc128(k_tile + (kk / 4) * (BN * 128) + koff, 16, 1024), kk > 0, kind());
     }
   }
 
@@ -414,11 +383,6 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
                                     float* __restrict__ lse, const T* __restrict__ rpb,
                                     const NAParams& p) {
   constexpr int BM = 64 * WG, NT = 128;  // NT: threads that load (warpgroup 0)
-  // Q in registers (RowBlock) where the compute warpgroups have the registers for it: at
-  // head dim 128 with two compute warpgroups 3-D and bias kernels spill 12-516 bytes, and
-  // three (1-D, head dim 64) 192.
-  constexpr bool QREG =
-      kQInRegisters && (WG == 1 || (WG == 2 && (D == 64 || (!BIAS && RANK < 3))));
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!PP || (PIPE && WG >= 2), "PP needs PIPE and two compute warpgroups");
   static_assert(T0 * T1 * T2 == BM && (RANK > 1 || T0 == BM) && (RANK > 2 || T2 == 1),
@@ -535,7 +499,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       named_sync(WG + 1, 128 * WG);  // the box staged (barriers 1..WG: the ping-pong's)
     }
     const unsigned q_wg = sq + wg * 64 * 128;
-    RowBlock<T, D, BN, QREG> rb;
+    RowBlock<T, D, BN> rb;
     rb.init();
     float alpha[2];
     // Scores of keys outside a row's window become -inf; with BIAS the others become
@@ -576,7 +540,6 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     if (!PIPE) {
       for (int j = 0; j < num_tiles; ++j) {
         acquire(j);
-        if (j == 0) rb.load_q(q_wg, BM);  // Q landed with tile 0
         const unsigned slot = (j % STAGES) * KV_BYTES;
         wgmma_fence();
         rb.issue_qk(q_wg, sk + slot, BM);
@@ -596,7 +559,6 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       }
     } else {
       acquire(0);
-      rb.load_q(q_wg, BM);  // Q landed with tile 0
       turn_wait();
       wgmma_fence();
       rb.issue_qk(q_wg, sk, BM);
