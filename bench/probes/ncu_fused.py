@@ -2,6 +2,7 @@
 
     ncu --profile-from-start off --set full --import-source yes -o rep \
         python bench/probes/ncu_fused.py 2D-33 fp16 [--backward] [--rpb] [--tile wgmma]
+        python bench/probes/ncu_fused.py 2D-33 fp16 --hopper-box small
 
 Only the call between cudaProfilerStart/Stop is profiled (every kernel of it: the backward's
 delta, dK/dV and dQ passes, and with ``--rpb`` the bias reduction). Workloads are
@@ -33,7 +34,12 @@ def main(argv=None):
     ap.add_argument("--hopper-dq", choices=("passes", "atomic"), default=None,
                     help="run the Hopper backward itself, dQ by its own pass or added in the "
                          "dK/dV pass (wgmma_backward's dq_atomic), whatever the dispatch picks")
+    ap.add_argument("--hopper-box", choices=("default", "small"), default=None,
+                    help="run the Hopper forward itself with its default query box or the "
+                         "64-query box (wgmma_forward.SMALL_BOX), whatever the dispatch picks")
     args = ap.parse_args(argv)
+    if args.hopper_box and (args.backward or args.hopper_dq):
+        ap.error("--hopper-box profiles the forward")
     w = probe_workload(args.workload)
     spec = dtype_spec(args.dtype)
     dtype, tf32 = spec["name"], spec["tf32"]
@@ -48,15 +54,21 @@ def main(argv=None):
              backend="fused", tile=tile, rpb=rpb)
     out, lse = ops.fused_forward(w.rank, q, k, v, w.kernel, return_lse=True, **c)
 
-    if args.hopper_dq:
+    if args.hopper_dq or args.hopper_box:
         from natten_cupy import _args
         from natten_cupy.backends.fused import wgmma_backward
         prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal,
                                  None, "fused")
         grads = [cupy.empty(q.shape, q.dtype) for _ in range(3)]
+    if args.hopper_box:
+        from natten_cupy.backends.fused import wgmma_forward
+        box = ({} if args.hopper_box == "default" else
+               dict(tile=wgmma_forward.SMALL_BOX[wgmma_forward._bucket(w.dim)]))
 
     def call():
-        if args.hopper_dq:
+        if args.hopper_box:
+            wgmma_forward.forward(prob, q, k, v, out, lse, **box)
+        elif args.hopper_dq:
             wgmma_backward.backward(prob, q, k, v, out, lse, do, *grads,
                                     dq_atomic=args.hopper_dq == "atomic")
         elif args.backward:
