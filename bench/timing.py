@@ -9,7 +9,8 @@
 * ``graph_ms(fn)``: ``fn`` captured once in a torch CUDA graph, replays timed the same way:
   the kernels alone, without host overhead.
 * ``wall_us(fn)``: host wall time per call over ``calls`` calls and one final synchronize,
-  median of ``reps``: the per-call overhead on problems whose kernels are tiny;
+  median of ``reps`` (or every run's): the per-call overhead on problems whose kernels are
+  tiny, or of calls on the CPU (``cpu=True``, nothing to synchronize);
 * ``python_profile(fn)``: the Python calls one warm call of ``fn`` makes and the functions
   with the most own time (cProfile, which inflates small calls): where that overhead goes;
 * ``profiled_once(fn)``: one warm-up call, then one between cudaProfilerStart and Stop (what
@@ -17,8 +18,8 @@
 * ``launch_times(fn)``, ``kernel_split(fn)``, ``kernel_ms(fn)``: kernels alone, by the library's
   profiler hook (``natten_cupy._launch.add_recorder``: CUDA events around every launch of
   natten_cupy), so host time between launches does not count: (name, ms) of every launch of
-  one call; per kernel name the median over calls of its launches' sum; the median of a
-  call's summed kernel times.
+  one call (with its backend on request); per kernel name the median over calls of its
+  launches' sum; the median of a call's summed kernel times.
 
 The events go on the stream the caller's work runs on: torch's current stream when the caller
 has imported torch (the suite, the torch layer, the peers), else CuPy's current stream (the
@@ -125,22 +126,28 @@ def graph_ms(fn, *, warmup=3, reps=15, inner=1):
     return ms
 
 
-def wall_us(fn, *, calls=500, reps=5, warmup=20, host=False):
+def wall_us(fn, *, calls=500, reps=5, warmup=20, host=False, cpu=False, per_run=False):
     """Microseconds per call: wall time of ``calls`` calls and a synchronize, median of
     ``reps``; with ``host=True`` also the host time alone (before the synchronize: what the
-    calls cost the CPU while the GPU queue absorbs their kernels), as (wall, host)."""
+    calls cost the CPU while the GPU queue absorbs their kernels), as (wall, host).
+    ``cpu=True``: the calls work on the CPU, so there is no device to synchronize (and none is
+    touched). ``per_run=True``: the figure of every run, a list of ``reps``, instead of their
+    median (for a caller that also wants the best run, the steadier one on a shared machine)."""
+    wait = (lambda: None) if cpu else sync
     for _ in range(warmup):
         fn()
-    sync()
+    wait()
     walls, hosts = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         t1 = time.perf_counter()
-        sync()
+        wait()
         walls.append((time.perf_counter() - t0) / calls * 1e6)
         hosts.append((t1 - t0) / calls * 1e6)
+    if per_run:
+        return list(zip(walls, hosts)) if host else walls
     if host:
         return statistics.median(walls), statistics.median(hosts)
     return statistics.median(walls)
@@ -184,12 +191,13 @@ class _Launches:
     def __init__(self):
         self.events = []
 
-    def record(self, name, start, stop, **_):
-        self.events.append((name, start, stop))
+    def record(self, name, backend, start, stop, **_):
+        self.events.append((name, backend, start, stop))
 
 
-def launch_times(fn):
-    """(name, ms) of every kernel launch of one call of ``fn``, in launch order."""
+def launch_times(fn, *, backend=False):
+    """(name, ms) of every kernel launch of one call of ``fn``, in launch order; with
+    ``backend=True`` (name, backend, ms), the backend the launch was made for."""
     import cupy
     from natten_cupy._launch import add_recorder, remove_recorder
     rec = _Launches()
@@ -199,7 +207,9 @@ def launch_times(fn):
     finally:
         remove_recorder(rec)
     cupy.cuda.Device().synchronize()
-    return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in rec.events]
+    if backend:
+        return [(name, be, cupy.cuda.get_elapsed_time(a, b)) for name, be, a, b in rec.events]
+    return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, _, a, b in rec.events]
 
 
 def kernel_split(fn, reps=1):

@@ -199,8 +199,9 @@ PROBE_WORKLOADS = {w.id: w for w in (
 
 
 # Small, odd-sized problems that bench/probes/fused_bwd_probe.py checks on the device against
-# the tests' float64 oracle (tests/oracle.py): every axis option (stride, dilation, causal,
-# uneven and even windows, a window as large as the map) at head dims 32 to 256, batch 2.
+# the tests' float64 oracle (tests/oracle.py), and fused_fwd_probe.py against the reference
+# backend (besides the GPU tests' cases): every axis option (stride, dilation, causal, uneven
+# and even windows, a window as large as the map) at head dims 32 to 256, batch 2.
 # Checked, never timed: kept out of WORKLOADS and PROBE_WORKLOADS.
 CHECK_WORKLOADS = {w.id: w for w in (
     Workload("chk1-odd", (37,), (5,), 2, 32, "1-D, odd length", batch=2),
@@ -233,6 +234,12 @@ CHECK_WORKLOADS = {w.id: w for w in (
              batch=2),
     Workload("chk3-tile", (6, 13, 12), (3, 5, 5), 1, 32, "the 3-D tile variants' case", batch=2,
              stride=(1, 2, 1), dilation=(1, 1, 2), causal=(True, False, False)),
+    # fused_fwd_probe.py's: its layout case, and its two compute-sanitizer cases.
+    Workload("chk2-layout", (21, 18), (5, 7), 3, 64, "2-D, dilated, three heads", batch=2,
+             dilation=(2, 1)),
+    Workload("chk2-small", (13, 11), (5, 4), 1, 32, "2-D, strided, dilated, one causal axis",
+             batch=2, stride=(1, 2), dilation=(2, 1), causal=(False, True)),
+    Workload("chk1-k257", (700,), (257,), 1, 64, "1-D, a 257-token window", batch=2),
 )}
 
 

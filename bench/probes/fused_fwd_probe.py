@@ -1,10 +1,16 @@
 """Device probe of the fused tensor-core forward: compile, check, time, in one call.
 
     python3 bench/probes/fused_fwd_probe.py warm         # compile every instantiation (parallel)
-    python3 bench/probes/fused_fwd_probe.py check [i n]  # tests' cases (i-th of n parts)
+    python3 bench/probes/fused_fwd_probe.py check [i n]  # tests' cases, CHECKS (i-th of n parts)
     python3 bench/probes/fused_fwd_probe.py time         # the workloads, ms and TFLOP/s
     python3 bench/probes/fused_fwd_probe.py small        # two small cases (for compute-sanitizer)
     python3 bench/probes/fused_fwd_probe.py split        # W2 over window sizes: fixed vs per-iteration
+    python3 bench/probes/fused_fwd_probe.py list         # the cases check and small run (no GPU)
+
+``check`` runs the GPU tests' cases (``tests/gpu/test_gpu_fused_fwd.py``'s ``CASES`` through
+its ``check_case``: the fused forward against the reference backend in float64), then the
+probe's ``CHECKS``; ``small`` runs ``SMALL``: ids of ``bench/workloads.py``'s
+``CHECK_WORKLOADS``.
 
 Timings: ``bench/timing.py``'s CUDA events around each launch after two warm-up runs, median
 of 15; inputs are fresh standard-normal arrays (never zeros). Workloads and the peers' figures
@@ -28,6 +34,12 @@ sys.path[:0] = [ROOT, BENCH]   # natten_cupy, bench/
 
 import workloads as wl  # noqa: E402
 from timing import event_ms, event_times  # noqa: E402
+
+# The probe's cases beside the GPU tests', ``CHECK_WORKLOADS`` id : dtype of
+# ``workloads.DTYPES`` [: layout] (float32 runs as TF32, as in the tests): ``check`` runs
+# CHECKS after the tests' cases, ``small`` runs SMALL.
+CHECKS = ("chk2-layout:fp16:heads_first", "chk2-layout:fp16:strided_last")
+SMALL = ("chk2-small:fp16", "chk1-k257:fp16")
 
 
 def _peer_ms(wid, dname):
@@ -83,20 +95,45 @@ def warm():
         print("  FAILED", expr, err)
 
 
+def _gpu_tests():
+    """tests/gpu/test_gpu_fused_fwd.py (its cases and ``check_case``); imports without a GPU."""
+    tests = os.path.join(ROOT, "tests")
+    for path in (tests, os.path.join(tests, "gpu")):   # gpu_cases, then the GPU tests
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import test_gpu_fused_fwd
+    return test_gpu_fused_fwd
+
+
+def case_of(item):
+    """(label, case of ``test_gpu_fused_fwd.check_case``, layout) of ``ID:dtype[:layout]``."""
+    from natten_cupy._dtypes import canonical_dtype
+    wid, dtype, *layout = item.split(":")
+    w = wl.CHECK_WORKLOADS[wid]
+    case = (w.spatial, w.kernel, w.stride, w.dilation, w.causal, w.heads, w.dim,
+            canonical_dtype(wl.dtype_spec(dtype)["name"]), None)
+    return f"{item} ({w.describe()})", case, layout[0] if layout else "canonical"
+
+
+def cases():
+    """[(label, case, layout)] that ``check`` runs: the GPU tests' cases, then CHECKS."""
+    t = _gpu_tests()
+    out = []
+    for case in t.CASES:
+        out.append((f"{len(case[0])}d {case[0]} k{case[1]} s{case[2]} d{case[3]} c{case[4]} "
+                    f"D{case[6]} {numpy.dtype(case[7]).name} {case[8] or ''} canonical", case,
+                    "canonical"))
+    return out + [case_of(item) for item in CHECKS]
+
+
 def check(part=0, parts=1):
     import cupy as cp
-    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]  # gpu_cases,
-    import test_gpu_fused_fwd as t  # noqa: E402  (the GPU tests' cases, tests/gpu/)
+    t = _gpu_tests()
     worst = {}
-    cases = [(c, "canonical") for c in t.CASES]
-    cases += [(((21, 18), (5, 7), 1, (2, 1), False, 3, 64, t.F16, None), lay)
-              for lay in ("heads_first", "strided_last")]
-    for i, (case, layout) in enumerate(cases):
+    for i, (name, case, layout) in enumerate(cases()):
         if i % parts != part:
             continue
         rng = numpy.random.default_rng(1000 + i)
-        name = f"{len(case[0])}d {case[0]} k{case[1]} s{case[2]} d{case[3]} c{case[4]} D{case[6]} " \
-               f"{numpy.dtype(case[7]).name} {case[8] or ''} {layout}"
         try:
             err, ref_err, lse_err = t.check_case(case, rng, layout)
             status = "ok"
@@ -233,14 +270,22 @@ def split():
 def small():
     import cupy as cp
     cp.cuda.set_allocator(None)
-    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]  # gpu_cases,
-    import test_gpu_fused_fwd as t  # noqa: E402  (the GPU tests' cases, tests/gpu/)
+    t = _gpu_tests()
     rng = numpy.random.default_rng(7)
-    print(t.check_case(((13, 11), (5, 4), (1, 2), (2, 1), (False, True), 1, 32, t.F16, None), rng))
-    print(t.check_case(((700,), 257, 1, 1, False, 1, 64, t.F16, None), rng))
+    for item in SMALL:
+        _, case, layout = case_of(item)
+        print(t.check_case(case, rng, layout))
 
 
-STEPS = {"warm": warm, "check": check, "time": time_all, "small": small, "split": split}
+def list_cases():
+    for name, _, _ in cases():
+        print(f"check  {name}")
+    for item in SMALL:
+        print(f"small  {case_of(item)[0]}")
+
+
+STEPS = {"warm": warm, "check": check, "time": time_all, "small": small, "split": split,
+         "list": list_cases}
 
 
 def main(argv=None):

@@ -1,10 +1,11 @@
 """Per-kernel times and bandwidth of the unfused chain (qk -> softmax -> av and back), tiled
 next to naive, on the BENCH workloads W2 and W3.
 
-For every kernel the chain launches: median ms over the timed repetitions (profiler events),
-the bytes it must move (its operands read once, its result written once) and the fraction of
-the copy bandwidth (BENCH.md: 4.28 TB/s) that is. Also the whole chain, forward and
-forward+backward, per backend side by side (CUDA events, medians), and its speedup over naive.
+For every kernel the chain launches: median ms over the timed repetitions (the profiler hook's
+events, ``bench/timing.py``'s ``launch_times``), the bytes it must move (its operands read
+once, its result written once) and the fraction of the copy bandwidth (BENCH.md: 4.28 TB/s)
+that is. Also the whole chain, forward and forward+backward, per backend side by side (CUDA
+events, medians), and its speedup over naive.
 
     python bench/probes/tiled_probe.py --out probe.json [--workloads W2,W3] [--dtypes fp16,fp32,tf32]
 """
@@ -27,21 +28,16 @@ import cupy  # noqa: E402
 import natten_cupy  # noqa: E402
 from natten_cupy import ops  # noqa: E402
 from natten_cupy.profile_cli import random_array  # noqa: E402
-from timing import event_ms  # noqa: E402
+from timing import event_ms, launch_times  # noqa: E402
 from workloads import COPY_BANDWIDTH, WORKLOADS, dtype_spec  # noqa: E402
 
 
 def _kernels(fn, reps):
-    """[(name, backend, median ms)] of the kernels fn launches, in launch order."""
-    runs = []
-    for _ in range(reps):
-        with natten_cupy.profile() as prof:
-            fn()
-        runs.append(prof.records)
-    out = []
-    for i, r in enumerate(runs[0]):
-        out.append((r["name"], r["backend"], statistics.median(run[i]["ms"] for run in runs)))
-    return out
+    """[(name, backend, ms)] of the kernels one call of ``fn`` launches, in launch order: per
+    launch, the median over ``reps`` calls."""
+    runs = [launch_times(fn, backend=True) for _ in range(reps)]
+    return [(name, backend, statistics.median(run[i][2] for run in runs))
+            for i, (name, backend, _) in enumerate(runs[0])]
 
 
 def _rel(got, want):

@@ -19,8 +19,9 @@ Each is timed eager (inputs without and with ``requires_grad``, forward + backwa
 ``torch.compile(fullgraph=True)`` with the ``aot_eager`` and ``inductor`` backends. Rows for
 the real ``natten_cupy.torch.na2d`` on a tiny problem follow (the reference backend on CPU
 tensors, so they include its arithmetic), and ``(x * 2).backward()`` for scale. Every row
-gives the best and the median of 7 timed runs and the Python function calls per call
-(cProfile), which do not drift with the machine's load.
+gives the best and the median of 7 timed runs (``bench/timing.py``'s ``wall_us``, after up to
+200 warm-up calls) and the Python function calls per call (cProfile), which do not drift with
+the machine's load.
 
     python bench/probes/torch_dispatch.py [--device cpu|cuda] [--calls 2000] [--out f.json]
 
@@ -35,7 +36,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]   # natten_cupy, bench/
@@ -211,22 +211,6 @@ def variants():
 
 # ---- timing -------------------------------------------------------------------------------
 
-def per_call_us(fn, calls, reps=7, sync=lambda: None):
-    """(best, median) over ``reps`` runs of ``calls`` calls, us per call (the best run is the
-    steadier figure on a shared machine)."""
-    for _ in range(min(calls, 200)):
-        fn()
-    sync()
-    runs = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return min(runs), statistics.median(runs)
-
-
 def python_calls(fn, n=50):
     """Python function calls per call of ``fn`` (cProfile; deterministic, unlike times)."""
     return timing.python_profile(fn, n=n, top=0)["calls"]
@@ -285,7 +269,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     backends = [b for b in args.backends.split(",") if b]
     torch._dynamo.config.cache_size_limit = 64
     q, k, v, g = (torch.randn(SHAPE, device=dev, dtype=dtype) for _ in range(4))
@@ -305,7 +288,9 @@ def main(argv=None):
     for name, fn in rows:
         if args.only and args.only not in name:
             continue
-        best, med = per_call_us(fn, args.calls, sync=sync)
+        runs = timing.wall_us(fn, calls=args.calls, reps=7, warmup=min(args.calls, 200),
+                              cpu=dev.type == "cpu", per_run=True)
+        best, med = min(runs), statistics.median(runs)
         pc = python_calls(fn)
         results.append(dict(call=name, best_us=best, median_us=med, python_calls=pc))
         print(f"{best:9.1f} {med:9.1f} {pc:7.0f}  {name}", flush=True)

@@ -2,11 +2,13 @@
 answers --help, bench/README.md lists every file, and the probes share bench/timing.py's timer
 and bench/workloads.py's workloads instead of keeping their own."""
 
+import importlib.util
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -115,3 +117,61 @@ def test_timer_medians(monkeypatch):
     assert timing.event_times(fn, 3, warmup=1) == [1.0, 2.0, 4.0]
     costs = iter([1.0, 3.0] * 3)
     assert timing.event_ms(fn, warmup=0, reps=3, inner=2) == 2.0
+
+
+def test_wall_us_runs_cpu_work_without_a_device(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    import timing
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def fn():   # a call costs 1 us of host time
+        now[0] += 1e-6
+
+    def device_sync():   # the device's queue takes 4 us more
+        now[0] += 4e-6
+    monkeypatch.setattr(timing, "sync", device_sync)
+    assert timing.wall_us(fn, calls=2, reps=3, warmup=1) == pytest.approx(3.0)
+    assert timing.wall_us(fn, calls=2, reps=3, warmup=1, host=True) == pytest.approx((3.0, 1.0))
+    runs = timing.wall_us(fn, calls=2, reps=2, warmup=1, host=True, per_run=True)
+    assert [pytest.approx(run) for run in runs] == [(3.0, 1.0)] * 2
+    monkeypatch.setattr(timing, "sync", lambda: pytest.fail("cpu=True synchronized a device"))
+    assert timing.wall_us(fn, calls=2, reps=3, warmup=1, cpu=True, per_run=True) == \
+        pytest.approx([1.0] * 3)
+
+
+def _fake_cupy(clock):
+    """What launch_times and natten_cupy._launch.region use of CuPy, on ``clock``'s events."""
+    device = types.SimpleNamespace(synchronize=lambda: None)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Event=clock.event, get_elapsed_time=clock.ms, Device=lambda: device))
+
+
+def test_launch_times_through_the_profiler_hook(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    import timing
+    from natten_cupy import _launch
+    clock = _FakeClock()
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(clock))
+
+    def fn():
+        for name, backend, ms in (("qk", "tiled", 2.0), ("softmax", "softmax", 1.0),
+                                  ("qk", "tiled", 3.0)):
+            with _launch.region(name, backend):
+                clock.now += ms
+    assert timing.launch_times(fn) == [("qk", 2.0), ("softmax", 1.0), ("qk", 3.0)]
+    assert timing.launch_times(fn, backend=True) == [
+        ("qk", "tiled", 2.0), ("softmax", "softmax", 1.0), ("qk", "tiled", 3.0)]
+    assert timing.kernel_split(fn) == {"qk": 5.0, "softmax": 1.0}
+    assert not _launch.profiling()
+
+
+def test_tiled_probe_takes_each_launchs_median(monkeypatch):
+    spec = importlib.util.spec_from_file_location("tiled_probe", PROBES / "tiled_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    runs = iter([[("a", "tiled", 1.0), ("b", "naive", 9.0)],
+                 [("a", "tiled", 3.0), ("b", "naive", 5.0)],
+                 [("a", "tiled", 2.0), ("b", "naive", 7.0)]])
+    monkeypatch.setattr(probe, "launch_times", lambda fn, backend: next(runs))
+    assert probe._kernels(None, 3) == [("a", "tiled", 2.0), ("b", "naive", 7.0)]

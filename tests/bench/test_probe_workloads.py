@@ -1,6 +1,6 @@
 """The probes' workload ids without a GPU: bench/workloads.py's tables keep their ids apart, every
-id a probe runs by default names a workload there, and fused_bwd_probe.py's cases and
-selections resolve."""
+id a probe runs by default names a workload there, and the fused probes' cases and selections
+resolve."""
 
 import ast
 import importlib.util
@@ -19,12 +19,11 @@ TABLES = {"WORKLOADS": wl.WORKLOADS, "PROBE_WORKLOADS": wl.PROBE_WORKLOADS,
           "CHECK_WORKLOADS": wl.CHECK_WORKLOADS, "MODEL_VARIANTS": wl.MODEL_VARIANTS}
 # Module-level names whose strings are "ID[:dtype[:layout]]" lists, and the RUNS tables whose
 # rows start with an id.
-ID_LISTS = ("DEFAULT", "CHECKS", "TIMED", "TIMED_ONLY", "FLEX")
+ID_LISTS = ("DEFAULT", "CHECKS", "SMALL", "TIMED", "TIMED_ONLY", "FLEX")
 
 
-def _probe():
-    spec = importlib.util.spec_from_file_location("fused_bwd_probe",
-                                                  PROBES / "fused_bwd_probe.py")
+def _probe(name="fused_bwd_probe"):
+    spec = importlib.util.spec_from_file_location(name, PROBES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -115,3 +114,21 @@ def test_fused_bwd_probe_cases_resolve():
 def test_fused_bwd_probe_rejects_bad_entries(text, layouts):
     with pytest.raises(ValueError, match=r"bad entries \['"):
         _probe().parse(f"chk1-odd:fp16,{text}", layouts=layouts)
+
+
+def test_fused_fwd_probe_cases_resolve():
+    probe = _probe("fused_fwd_probe")
+    cases = probe.cases()
+    tests = probe._gpu_tests()
+    assert [case for _, case, _ in cases[:len(tests.CASES)]] == tests.CASES
+    assert len(cases) == len(tests.CASES) + len(probe.CHECKS)
+    assert {layout for _, _, layout in cases[len(tests.CASES):]} == {"heads_first",
+                                                                      "strided_last"}
+    # the cases the probe wrote inline before, now CHECK_WORKLOADS ids
+    F16 = tests.F16
+    assert [probe.case_of(item)[1:] for item in probe.SMALL] == [
+        (((13, 11), (5, 4), (1, 2), (2, 1), (False, True), 1, 32, F16, None), "canonical"),
+        (((700,), (257,), (1,), (1,), (False,), 1, 64, F16, None), "canonical")]
+    assert probe.case_of("chk2-layout:fp16:strided_last")[1:] == (
+        ((21, 18), (5, 7), (1, 1), (2, 1), (False, False), 3, 64, F16, None), "strided_last")
+    assert probe.case_of("chk2-k9:bf16")[1][7] == tests.BF16
