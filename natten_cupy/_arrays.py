@@ -4,8 +4,12 @@
 GPU; no GPU work, so a backend can be chosen first); ``Inputs.gather(...)`` then turns them
 into NumPy arrays (CPU) or CuPy arrays (GPU) without copies, remembers how to hand results
 back (a torch tensor for torch inputs, a JAX array for JAX inputs) and which stream to
-launch on (PyTorch's current stream for torch inputs). Mixing CPU and GPU arrays, or passing something that is no array, raises before any
-GPU work.
+launch on (PyTorch's current stream for torch inputs). Mixing CPU and GPU arrays, or passing
+something that is no array, raises before any GPU work.
+
+The torch layer (``_torch_ops``) checks its tensors itself but shares the rest: the array
+module of a device (``module_for``), the same-GPU rule (``check_one_gpu``), PyTorch's stream
+as a CuPy stream (``torch_stream``) and the launch context (``on_device``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy
 from ._args import not_an_array
 from ._dtypes import BFLOAT16
 
-__all__ = ["Inputs", "Placement", "place", "array_module", "check_one_device"]
+__all__ = ["Inputs", "Placement", "place", "array_module", "module_for", "check_one_device",
+           "check_one_gpu", "torch_stream", "on_device"]
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -69,6 +74,24 @@ def check_one_device(kinds):
         raise ValueError(f"all arrays must be on the same device, got {where}")
 
 
+def check_one_gpu(device_ids):
+    """ValueError naming the GPUs if the arrays' ``device_ids`` are not all one."""
+    if len(set(device_ids)) > 1:
+        raise ValueError(f"all arrays must be on the same GPU, got devices "
+                         f"{sorted(set(device_ids))}")
+
+
+def module_for(on_gpu):
+    """numpy for CPU arrays, cupy for GPU arrays (TypeError where CuPy is not installed)."""
+    if not on_gpu:
+        return numpy
+    cupy = _cupy()
+    if cupy is None:
+        raise TypeError("GPU arrays were given but CuPy is not installed "
+                        "(pip install natten_cupy[cuda13] or [cuda12])")
+    return cupy
+
+
 class Placement(NamedTuple):
     """Where a call's arrays live, as ``place`` found it."""
     xp: object        # numpy or cupy
@@ -102,17 +125,12 @@ def place(named):
             raise TypeError(
                 f"{n} requires grad; the array-level calls do not record autograd. Use "
                 "natten_cupy.torch (autograd) or pass a detached tensor")
-    on_gpu = bool(kinds) and next(iter(kinds.values())) == "gpu"
-    if not on_gpu:
+    xp = module_for(bool(kinds) and next(iter(kinds.values())) == "gpu")
+    if xp is numpy:
         return Placement(numpy, family, present, None)
-    cupy = _cupy()
-    if cupy is None:
-        raise TypeError("GPU arrays were given but CuPy is not installed "
-                        "(pip install natten_cupy[cuda13] or [cuda12])")
-    devices = {_device_id(cupy, x) for _, x in present}
-    if len(devices) > 1:
-        raise ValueError(f"all arrays must be on the same GPU, got devices {sorted(devices)}")
-    return Placement(cupy, family, present, devices.pop())
+    devices = [_device_id(xp, x) for _, x in present]
+    check_one_gpu(devices)
+    return Placement(xp, family, present, devices[0])
 
 
 def _device_id(cupy, x):
@@ -145,14 +163,9 @@ class Inputs:
             arrays = [None if x is None else _as_cupy(xp, x) for _, x in named]
         return cls(xp, family, stream, arrays, device_id)
 
-    @contextlib.contextmanager
     def on_device(self):
         """Context in which kernels launch: the arrays' GPU and the caller's stream."""
-        if self.xp is numpy:
-            yield
-            return
-        with self.xp.cuda.Device(self.device_id), self.stream:
-            yield
+        return on_device(self.xp, self.device_id, self.stream)
 
     def give_back(self, x):
         """Hand a NumPy/CuPy result back as the caller's array type (zero-copy)."""
@@ -210,6 +223,23 @@ def _caller_stream(cupy, family, present, device_id):
     """PyTorch's current stream for torch inputs, else CuPy's current stream of the arrays'
     GPU (CuPy keeps one per device: the current device's would not serve arrays elsewhere)."""
     if family == "torch":
-        import torch
-        return cupy.cuda.Stream.from_external(torch.cuda.current_stream(present[0][1].device))
+        return torch_stream(cupy, present[0][1].device)
     return cupy.cuda.get_current_stream(device_id)
+
+
+def torch_stream(cupy, device):
+    """PyTorch's current stream on ``device`` as a CuPy stream (kernels launched on it run in
+    order with the caller's torch work)."""
+    import torch
+    return cupy.cuda.Stream.from_external(torch.cuda.current_stream(device))
+
+
+@contextlib.contextmanager
+def on_device(xp, device_id, stream):
+    """Context in which kernels launch: GPU ``device_id`` current and ``stream`` CuPy's
+    current stream (nothing for numpy)."""
+    if xp is numpy:
+        yield
+        return
+    with xp.cuda.Device(device_id), stream:
+        yield

@@ -28,14 +28,15 @@ import torch
 from torch import Tensor
 
 from . import _args, _fast, _operands, ops
-from ._arrays import check_one_device
+from ._arrays import check_one_device, check_one_gpu, module_for, on_device, torch_stream
 from ._dtypes import BFLOAT16, accumulator_dtype, canonical_dtype
 
 
 # ---- torch tensors as NumPy / CuPy arrays -----------------------------------------------
 
 def _check_tensors(named):
-    """The checks the array API makes in ``Inputs.gather``, for torch: types, devices."""
+    """The checks the array API makes in ``_arrays.place``, for torch: types, devices (not
+    requires grad, which ``place`` refuses: the ops run below autograd)."""
     present = [(n, x) for n, x in named if x is not None]
     for n, x in present:
         if not isinstance(x, torch.Tensor):
@@ -44,36 +45,26 @@ def _check_tensors(named):
             raise TypeError(f"{n} lives on device {x.device}; only CPU and CUDA tensors are "
                             "supported")
     check_one_device({n: ("gpu" if x.is_cuda else "cpu") for n, x in present})
-    devices = {x.device for _, x in present}
-    if len(devices) > 1:
-        raise ValueError("all arrays must be on the same GPU, got devices "
-                         f"{sorted(d.index for d in devices)}")
+    check_one_gpu([x.device.index for _, x in present if x.is_cuda])
 
 
-def _xp(device):
-    """The array module that runs on ``device``: numpy (CPU) or cupy (CUDA)."""
-    if device.type == "cpu":
-        return numpy
-    import cupy
-    return cupy
-
-
-@contextlib.contextmanager
 def _on_torch_stream(device):
     """Launch context: the tensor's GPU and torch's current stream there (nothing on CPU)."""
     if device.type == "cpu":
-        yield
-        return
-    import cupy
-    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device))
-    with cupy.cuda.Device(device.index), stream:
-        yield
+        return contextlib.nullcontext()
+    cupy = module_for(True)
+    return on_device(cupy, device.index, torch_stream(cupy, device))
 
 
 def _view(t):
     """A zero-copy, writable NumPy/CuPy view of tensor ``t`` (None stays None).
 
     Call inside ``_on_torch_stream`` so that CuPy imports the tensor on torch's stream.
+    Not ``_arrays._as_numpy`` / ``_as_cupy``: those import the array API's inputs, of any
+    framework, and may copy (a negative view is resolved, a JAX array read through its
+    buffer), harmless for an input; these views are also the outputs torch allocated, written
+    in place, so nothing here may copy. Tensors may require grad (the ops run below autograd,
+    hence ``detach``); torch's dispatcher has resolved negative views before the ops run.
     """
     if t is None:
         return None
@@ -111,7 +102,7 @@ def _forward_problem(q, k, v, options):
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                                 backend, tf32, det, tile)
     _check_tensors([("q", q), ("k", k), ("v", v)])
-    return problem, ops.select_backend("fused_forward", problem, _xp(q.device), backend)
+    return problem, ops.select_backend("fused_forward", problem, module_for(q.is_cuda), backend)
 
 
 def _backward_problem(tensors, options):
@@ -121,7 +112,7 @@ def _backward_problem(tensors, options):
                                          dilation, is_causal, scale, backend, tf32, det, tile)
     _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
                     ("lse", lse)])
-    return problem, ops.select_backend("fused_backward", problem, _xp(q.device), backend)
+    return problem, ops.select_backend("fused_backward", problem, module_for(q.is_cuda), backend)
 
 
 def _like(x):
@@ -154,7 +145,7 @@ def _unfused_entry(op, tensors, options):
         named = list(zip(_UNFUSED_NAMES[op], tensors))
         problem = _UNFUSED_CHECKS[op](rank, *tensors, ks, dl, ca, backend, tf32)
         _check_tensors(named)
-        return problem, ops.select_backend(op, problem, _xp(tensors[0].device), backend)
+        return problem, ops.select_backend(op, problem, module_for(tensors[0].is_cuda), backend)
 
     return _fast.torch_entry(op, rank, tensors, options, problem_of,
                              lambda p: _UNFUSED_OUTPUTS[op](p, *tensors))
@@ -574,7 +565,7 @@ def _qk_impl(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int]
     problem = _args.check_qk(len(kernel_size), q, k, kernel_size, dilation, is_causal, rpb,
                              backend, allow_tf32)
     _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
-    be = ops.select_backend("qk", problem, _xp(q.device), backend)
+    be = ops.select_backend("qk", problem, module_for(q.is_cuda), backend)
     attn = torch.empty(q.shape[:-1] + (problem.num_neighbors,), dtype=q.dtype, device=q.device)
     with _on_torch_stream(q.device):
         ops.run_qk(problem, be, *map(_view, (q, k, rpb, attn)))
@@ -594,7 +585,7 @@ def _qk_backward_impl(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
     problem = _args.check_qk_backward(len(kernel_size), d_attn, q, k, kernel_size, dilation,
                                       is_causal, None, backend, allow_tf32)
     _check_tensors([("d_attn", d_attn), ("q", q), ("k", k)])
-    be = ops.select_backend("qk_backward", problem, _xp(q.device), backend)
+    be = ops.select_backend("qk_backward", problem, module_for(q.is_cuda), backend)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     d_rpb = None
@@ -655,7 +646,7 @@ def _av_impl(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int
     problem = _args.check_av(len(kernel_size), attn, v, kernel_size, dilation, is_causal,
                              backend, allow_tf32)
     _check_tensors([("attn", attn), ("v", v)])
-    be = ops.select_backend("av", problem, _xp(v.device), backend)
+    be = ops.select_backend("av", problem, module_for(v.is_cuda), backend)
     # attn's heads (H), v's head dim: v may have fewer heads (H_kv, grouped-query attention)
     out = torch.empty(attn.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
     with _on_torch_stream(v.device):
@@ -675,7 +666,7 @@ def _av_backward_impl(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[
     problem = _args.check_av_backward(len(kernel_size), d_out, attn, v, kernel_size, dilation,
                                       is_causal, backend, allow_tf32)
     _check_tensors([("d_out", d_out), ("attn", attn), ("v", v)])
-    be = ops.select_backend("av_backward", problem, _xp(v.device), backend)
+    be = ops.select_backend("av_backward", problem, module_for(v.is_cuda), backend)
     d_attn = torch.empty(attn.shape, dtype=attn.dtype, device=attn.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     with _on_torch_stream(v.device):
@@ -760,7 +751,7 @@ def _ext_problem(op, tensors, rpb, keys, values, opts):
         names = ("d_out", "q", "k", "v", "out", "lse")
     _check_tensors(list(zip(names, tensors)) + [("rpb", rpb), ("additional_keys", keys),
                                                 ("additional_values", values)])
-    return problem, ops.select_backend(op, problem, _xp(q.device), backend)
+    return problem, ops.select_backend(op, problem, module_for(q.is_cuda), backend)
 
 
 _TORCH_DTYPES = {numpy.dtype(numpy.float32): torch.float32,

@@ -4,6 +4,8 @@ CPU inputs always run on the reference backend. The GPU tests at the end (CuPy a
 CUDA torch tensors on the reference backend) skip on machines without a GPU.
 """
 
+import re
+
 import ml_dtypes
 import numpy
 import pytest
@@ -178,6 +180,66 @@ def test_launch_stream_is_the_current_stream_of_the_arrays_gpu():
     got = _arrays._caller_stream(FakeCupy, "dlpack", [("q", OnGpu1())],
                                  _arrays._device_id(FakeCupy, OnGpu1()))
     assert got == ("stream of device", 1)
+
+
+def test_torch_layer_and_array_api_share_the_launch_context(monkeypatch):
+    """Both ways in launch on torch's current stream of the tensors' GPU, that GPU current,
+    through the same ``_arrays`` helpers (stand-in CuPy and torch stream, no GPU needed)."""
+    from natten_cupy import _arrays, _torch_ops
+    entered = []
+
+    class Context:
+        def __init__(self, what):
+            self.what = what
+
+        def __enter__(self):
+            entered.append(self.what)
+
+        def __exit__(self, *exc):
+            entered.append(("left",) + self.what)
+
+    class FakeCuda:
+        class Stream:
+            @staticmethod
+            def from_external(stream):
+                return Context(("stream", stream))
+
+        @staticmethod
+        def Device(device_id):
+            return Context(("device", device_id))
+
+    class FakeCupy:
+        cuda = FakeCuda
+        ndarray = type(None)
+
+    monkeypatch.setattr(_arrays, "_cupy", lambda: FakeCupy)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"torch's on {device}")
+    gpu1 = torch.device("cuda", 1)
+    with _torch_ops._on_torch_stream(gpu1):
+        pass
+    tensor = type("TensorOnGpu1", (), {"device": gpu1})()
+    stream = _arrays._caller_stream(FakeCupy, "torch", [("q", tensor)], 1)
+    with _arrays.Inputs(FakeCupy, "torch", stream, [], 1).on_device():
+        pass
+    once = [("device", 1), ("stream", "torch's on cuda:1"), ("left", "stream", "torch's on cuda:1"),
+            ("left", "device", 1)]
+    assert entered == once * 2
+    with _torch_ops._on_torch_stream(torch.device("cpu")):
+        pass
+    assert entered == once * 2
+
+
+def test_torch_layer_shares_the_device_errors(monkeypatch):
+    from natten_cupy import _arrays, _torch_ops
+    assert _arrays.module_for(False) is numpy
+    with pytest.raises(ValueError, match=re.escape("all arrays must be on the same GPU, got "
+                                                   "devices [0, 1]")):
+        _arrays.check_one_gpu([1, 0, 1])
+    _arrays.check_one_gpu([1, 1])
+    _arrays.check_one_gpu([])
+    monkeypatch.setattr(_arrays, "_cupy", lambda: None)
+    with pytest.raises(TypeError, match="GPU arrays were given but CuPy is not installed"):
+        _torch_ops._on_torch_stream(torch.device("cuda", 0))
 
 
 def test_torch_meta_tensor_raises_type_error():
