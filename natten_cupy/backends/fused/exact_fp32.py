@@ -13,11 +13,12 @@ union of its rows' windows (inverse windows for dK/dV), so little work goes to m
 the other operand streams through shared memory in slabs of the CTA's halo. Each lane holds
 16 head-dim columns of its rows (8 in dK/dV, whose rows carry four operands).
 
-Planning (``_plan``): the CTA's box of micro-tiles comes from a small cost model: every slab
-ends at a barrier, so a slab costs its largest group walk; boxes whose halo fits one slab, or
-whose groups need the same rows of each slab (W2 forward: 2 x 128 queries, slabs of 2 halo
+Planning (``_plan_for``): the CTA's box of micro-tiles comes from a small cost model: every
+slab ends at a barrier, so a slab costs its largest group walk; boxes whose halo fits one slab,
+or whose groups need the same rows of each slab (W2 forward: 2 x 128 queries, slabs of 2 halo
 rows), win. Shared memory per CTA is half a multiprocessor's (two CTAs per SM, which is also
-what the registers allow).
+what the registers allow). It runs once per problem and device budget (``configure_forward``,
+``configure_backward``, cached); the plans only bind the arrays.
 
 Backward: delta = rowsum(dO * O), then dQ (query-parallel) and dK/dV (key-parallel, P
 recomputed from lse); no atomics, so results are deterministic. Grouped-query attention:
@@ -209,14 +210,6 @@ def _budget():
         return SMEM_BUDGET
 
 
-def _plan(problem, micro_2d, lanes, inverse, cell_bytes):
-    """(TilePlan, shared-memory bytes, grid) of one kernel: planned on the front-padded
-    problem, the TilePlan in ``problem``'s axis order (``_in_problem_order``)."""
-    front, smem, grid = _plan_for(_padded(problem), micro_2d, lanes, inverse, cell_bytes,
-                                  _budget())
-    return _in_problem_order(front, problem.rank), smem, grid
-
-
 def _in_problem_order(front, rank):
     """The TilePlan the kernels take: plan ``front`` of the front-padded problem with its axes
     back in the problem's order (axis a + 3 - rank -> a), inert axes (all 1) at the back, and
@@ -229,7 +222,6 @@ def _in_problem_order(front, rank):
     return plan[()]
 
 
-@functools.lru_cache(maxsize=256)
 def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
     """(plan scalar in the front-padded frame, shared-memory bytes, grid) for padded ``p3``."""
     micro = (1,) + micro_2d
@@ -251,7 +243,7 @@ def _plan_for(p3, micro_2d, lanes, inverse, cell_bytes, budget):
     return plan[()], math.prod(slab) * cell_bytes, grid
 
 
-# ---- plans and launches ----------------------------------------------------------------
+# ---- decisions, plans and launches ------------------------------------------------------
 
 def _tile(plan):
     """Micro-tiles per CTA along the axes of the front-padded view (what launches record)."""
@@ -259,20 +251,79 @@ def _tile(plan):
     return (1,) * (3 - rank) + tuple(int(c) for c in plan["cta"][:rank])
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel of a problem: everything its launch needs besides the arrays."""
+    name: str          # kernel name expression
+    grid: tuple
+    smem: int          # dynamic shared memory, bytes
+    plan: numpy.void   # TilePlan, in the problem's axis order
+    tile: tuple        # micro-tiles per CTA, front-padded (``_tile``)
+
+
+def _launch(problem, kernel, micro, columns, inverse, cell_extra, budget):
+    """The Launch of ``kernel`` (lanes of ``columns`` head-dim columns, ``micro`` rows per
+    lane group; ``inverse``: keys own the rows), its shared-memory cells two rows of float32
+    and ``cell_extra`` bytes: planned on the front-padded problem, the TilePlan in
+    ``problem``'s axis order (``_in_problem_order``)."""
+    lanes = _lanes(problem.head_dim, columns)
+    cell_bytes = 2 * 4 * _row_floats(lanes, columns, micro) + cell_extra
+    front, smem, grid = _plan_for(_padded(problem), micro, lanes, inverse, cell_bytes, budget)
+    plan = _in_problem_order(front, problem.rank)
+    return Launch(_name(kernel, problem.rank, lanes, micro), grid, smem, plan, _tile(plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiling:
+    """The backward's launches of one problem besides the arrays."""
+    delta_blocks: int   # grid x of na_bwd_delta_fp32
+    dq: Launch
+    dkv: Launch         # a CTA per kv head (it walks its query group)
+
+
+@functools.lru_cache(maxsize=512)
+def configure_forward(problem, budget):
+    """The forward's Launch of ``problem`` under ``budget`` bytes of shared memory per CTA
+    (the current device's: ``_budget``), or ``refuse``'s reason: read by ``plan_forward``.
+    Raises ValueError for a launch too large for one grid."""
+    why = refuse(problem)
+    if why is not None:
+        return why
+    return _launch(problem, "na_fwd_fp32", MICRO[problem.rank], FWD_COLUMNS, False, 0, budget)
+
+
+@functools.lru_cache(maxsize=512)
+def configure_backward(problem, budget):
+    """The backward's launches of ``problem`` (a BackwardTiling) under ``budget`` bytes of
+    shared memory per CTA (the current device's: ``_budget``), or ``refuse``'s reason: read
+    by ``plan_backward``. Raises ValueError for a launch too large for one grid."""
+    why = refuse(problem)
+    if why is not None:
+        return why
+    rows = problem.batch * problem.num_tokens * problem.heads
+    dq = _launch(problem, "na_bwd_dq_fp32", MICRO_DQ, DQ_COLUMNS, False, 0, budget)
+    dkv = _launch(problem, "na_bwd_dkv_fp32", MICRO[problem.rank], DKV_COLUMNS, True, 8,
+                  budget)
+    dkv = dataclasses.replace(dkv, grid=(dkv.grid[0], problem.kv_heads, dkv.grid[2]))
+    return BackwardTiling(-(-rows * 8 // THREADS), dq, dkv)
+
+
+def _call(launch, args, name):
+    return KernelCall(get_kernel(SOURCE, launch.name), launch.grid, (THREADS, 1, 1),
+                      (*args, launch.plan), shared_mem=launch.smem, name=name,
+                      backend="fused", tile=launch.tile)
+
+
 def plan_forward(problem, q, k, v, out, lse):
     """Plan of one forward for operand layouts (q, k, v, out, lse), or None if one of q, k,
     v, out cannot be read with 16-byte accesses as it is."""
     if not all(rows_ready(x) for x in (q, k, v, out)):
         return None
+    t = configure_forward(problem, _budget())
+    if isinstance(t, str):
+        raise ValueError(t)
     params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse)
-    lanes = _lanes(problem.head_dim, FWD_COLUMNS)
-    micro = MICRO[problem.rank]
-    row = _row_floats(lanes, FWD_COLUMNS, micro)
-    tiles, smem, grid = _plan(problem, micro, lanes, False, 2 * 4 * row)
-    fn = get_kernel(SOURCE, _name("na_fwd_fp32", problem.rank, lanes, micro))
-    return Plan((KernelCall(fn, grid, (THREADS, 1, 1), (*map(Operand, range(5)), params, tiles),
-                            shared_mem=smem, name="na_fwd_fp32", backend="fused",
-                            tile=_tile(tiles)),))
+    return Plan((_call(t, (*map(Operand, range(5)), params), "na_fwd_fp32"),))
 
 
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
@@ -280,39 +331,21 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv):
     delta), or None if an operand other than lse is not ready for 16-byte accesses."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
+    t = configure_backward(problem, _budget())
+    if isinstance(t, str):
+        raise ValueError(t)
     delta = Layout.contiguous(lse.shape, numpy.float32)
     params = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv,
                          lse=lse, delta=delta)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV, DELTA = map(Operand, range(10))
-    calls = []
-    rows = problem.batch * problem.num_tokens * problem.heads
-    calls.append(KernelCall(get_kernel(SOURCE, "na_bwd_delta_fp32"),
-                            (-(-rows * 8 // THREADS), 1, 1), (THREADS, 1, 1),
-                            (OUT, D_OUT, DELTA, params), name="na_bwd_delta_fp32",
-                            backend="fused"))
-
-    micro = MICRO_DQ
-    lanes = _lanes(problem.head_dim, DQ_COLUMNS)
-    row = _row_floats(lanes, DQ_COLUMNS, micro)
-    tiles, smem, grid = _plan(problem, micro, lanes, False, 2 * 4 * row)
-    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dq_fp32", problem.rank, lanes,
-                                                     micro)), grid,
-                            (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, params, tiles),
-                            shared_mem=smem, name="na_bwd_dq_fp32", backend="fused",
-                            tile=_tile(tiles)))
-
-    micro = MICRO[problem.rank]
-    lanes = _lanes(problem.head_dim, DKV_COLUMNS)
-    row = _row_floats(lanes, DKV_COLUMNS, micro)
-    tiles, smem, grid = _plan(problem, micro, lanes, True, 2 * 4 * row + 8)
-    grid = (grid[0], problem.kv_heads, grid[2])   # a CTA per kv head (walks its query group)
-    calls.append(KernelCall(get_kernel(SOURCE, _name("na_bwd_dkv_fp32", problem.rank, lanes,
-                                                     micro)), grid,
-                            (THREADS, 1, 1),
-                            (Q, K, V, D_OUT, LSE, DELTA, DK, DV, params, tiles),
-                            shared_mem=smem, name="na_bwd_dkv_fp32", backend="fused",
-                            tile=_tile(tiles)))
-    return Plan(tuple(calls), workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+    calls = (
+        KernelCall(get_kernel(SOURCE, "na_bwd_delta_fp32"), (t.delta_blocks, 1, 1),
+                   (THREADS, 1, 1), (OUT, D_OUT, DELTA, params), name="na_bwd_delta_fp32",
+                   backend="fused"),
+        _call(t.dq, (Q, K, V, D_OUT, LSE, DELTA, DQ, params), "na_bwd_dq_fp32"),
+        _call(t.dkv, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, params), "na_bwd_dkv_fp32"),
+    )
+    return Plan(calls, workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
 
 
 def forward(problem, q, k, v, out, lse):

@@ -29,11 +29,18 @@ their dK, dV: a CTA owns 64 of them and walks one split of the query tokens (for
 head of its extra head), writing float32 partial sums that ``na_bwd_extra_sum`` adds in
 split order (no atomics either). The splits are sized to fill the device about four times
 over (``_extra_splits``).
+
+``configure`` decides once per problem (cached): the Tiling (kernels, grids, shared memory,
+geometry structs) or why this part refuses it; ``refuse`` returns that reason and
+``plan_backward`` binds the arrays, the device's window tables (``_geometry``) and, with
+additional tokens, the splits for the device's SM count (``_extra_tiling``).
 Measurements and predictions: ``bench/results/NOTES-fused-bwd.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import numpy
@@ -110,10 +117,20 @@ def _bias_box(problem, level=0):
     return tuple(min(2 * k - 1, k + t - 1) for k, t in zip(ks, tile))
 
 
-def refuse(problem):
+def configure(problem):
+    """The Tiling of ``problem`` (everything its launches need besides the device and the
+    arrays), or a str saying why this part cannot run it: the one place the part decides,
+    read by ``refuse`` and ``plan_backward``. Cached per problem and tiles (``TILES[rank]``
+    is part of the key, so a probe that swaps a rank's tiles gets a fresh decision)."""
+    return _configure(problem, TILES[problem.rank])
+
+
+@functools.lru_cache(maxsize=512)
+def _configure(problem, tiles):
     if problem.dtype == FLOAT32 and not problem.allow_tf32:
         return "exact float32 runs in exact_fp32"
-    if problem.has_rpb and max(_bias_smem(problem).values()) > BIAS_SMEM_BUDGET:
+    bias_smem = _bias_smem(problem) if problem.has_rpb else {True: 0, False: 0}
+    if max(bias_smem.values()) > BIAS_SMEM_BUDGET:
         return (f"the bias table and bias-gradient boxes of kernel {problem.kernel_size} "
                 f"exceed {BIAS_SMEM_BUDGET // 1024} KB of shared memory (backend 'naive' "
                 "runs it)")
@@ -125,7 +142,12 @@ def refuse(problem):
         return "batch * heads must be below 2**31"
     if problem.head_dim % 8 or problem.head_dim > D_BUCKETS[-1]:
         return f"head_dim {problem.head_dim} must be a multiple of 8 up to {D_BUCKETS[-1]}"
-    return None
+    return _tiling(problem, tiles, bias_smem)
+
+
+def refuse(problem):
+    t = configure(problem)
+    return t if isinstance(t, str) else None
 
 
 def _bucket(head_dim):
@@ -215,26 +237,36 @@ def _reach(table, extent, dilation, tile, owner_is_key):
     return int(values[counts == counts.max()].max())
 
 
-_tables = {}
+@functools.lru_cache(maxsize=512)
+def _window_tables(axes, tile):
+    """Window tables of the padded ``axes`` (``_axes``; all axes concatenated, host int32,
+    read-only), their axis offsets, and the common reach volume of one CTA of ``tile`` per
+    side ({owners are keys: rows})."""
+    tabs = [_axis_table(*ax) for ax in axes]
+    offsets = tuple(int(o) for o in numpy.cumsum([0] + [len(t) for t in tabs])[:3])
+    vol = {side: math.prod(_reach(t, ax[0], ax[3], tl, side)
+                           for t, ax, tl in zip(tabs, axes, tile))
+           for side in (True, False)}
+    table = numpy.concatenate(tabs)
+    table.setflags(write=False)
+    return table, offsets, vol
+
+
+_device_tables = {}
 
 
 def _geometry(problem, tile):
-    """Device window tables (all axes concatenated), their axis offsets, and the common
-    reach volume of one CTA per pass; cached per geometry."""
+    """The window tables on the current device (uploaded once per device and geometry),
+    their axis offsets, and the common reach volume of one CTA per pass."""
     import cupy
 
-    axes = _axes(problem)
-    key = (tuple(axes), tile, cupy.cuda.Device().id)
-    hit = _tables.get(key)
+    axes = tuple(_axes(problem))
+    table, offsets, vol = _window_tables(axes, tile)
+    key = (axes, tile, cupy.cuda.Device().id)
+    hit = _device_tables.get(key)
     if hit is None:
-        tabs = [_axis_table(*ax) for ax in axes]
-        offsets = numpy.cumsum([0] + [len(t) for t in tabs])[:3]
-        vol = {side: math.prod(_reach(t, ax[0], ax[3], tl, side)
-                               for t, ax, tl in zip(tabs, axes, tile))
-               for side in (True, False)}
-        hit = (cupy.asarray(numpy.concatenate(tabs)), [int(o) for o in offsets], vol)
-        _tables[key] = hit
-    return hit
+        hit = _device_tables[key] = cupy.asarray(table)
+    return hit, offsets, vol
 
 
 def _resident(dp, owner_is_key):
@@ -292,6 +324,78 @@ def bias_geometry(problem, tab_off, per_axis, tile=None):
     return g[()]
 
 
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One pass (dQ, or dK/dV) of a problem: its kernel and launches besides the arrays."""
+    name: str        # kernel name expression
+    smem: int        # dynamic shared memory, bytes
+    launches: tuple  # (grid, PassGeom) per at most MAX_GRID_Y (batch, owner head)s
+
+    @property
+    def label(self):
+        return self.name.split("<")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How one problem is cut (depends on the problem alone; the device adds its window
+    tables, ``_geometry``, and with additional tokens ``_extra_tiling``)."""
+    tile: tuple        # CTA tile per padded axis (in-group)
+    dp: int            # head-dim bucket
+    threads: int       # per CTA: 32 per warp
+    q: Pass            # dQ (and delta, and with a bias the dQ CTAs' bias-gradient boxes)
+    kv: Pass           # dK, dV
+    grid_x: int        # the larger pass's grid x (2**31 and up cannot launch)
+    bias: numpy.void   # BiasGeom (all zero without a bias)
+    bias_boxes: int    # floats of the dQ CTAs' bias-gradient boxes (0 without a bias)
+    entries: int       # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
+
+
+def _tiling(problem, tiles, bias_smem):
+    """The Tiling of ``tiles`` (``TILES[rank]``); ``bias_smem``: the bias parts' shared
+    memory per pass (``_bias_smem``, zeros without a bias)."""
+    tile, patch = tiles
+    if any(x & (x - 1) for x in tile + patch):
+        raise ValueError(f"tile {tile} and patch {patch} extents must be powers of two")
+    bias = problem.has_rpb
+    dp = _bucket(problem.head_dim)
+    nwarps = math.prod(t // w for t, w in zip(tile, patch))
+    per_axis = tiles_per_axis(problem, tile)
+    ctas = math.prod(per_axis) * math.prod(problem.dilation)
+    _, tab_off, reach = _window_tables(tuple(_axes(problem)), tile)
+    geo = numpy.zeros((), dtype=PASS_GEOM)
+    geo["tile"], geo["patch"], geo["ntile"] = tile, patch, per_axis
+    geo["lpatch"] = tuple(int(x).bit_length() - 1 for x in patch)
+    geo["tab_off"] = tab_off
+    name_kv, name_q = _names(c_type(problem.dtype), dp, grouped=problem.heads_per_kv > 1,
+                             bias=bias, extra=problem.has_extra)
+    itemsize = numpy.dtype(problem.dtype).itemsize
+    passes, grid_x = [], 0
+    for name, chunk, owner_is_key in ((name_q, _q_chunk(dp, bias), False),
+                                      (name_kv, min(dp, KV_CHUNK), True)):
+        # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
+        slab, smem = _slab_rows(reach[owner_is_key], dp, itemsize, nwarps, owner_is_key,
+                                bias_smem[owner_is_key])
+        gx = ctas * (dp // chunk)
+        grid_x = max(grid_x, gx)
+        # Grid y: (batch, owner head): query heads for dQ, kv heads for dK/dV (each of those
+        # CTAs walks its kv head's group of query heads).
+        bh = problem.batch * (problem.kv_heads if owner_is_key else problem.heads)
+        launches = []
+        for bh0 in range(0, bh, MAX_GRID_Y):
+            g = geo.copy()
+            g["slab_rows"], g["bh0"] = slab, bh0
+            launches.append(((gx, min(MAX_GRID_Y, bh - bh0), 1), g[()]))
+        passes.append(Pass(name, smem, tuple(launches)))
+    # BiasGeom's fields are int32: a launch too large to run (plan_backward says so) has none.
+    bg, boxes, entries = numpy.zeros((), BIAS_GEOM)[()], 0, 0
+    if bias and grid_x < 2 ** 31:
+        bg = bias_geometry(problem, tab_off, per_axis)
+        boxes = problem.batch * problem.heads * int(bg["ctas"]) * int(bg["vol"])
+        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+    return Tiling(tile, dp, 32 * nwarps, passes[0], passes[1], grid_x, bg, boxes, entries)
+
+
 def _extra_splits(problem, dp, sms):
     """(splits, query tokens per split) of na_bwd_extra_kv: about four CTAs per SM, at least
     256 query tokens per split."""
@@ -303,31 +407,53 @@ def _extra_splits(problem, dp, sms):
     return -(-n // rows), rows
 
 
-def _extra_calls(problem, dp, p, operands, sms):
-    """na_bwd_extra_kv and na_bwd_extra_sum, and the workspace of their partial sums."""
-    Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART = operands
-    name_kv, name_sum = _extra_names(c_type(problem.dtype), dp)
+@dataclasses.dataclass(frozen=True)
+class ExtraTiling:
+    """The additional tokens' launches besides the arrays (they depend on the device's
+    multiprocessor count): na_bwd_extra_kv per at most MAX_GRID_Y (batch, extra head)s,
+    then na_bwd_extra_sum."""
+    names: tuple     # (na_bwd_extra_kv, na_bwd_extra_sum) name expressions
+    smem: int        # dynamic shared memory of na_bwd_extra_kv, bytes
+    launches: tuple  # (grid, ExtraGeom) of na_bwd_extra_kv
+    sum_grid: tuple
+    sum_geo: numpy.void
+    partials: int    # floats of the partial sums' workspace
+
+
+@functools.lru_cache(maxsize=512)
+def _extra_tiling(problem, sms):
+    """The ExtraTiling of ``problem`` on a device of ``sms`` multiprocessors."""
+    dp = _bucket(problem.head_dim)
     es = numpy.dtype(problem.dtype).itemsize
     splits, rows = _extra_splits(problem, dp, sms)
     slab, smem = _slab_rows(rows, dp, es, KWARPS, True)
     chunks = dp // min(dp, KV_CHUNK)
     gx = -(-problem.extra_tokens // (KWARPS * 16)) * chunks
-    calls = []
     bh = problem.batch * problem.extra_heads
-    fn = get_kernel(SOURCE, name_kv)
     geo = numpy.zeros((), EXTRA_GEOM)
     geo["split_rows"], geo["slab_rows"], geo["splits"], geo["dp"] = rows, slab, splits, dp
+    launches = []
     for bh0 in range(0, bh, MAX_GRID_Y):
         geo["bh0"] = bh0
-        calls.append(KernelCall(
-            fn, (gx, min(MAX_GRID_Y, bh - bh0), splits), (32 * KWARPS, 1, 1),
-            (Q, D_OUT, LSE, DELTA, XK, XV, XPART, p, geo[()].copy()),
-            shared_mem=smem, name="na_bwd_extra_kv", backend="fused", tile=(KWARPS * 16,)))
+        launches.append(((gx, min(MAX_GRID_Y, bh - bh0), splits), geo[()].copy()))
     plane = problem.batch * problem.extra_tokens * problem.extra_heads * dp
-    calls.append(KernelCall(
-        get_kernel(SOURCE, name_sum), (-(-2 * plane // 256), 1, 1), (256, 1, 1),
-        (XPART, DXK, DXV, p, geo[()].copy()), name="na_bwd_extra_sum", backend="fused"))
-    return calls, ((2 * splits * plane,), numpy.dtype(numpy.float32))
+    return ExtraTiling(_extra_names(c_type(problem.dtype), dp), smem, tuple(launches),
+                       (-(-2 * plane // 256), 1, 1), geo[()].copy(), 2 * splits * plane)
+
+
+def _extra_calls(x, p, operands):
+    """na_bwd_extra_kv and na_bwd_extra_sum of ExtraTiling ``x``, and the workspace of their
+    partial sums."""
+    Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART = operands
+    fn = get_kernel(SOURCE, x.names[0])
+    calls = [KernelCall(fn, grid, (32 * KWARPS, 1, 1),
+                        (Q, D_OUT, LSE, DELTA, XK, XV, XPART, p, geo), shared_mem=x.smem,
+                        name="na_bwd_extra_kv", backend="fused", tile=(KWARPS * 16,))
+             for grid, geo in x.launches]
+    calls.append(KernelCall(get_kernel(SOURCE, x.names[1]), x.sum_grid, (256, 1, 1),
+                            (XPART, DXK, DXV, p, x.sum_geo), name="na_bwd_extra_sum",
+                            backend="fused"))
+    return calls, ((x.partials,), numpy.dtype(numpy.float32))
 
 
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
@@ -341,9 +467,11 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv, xk, xv)
                if x is not None):
         return None
-    import cupy
-    ct = c_type(problem.dtype)
-    dp = _bucket(problem.head_dim)
+    t = configure(problem)
+    if isinstance(t, str):
+        raise ValueError(t)
+    if t.grid_x >= 2 ** 31:
+        raise ValueError(f"problem too large for one fused-backward launch ({t.grid_x} CTAs)")
     bias, tokens = problem.has_rpb, problem.has_extra
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
@@ -358,53 +486,25 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
         XK, XV, DXK, DXV, DELTA, XPART = map(Operand, range(11, 17))
     else:
         RPB, DELTA, PART = null, Operand(9), null
-
-    tile, patch = TILES[problem.rank]
-    nwarps = math.prod(t // w for t, w in zip(tile, patch))
-    per_axis = tiles_per_axis(problem, tile)
-    ntiles = math.prod(per_axis)
-    groups = math.prod(problem.dilation)
-    if any(x & (x - 1) for x in tile + patch):
-        raise ValueError(f"tile {tile} and patch {patch} extents must be powers of two")
-    geo = numpy.zeros((), dtype=PASS_GEOM)
-    geo["tile"], geo["patch"], geo["ntile"] = tile, patch, per_axis
-    geo["lpatch"] = tuple(int(x).bit_length() - 1 for x in patch)
-    tab, tab_off, reach = _geometry(problem, tile)
-    geo["tab_off"] = tab_off
-    bg = bias_geometry(problem, tab_off, per_axis) if bias else numpy.zeros((), BIAS_GEOM)[()]
-    name_kv, name_q = _names(ct, dp, grouped=problem.heads_per_kv > 1, bias=bias, extra=tokens)
-    # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
-    extra = _bias_smem(problem) if bias else {True: 0, False: 0}
+    tab = _geometry(problem, t.tile)[0]
     calls = []
-    for name, chunk, owner_is_key, ptrs in (
-            (name_q, _q_chunk(dp, bias), False, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, RPB, PART,
-                                               bg, XK, XV)),
-            (name_kv, min(dp, KV_CHUNK), True, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, RPB, bg))):
-        slab, smem = _slab_rows(reach[owner_is_key], dp, q.dtype.itemsize, nwarps, owner_is_key,
-                                extra[owner_is_key])
-        fn = get_kernel(SOURCE, name)
-        gx = ntiles * groups * (dp // chunk)
-        # Grid y: (batch, owner head): query heads for dQ, kv heads for dK/dV (each of those
-        # CTAs walks its kv head's group of query heads).
-        bh = problem.batch * (problem.kv_heads if owner_is_key else problem.heads)
-        for bh0 in range(0, bh, MAX_GRID_Y):
-            g = geo.copy()
-            g["slab_rows"], g["bh0"] = slab, bh0
-            calls.append(KernelCall(
-                fn, (gx, min(MAX_GRID_Y, bh - bh0), 1), (32 * nwarps, 1, 1),
-                (*ptrs, tab, p, g[()]), shared_mem=smem, name=name.split("<")[0],
-                backend="fused", tile=tile))
+    for ps, ptrs in ((t.q, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, RPB, PART, t.bias, XK, XV)),
+                     (t.kv, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, RPB, t.bias))):
+        fn = get_kernel(SOURCE, ps.name)
+        calls += [KernelCall(fn, grid, (t.threads, 1, 1), (*ptrs, tab, p, geo),
+                             shared_mem=ps.smem, name=ps.label, backend="fused", tile=t.tile)
+                  for grid, geo in ps.launches]
     workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
     if bias:
-        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
         calls.append(KernelCall(
-            get_kernel(SOURCE, f"na_bwd_fused_rpb<{ct}>"), (entries, problem.heads, 1),
-            (128, 1, 1), (PART, D_RPB, tab, p, bg), name="na_bwd_fused_rpb", backend="fused"))
-        workspaces.append(((problem.batch * problem.heads * int(bg["ctas"]) * int(bg["vol"]),),
-                           numpy.dtype(numpy.float32)))
+            get_kernel(SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
+            (t.entries, problem.heads, 1), (128, 1, 1), (PART, D_RPB, tab, p, t.bias),
+            name="na_bwd_fused_rpb", backend="fused"))
+        workspaces.append(((t.bias_boxes,), numpy.dtype(numpy.float32)))
     if tokens:
-        more, space = _extra_calls(problem, dp, p, (Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART),
-                                   device_limits(cupy.cuda.Device().id).sm_count)
+        import cupy
+        x = _extra_tiling(problem, device_limits(cupy.cuda.Device().id).sm_count)
+        more, space = _extra_calls(x, p, (Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART))
         calls += more
         workspaces.append(space)
     return Plan(tuple(calls), workspaces=tuple(workspaces))

@@ -24,6 +24,10 @@ mma.sync backward, whose bias gradient is reproducible), written to a workspace 
 box]; the mma.sync backward's ``na_bwd_fused_rpb`` then adds the boxes of each entry in a
 fixed order into d_rpb. Never with ``dq_atomic`` (the dQ pass makes the bias gradient).
 
+``configure`` decides once per problem, tile and dQ variant (cached): the Tiling or why this
+part refuses the problem on any device; ``refuse`` adds the device's compute capability and
+``plan_backward`` binds the arrays.
+
 A loader warpgroup stages the tiles (cp.async into 128-byte-swizzled shared memory,
 mbarriers, STAGES deep) in both passes. ``fused.py`` dispatches it where it measured faster
 than the mma.sync backward; design and measurements: ``bench/results/NOTES-hopper-bwd.md``.
@@ -80,6 +84,27 @@ def _compute_capability():
 
 def refuse(problem):
     """None if this part runs ``problem`` on the current device, else the reason."""
+    t = configure(problem)
+    if isinstance(t, str):
+        return t
+    cc = _compute_capability()
+    if cc != (9, 0):
+        return ("the Hopper fused backward needs compute capability 9.0, "
+                + ("no GPU here" if cc is None else f"this device has {cc[0]}.{cc[1]}"))
+    return None
+
+
+def configure(problem, tile=None, dq_atomic=None):
+    """The Tiling of ``problem`` (everything its launches need besides the device and the
+    arrays; ``tile``, ``dq_atomic``: plan_backward's overrides, None for the defaults), or a
+    str saying why this part cannot run it on any device: the one place the part decides,
+    read by ``refuse`` (which adds the device's compute capability) and ``plan_backward``.
+    Cached per problem, tile and dQ variant (``atomic_pays`` where None)."""
+    return _configure(problem, tile, atomic_pays(problem) if dq_atomic is None else dq_atomic)
+
+
+@functools.lru_cache(maxsize=512)
+def _configure(problem, tile, dq_atomic):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
     if problem.has_rpb and problem.deterministic:
@@ -94,14 +119,13 @@ def refuse(problem):
         return f"the Hopper fused backward needs a positive scale, got {problem.scale}"
     if problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
         return f"heads {problem.heads} or batch {problem.batch} over {MAX_GRID_YZ}"
-    if problem.has_rpb and max(_pass_smem(problem)) > SMEM_LIMIT:
+    fit = _pass_smem(problem)
+    if problem.has_rpb and max(fit) > SMEM_LIMIT:
         return (f"the bias boxes of kernel {problem.kernel_size} do not fit the Hopper fused "
                 "backward's shared memory")
-    cc = _compute_capability()
-    if cc != (9, 0):
-        return ("the Hopper fused backward needs compute capability 9.0, "
-                + ("no GPU here" if cc is None else f"this device has {cc[0]}.{cc[1]}"))
-    return None
+    if problem.has_rpb and dq_atomic:
+        return "a bias gradient comes from the dQ pass: dq_atomic must be off"
+    return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
 def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False):
@@ -195,14 +219,48 @@ def owner_ctas(problem):
 
 @functools.lru_cache(maxsize=512)
 def _geometry(problem, tile):
+    """(head-dim bucket, tile, owner boxes per (batch, head), delta blocks) of ``tile`` (None:
+    the default), shared by the decisions of both dQ variants."""
     dp = _bucket(problem.head_dim)
     tile = tile or DEFAULT[dp]
-    ctas = owner_ctas(problem)
-    if ctas >= 2 ** 31:
-        raise ValueError(f"problem too large for one Hopper fused-backward launch ({ctas} tiles)")
     rows = problem.batch * problem.heads * int(numpy.prod(problem.spatial))
     delta_blocks = -(-rows * (dp // 8) // DELTA_THREADS)
-    return dp, tile, ctas, delta_blocks
+    return dp, tile, owner_ctas(problem), delta_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How one problem is cut (depends on the problem alone; the device adds the window
+    tables of ``na_bwd_fused_rpb``)."""
+    names: tuple        # (delta, dK/dV, dQ pass or with dq_atomic the dQ store) expressions
+    dq_atomic: bool     # dQ added in the dK/dV pass into a float32 workspace
+    ctas: int           # owner boxes per (batch, head): both passes' grid x
+    delta_blocks: int   # grid x of the delta launch and of the dQ store
+    smem: tuple         # dynamic shared memory of the (dK/dV, dQ) passes, bytes
+    box: tuple          # the owner box per axis (what the launches record)
+    workspaces: tuple   # after delta: with dq_atomic the float32 dQ, with a bias the boxes
+    bias: numpy.void    # with a bias: the BiasGeom of na_bwd_fused_rpb, else None
+    entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
+
+
+def _tiling(problem, tile, dq_atomic, smem):
+    """The Tiling of ``tile`` (None: the default) and the dQ variant; ``smem``: the passes'
+    shared memory (``_pass_smem``)."""
+    dp, tile, ctas, delta_blocks = _geometry(problem, tile)
+    names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb)
+    if dq_atomic:
+        smem = (smem_bytes(dp, tile.bq, tile.kv_stages, True, True), smem[1])
+    workspaces = (dq_workspace(problem, dp),) if dq_atomic else ()
+    bias, entries = None, 0
+    # BiasGeom's fields are int32: a launch too large to run (plan_backward says so) has none.
+    if problem.has_rpb and ctas < 2 ** 31:
+        bias = _bias_geometry(problem)
+        assert int(bias["ctas"]) == ctas
+        size = problem.batch * problem.heads * ctas * int(bias["vol"])
+        workspaces += (((size,), numpy.dtype(numpy.float32)),)
+        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+    return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
+                  OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries)
 
 
 def atomic_pays(problem):
@@ -230,74 +288,67 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     ``atomic_pays``."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
-    bias = problem.has_rpb
-    if dq_atomic is None:
-        dq_atomic = atomic_pays(problem)
-    if bias and dq_atomic:
-        raise ValueError("a bias gradient comes from the dQ pass: dq_atomic must be off")
-    dp, tile, ctas, delta_blocks = _geometry(problem, tile)
+    t = configure(problem, tile, dq_atomic)
+    if isinstance(t, str):
+        raise ValueError(t)
+    if t.ctas >= 2 ** 31:
+        raise ValueError(f"problem too large for one Hopper fused-backward launch ({t.ctas} "
+                         "tiles)")
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta, rpb=rpb, d_rpb=d_rpb)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
     no_ws = numpy.uint64(0)  # a null pointer
-    if bias:
+    if problem.has_rpb:
         RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
     else:
         RPB, PART = no_ws, no_ws
         DELTA, DQ_WS = Operand(9), Operand(10)
-    name_delta, name_kv, name_dq = _names(problem.dtype, dp, problem.rank, tile, dq_atomic,
-                                          bias)
-    smem_kv, smem_dq = _pass_smem(problem, tile)
-    box = OWNER_BOX[problem.rank][:problem.rank]
+    fn_delta, fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in t.names)
+    smem_kv, smem_dq = t.smem
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
     # dQ: a CTA per query head.
-    kv_grid = (ctas, problem.kv_heads, problem.batch)
-    grid = (ctas, problem.heads, problem.batch)
-    ws = DQ_WS if dq_atomic else no_ws
+    kv_grid = (t.ctas, problem.kv_heads, problem.batch)
+    grid = (t.ctas, problem.heads, problem.batch)
+    ws = DQ_WS if t.dq_atomic else no_ws
     calls = [
-        KernelCall(get_kernel(SOURCE, name_delta, extra_options=OPTIONS),
-                   (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (D_OUT, OUT, DELTA, ws, p),
-                   name="na_bwd_hopper_delta", backend="fused"),
-        KernelCall(get_kernel(SOURCE, name_kv, extra_options=OPTIONS), kv_grid, (THREADS, 1, 1),
-                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p),
-                   shared_mem=(smem_bytes(dp, tile.bq, tile.kv_stages, True, True) if dq_atomic
-                               else smem_kv),
-                   name="na_bwd_hopper_kv", backend="fused", tile=box),
+        KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
+                   (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused"),
+        KernelCall(fn_kv, kv_grid, (THREADS, 1, 1),
+                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p), shared_mem=smem_kv,
+                   name="na_bwd_hopper_kv", backend="fused", tile=t.box),
     ]
-    if dq_atomic:
-        calls.append(KernelCall(get_kernel(SOURCE, name_dq, extra_options=OPTIONS),
-                                (delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (DQ_WS, DQ, p),
-                                name="na_bwd_hopper_dq", backend="fused"))
+    if t.dq_atomic:
+        calls.append(KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
+                                (DQ_WS, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
     else:
-        calls.append(KernelCall(get_kernel(SOURCE, name_dq, extra_options=OPTIONS), grid,
-                                (THREADS, 1, 1), (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
+        calls.append(KernelCall(fn_dq, grid, (THREADS, 1, 1),
+                                (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
                                 shared_mem=smem_dq, name="na_bwd_hopper_q", backend="fused",
-                                tile=box))
-    workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
-    if dq_atomic:
-        workspaces.append(dq_workspace(problem, dp))
-    if bias:
-        call, part = _bias_reduction(problem, ctas, p, PART, D_RPB)
-        calls.append(call)
-        workspaces.append(part)
-    return Plan(tuple(calls), workspaces=tuple(workspaces))
+                                tile=t.box))
+    if t.bias is not None:
+        calls.append(_bias_reduction(problem, t, p, PART, D_RPB))
+    return Plan(tuple(calls),
+                workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)), *t.workspaces))
 
 
-def _bias_reduction(problem, ctas, p, part, d_rpb):
-    """The launch that adds the dQ CTAs' bias-gradient boxes into d_rpb (the mma.sync
-    backward's ``na_bwd_fused_rpb``, told this pass's owner boxes), and the boxes' workspace."""
+def _bias_geometry(problem):
+    """The BiasGeom that ``na_bwd_fused_rpb`` (the mma.sync backward's) reduces this part's
+    dQ CTAs' bias-gradient boxes by: told this part's owner boxes."""
     from . import mma_backward as mb
     box = OWNER_BOX[problem.rank]
-    tab, tab_off, _ = mb._geometry(problem, box)
-    bg = mb.bias_geometry(problem, tab_off, mb.tiles_per_axis(problem, box), box)
-    assert int(bg["ctas"]) == ctas
-    entries = math.prod(2 * k - 1 for k in problem.kernel_size)
-    call = KernelCall(get_kernel(mb.SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
-                      (entries, problem.heads, 1), (128, 1, 1), (part, d_rpb, tab, p, bg),
+    _, tab_off, _ = mb._window_tables(tuple(mb._axes(problem)), box)
+    return mb.bias_geometry(problem, tab_off, mb.tiles_per_axis(problem, box), box)
+
+
+def _bias_reduction(problem, t, p, part, d_rpb):
+    """The launch that adds the dQ CTAs' bias-gradient boxes into d_rpb (the mma.sync
+    backward's ``na_bwd_fused_rpb``, with its window tables on the current device)."""
+    from . import mma_backward as mb
+    tab = mb._geometry(problem, OWNER_BOX[problem.rank])[0]
+    return KernelCall(get_kernel(mb.SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
+                      (t.entries, problem.heads, 1), (128, 1, 1), (part, d_rpb, tab, p, t.bias),
                       name="na_bwd_fused_rpb", backend="fused")
-    size = problem.batch * problem.heads * ctas * int(bg["vol"])
-    return call, ((size,), numpy.dtype(numpy.float32))
 
 
 def dq_workspace(problem, dp):

@@ -1,0 +1,273 @@
+"""The fused backward parts decide once per problem, without a GPU.
+
+``mma_backward.configure``, ``wgmma_backward.configure`` and
+``exact_fp32.configure_backward`` return the launch geometry of a problem (a frozen Tiling)
+or the reason the part refuses it, cached: ``refuse`` returns that reason, and
+``plan_backward`` binds the arrays to the decision's kernels, grids, shared memory and
+geometry structs without sizing anything again. Device-dependent inputs stay outside the
+cached decision: the Hopper part's compute capability (read by ``refuse``), the exact-float32
+part's shared-memory budget (part of its key), the mma.sync part's window tables on the
+device and the SM count that splits the additional tokens (read by ``plan_backward``).
+Kernel handles and the device tables are faked.
+"""
+
+import dataclasses
+
+import numpy
+import pytest
+
+from natten_cupy import _args
+from natten_cupy._operands import Layout
+from natten_cupy.backends.fused import exact_fp32 as E
+from natten_cupy.backends.fused import mma_backward as M
+from natten_cupy.backends.fused import wgmma_backward as H
+
+
+def _problem(spatial, kernel, head_dim=64, dtype=numpy.float16, heads=2, kv_heads=None,
+             stride=1, dilation=1, causal=False, rpb=False, **kw):
+    rank = len(spatial)
+    q = numpy.zeros((1, *spatial, heads, head_dim), dtype)
+    kv = numpy.zeros((1, *spatial, kv_heads or heads, head_dim), dtype)
+    ks = (kernel,) * rank if isinstance(kernel, int) else kernel
+    bias = numpy.zeros((heads, *(2 * k - 1 for k in ks)), dtype) if rpb else None
+    return _args.check_fused(rank, q, kv, kv, kernel, stride, dilation, causal, None, "fused",
+                             rpb=bias, **kw)
+
+
+def _layouts(p):
+    """Contiguous operand layouts of plan_backward (d_out, q, k, v, out, lse, dq, dk, dv[,
+    rpb, d_rpb])."""
+    full = Layout.contiguous((p.batch, *p.spatial, p.heads, p.head_dim), p.dtype)
+    kv = Layout.contiguous((p.batch, *p.spatial, p.kv_heads, p.head_dim), p.dtype)
+    lse = Layout.contiguous((p.batch, *p.spatial, p.heads), numpy.float32)
+    out = [full, full, kv, kv, full, lse, full, kv, kv]
+    if p.has_rpb:
+        table = Layout.contiguous((p.heads, *(2 * k - 1 for k in p.kernel_size)), p.dtype)
+        out += [table, table]
+    return out
+
+
+class _FakeKernel:
+    def __init__(self, expr):
+        self.name = expr
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Kernel handles that record their name expression; the mma.sync part's device tables
+    as a null pointer."""
+    for part in (M, H, E):
+        monkeypatch.setattr(part, "get_kernel", lambda src, expr, **kw: _FakeKernel(expr))
+    monkeypatch.setattr(M, "_geometry", lambda p, tile: (numpy.uint64(0), (0, 0, 0), {}))
+
+
+def _same_struct(a, b):
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+# ---- mma.sync backward -------------------------------------------------------------------
+
+MMA_CASES = [
+    dict(spatial=(97,), kernel=7, stride=2, dilation=2, causal=True, head_dim=40),
+    dict(spatial=(300,), kernel=65, rpb=True, head_dim=128),
+    dict(spatial=(33, 41), kernel=(7, 5), stride=(2, 1), dilation=(2, 3), heads=4, kv_heads=2),
+    dict(spatial=(23, 29), kernel=(9, 9), rpb=True, dtype=numpy.float32, allow_tf32=True,
+         head_dim=256),
+    dict(spatial=(10, 20, 21), kernel=(5, 9, 9), dilation=(1, 2, 2), head_dim=72),
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{len(c['spatial'])}d-{c['spatial']}")
+def test_mma_backward_plan_binds_the_decision(case, fake_device):
+    p = _problem(**case)
+    t = M.configure(p)
+    assert isinstance(t, M.Tiling) and M.refuse(p) is None
+    assert M.configure(dataclasses.replace(p)) is t          # cached for an equal problem
+    # The decision is what the pieces give: tiles, window reach, slab rows, bias parts.
+    tile, patch = M.TILES[p.rank]
+    dp = M._bucket(p.head_dim)
+    nwarps = 4
+    _, offsets, reach = M._window_tables(tuple(M._axes(p)), tile)
+    bias_smem = M._bias_smem(p) if p.has_rpb else {True: 0, False: 0}
+    itemsize = numpy.dtype(p.dtype).itemsize
+    for ps, owner_is_key in ((t.q, False), (t.kv, True)):
+        slab, smem = M._slab_rows(reach[owner_is_key], dp, itemsize, nwarps, owner_is_key,
+                                  bias_smem[owner_is_key])
+        assert ps.smem == smem
+        assert [int(g["slab_rows"]) for _, g in ps.launches] == [slab] * len(ps.launches)
+        assert all(tuple(g["tab_off"]) == offsets for _, g in ps.launches)
+    per_axis = M.tiles_per_axis(p, tile)
+    ctas = numpy.prod(per_axis) * numpy.prod(p.dilation)
+    assert t.q.launches[0][0] == (ctas * (dp // M._q_chunk(dp)), p.heads, 1)
+    assert t.kv.launches[0][0] == (ctas * (dp // min(dp, M.KV_CHUNK)), p.kv_heads, 1)
+    if p.has_rpb:
+        assert _same_struct(t.bias, M.bias_geometry(p, offsets, per_axis))
+    # plan_backward launches exactly that.
+    plan = M.plan_backward(p, *_layouts(p))
+    calls = plan.calls
+    assert [c.fn.name for c in calls[:2]] == [t.q.name, t.kv.name]
+    for c, ps in zip(calls[:2], (t.q, t.kv)):
+        (grid, geo), = ps.launches
+        assert (c.grid, c.shared_mem, c.block) == (grid, ps.smem, (t.threads, 1, 1))
+        assert c.args[-1] is geo and c.tile == t.tile
+    if p.has_rpb:
+        assert calls[2].name == "na_bwd_fused_rpb" and calls[2].args[-1] is t.bias
+        assert calls[2].grid == (t.entries, p.heads, 1)
+        assert plan.workspaces[1] == ((t.bias_boxes,), numpy.dtype(numpy.float32))
+    else:
+        assert len(calls) == 2 and len(plan.workspaces) == 1
+
+
+def test_mma_backward_refusals_are_the_decision():
+    exact = _problem((64,), 7, dtype=numpy.float32)
+    assert M.refuse(exact) == M.configure(exact) == "exact float32 runs in exact_fp32"
+    odd = _problem((64,), 7, head_dim=20)
+    assert M.refuse(odd) == M.configure(odd) == "head_dim 20 must be a multiple of 8 up to 256"
+    # the bias table and boxes of a 1-D window of 12001 exceed the 64 KB the passes give it
+    big = _problem((13000,), 12001, head_dim=128, heads=1, rpb=True)
+    assert M.refuse(big) == (
+        "the bias table and bias-gradient boxes of kernel (12001,) exceed 64 KB of shared "
+        "memory (backend 'naive' runs it)")
+    assert M.configure(big) is M.configure(dataclasses.replace(big))
+    with pytest.raises(ValueError, match="exact float32 runs in exact_fp32"):
+        M.plan_backward(exact, *_layouts(exact))
+
+
+def test_mma_backward_decision_follows_the_tiles(monkeypatch):
+    """A probe that swaps a rank's TILES entry gets a decision of those tiles."""
+    p = _problem((40, 48), (7, 7))
+    first = M.configure(p)
+    monkeypatch.setitem(M.TILES, 2, ((16, 8, 1), (4, 4, 1)))
+    swapped = M.configure(p)
+    assert swapped.tile == (16, 8, 1) and swapped.threads == 32 * 8
+    monkeypatch.undo()
+    assert M.configure(p) is first
+
+
+def test_mma_backward_extra_tokens_split_by_the_device():
+    """The additional tokens' launches depend on the SM count: cached per (problem, SMs)."""
+    q = numpy.zeros((2, 300, 4, 64), numpy.float16)
+    x = numpy.zeros((2, 100, 2, 64), numpy.float16)
+    p = _args.check_fused(1, q, q, q, 33, 1, 1, False, None, "fused", additional_keys=x,
+                          additional_values=x)
+    assert M.takes_extra(p)
+    x132, x108 = M._extra_tiling(p, 132), M._extra_tiling(p, 108)
+    assert M._extra_tiling(p, 132) is x132
+    for x, sms in ((x132, 132), (x108, 108)):
+        splits, rows = M._extra_splits(p, 64, sms)
+        (grid, geo), = x.launches
+        assert grid == (-(-100 // 64), 2 * 2, splits) and int(geo["split_rows"]) == rows
+        assert x.partials == 2 * splits * 2 * 100 * 2 * 64
+
+
+def test_mma_backward_plan_refuses_a_grid_too_large(fake_device):
+    p = dataclasses.replace(_problem((16, 16, 16), 3), spatial=(8192, 8192, 8192))
+    assert M.refuse(p) is None
+    assert M.configure(p).grid_x >= 2 ** 31
+    with pytest.raises(ValueError, match="too large for one fused-backward launch"):
+        M.plan_backward(p, *_layouts(p))
+
+
+# ---- Hopper backward ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypatch):
+    """configure does not read the device: refuse adds the compute capability to it."""
+    p = _problem((33, 41), (7, 5), head_dim=128, rpb=bias)
+    t = H.configure(p)
+    assert isinstance(t, H.Tiling) and H.configure(dataclasses.replace(p)) is t
+    monkeypatch.setattr(H, "_compute_capability", lambda: (9, 0))
+    assert H.refuse(p) is None
+    monkeypatch.setattr(H, "_compute_capability", lambda: (8, 0))
+    assert H.refuse(p) == ("the Hopper fused backward needs compute capability 9.0, this "
+                           "device has 8.0")
+    assert H.configure(p) is t
+    # the decision is what the pieces give
+    assert t.smem == (H._pass_smem(p) if bias or not t.dq_atomic else
+                      (H.smem_bytes(128, 64, 2, True, True), H._pass_smem(p)[1]))
+    assert t.ctas == H.owner_ctas(p) and t.dq_atomic == H.atomic_pays(p)
+    assert t.names == H._names(p.dtype, 128, 2, None, t.dq_atomic, bias)
+    plan = H.plan_backward(p, *_layouts(p))
+    delta, kv, dq = plan.calls[:3]
+    assert [c.fn.name for c in plan.calls[:3]] == list(t.names)
+    assert delta.grid == (t.delta_blocks, 1, 1)
+    assert kv.grid == (t.ctas, p.kv_heads, p.batch) and kv.shared_mem == t.smem[0]
+    assert plan.workspaces[1:] == t.workspaces
+    if bias:
+        assert not t.dq_atomic and dq.shared_mem == t.smem[1]
+        assert plan.calls[3].args[-1] is t.bias and plan.calls[3].grid == (t.entries, 2, 1)
+
+
+def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
+    p = _problem((33, 41), (7, 5), head_dim=128)
+    assert H.atomic_pays(p)   # head dim 128: the default adds dQ in the dK/dV pass
+    default, atomic = H.configure(p), H.configure(p, dq_atomic=True)
+    plain = H.configure(p, None, False)
+    assert default is atomic and plain is not default and not plain.dq_atomic
+    assert len(plain.workspaces) == 0 and len(atomic.workspaces) == 1
+    tile = H.BwdTile(64, 3, 128, 2)
+    other = H.configure(p, tile, False)
+    assert other.smem == H._pass_smem(p, tile) and str(tile.bn) in other.names[2]
+    assert H.plan_backward(p, *_layouts(p), tile=tile, dq_atomic=False).calls[1].shared_mem \
+        == other.smem[0]
+
+
+def test_hopper_backward_refusals_are_the_decision(fake_device):
+    half = _problem((300,), 65, rpb=True)
+    det = dataclasses.replace(half, deterministic=True)
+    assert H.refuse(det) == H.configure(det)
+    assert "deterministic=True" in H.refuse(det)
+    huge = _problem((13000,), 12001, head_dim=128, heads=1, rpb=True)
+    assert H.refuse(huge) == H.configure(huge) == (
+        "the bias boxes of kernel (12001,) do not fit the Hopper fused backward's shared memory")
+    with pytest.raises(ValueError, match="dq_atomic must be off"):
+        H.plan_backward(half, *_layouts(half), dq_atomic=True)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        H.plan_backward(det, *_layouts(det))
+    big = dataclasses.replace(_problem((16, 16, 16), 3), spatial=(8192, 8192, 8192))
+    assert isinstance(H.configure(big), H.Tiling)
+    with pytest.raises(ValueError, match="too large for one Hopper fused-backward launch"):
+        H.plan_backward(big, *_layouts(big))
+
+
+# ---- exact float32 -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [E.SMEM_BUDGET, 115712])
+def test_exact_fp32_decision_per_budget(budget, fake_device, monkeypatch):
+    """configure_backward is keyed by the device's budget; plan_backward launches it."""
+    p = _problem((31, 30), 9, head_dim=36, dtype=numpy.float32, heads=4, kv_heads=2)
+    t = E.configure_backward(p, budget)
+    assert E.configure_backward(dataclasses.replace(p), budget) is t
+    assert E.configure_backward(p, budget // 2) is not t
+    assert t.dkv.grid[1] == p.kv_heads and t.dq.grid[1] == p.heads
+    for launch, micro, columns, inverse, extra in (
+            (t.dq, E.MICRO_DQ, E.DQ_COLUMNS, False, 0),
+            (t.dkv, E.MICRO[2], E.DKV_COLUMNS, True, 8)):
+        lanes = E._lanes(36, columns)
+        cell = 2 * 4 * E._row_floats(lanes, columns, micro) + extra
+        front, smem, grid = E._plan_for(E._padded(p), micro, lanes, inverse, cell, budget)
+        assert launch.smem == smem and launch.grid[0] == grid[0]
+        assert _same_struct(launch.plan, E._in_problem_order(front, 2))
+    monkeypatch.setattr(E, "_budget", lambda: budget)
+    delta, dq, dkv = E.plan_backward(p, *_layouts(p)).calls
+    assert delta.grid == (t.delta_blocks, 1, 1)
+    for c, launch in ((dq, t.dq), (dkv, t.dkv)):
+        assert (c.fn.name, c.grid, c.shared_mem, c.tile) == (launch.name, launch.grid,
+                                                             launch.smem, launch.tile)
+        assert c.args[-1] is launch.plan
+    fwd = E.configure_forward(p, budget)
+    (call,) = E.plan_forward(p, *_layouts(p)[1:4], _layouts(p)[0], _layouts(p)[5]).calls
+    assert (call.grid, call.shared_mem, call.args[-1]) == (fwd.grid, fwd.smem, fwd.plan)
+
+
+def test_exact_fp32_refusals_are_the_decision(fake_device):
+    half = _problem((64,), 7, head_dim=32)
+    assert E.refuse(half) == E.configure_backward(half, E.SMEM_BUDGET) == (
+        "exact-float32 kernels take float32 only, got float16")
+    with pytest.raises(ValueError, match="float32 only"):
+        E.plan_backward(half, *_layouts(half))
+    big = dataclasses.replace(_problem((16, 16, 16), 3, dtype=numpy.float32),
+                              spatial=(8192, 8192, 8192))
+    assert E.refuse(big) is None
+    with pytest.raises(ValueError, match="too large for one launch"):
+        E.plan_backward(big, *_layouts(big))
