@@ -9,14 +9,15 @@ Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and ke
 the array API's own choice, warm calls; ``F@base``: family F built from other kernel sources,
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
-forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``), on the same inputs: forward
-and backward CUDA-event medians after warm-up, and TFLOP/s on useful FLOPs (forward 4 B N H
-K D, backward 2.5 times that). Each backward's gradients are checked to be finite;
-correctness against the reference is the GPU tests' job.
+forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
+stages), on the same inputs: forward and backward CUDA-event medians after warm-up, and
+TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
+gradients are checked to be finite; correctness against the reference is the GPU tests' job.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -90,8 +91,12 @@ def _run(wid, dtype, family, reps, forward_only=False):
 
         mod = family.split("@")[0].partition("+")[2]
         way = {"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(mod, {})
-        box = (dict(tile=fpart.SMALL_BOX[fpart._bucket(problem.head_dim)])
-               if mod == "small" else {})
+        box = {}
+        if mod.startswith("small"):   # smallN: the 64-query box with N stages
+            tile = fpart.SMALL_BOX[fpart._bucket(problem.head_dim)]
+            if mod[5:]:
+                tile = dataclasses.replace(tile, stages=int(mod[5:]))
+            box = dict(tile=tile)
 
         def fwd_call():
             fpart.forward(problem, q, k, v, out, lse, **box)

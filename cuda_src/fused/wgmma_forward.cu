@@ -391,8 +391,12 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   constexpr unsigned Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
   constexpr int LOAD_UNROLL = 2;  // the loader runs on few registers
 
-  extern __shared__ unsigned char smem_raw[];
-  const unsigned sq = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  // The swizzled tiles need 1024-byte alignment: the dynamic shared memory is declared so
+  // (no padding to round up by, which would cost the 64-query box its third stage at two CTAs
+  // an SM); a base that is not aligned after all stops the kernel rather than overrun.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned sq = smem_u32(smem_raw);
+  if (sq & 1023u) __trap();
   const unsigned sk = sq + Q_BYTES, sv = sk + STAGES * KV_BYTES;
   const unsigned full = sv + STAGES * KV_BYTES, empty = full + 8 * STAGES;  // mbarriers
   const unsigned btab = empty + 8 * STAGES;  // the bias box, after the mbarriers

@@ -87,7 +87,8 @@ def test_hopper_small_box_plans(shape, kernel):
     ((1, 8, 32, 32, 2, 128), (3, 5, 5), True),  # 5
     ((1, 96, 96, 2, 64), (15, 15), False),      # 6
     ((1, 256, 256, 2, 128), (33, 33), False),   # 15
-    ((1, 16, 32, 32, 2, 128), (5, 7, 7), False)])
+    ((1, 16, 32, 32, 2, 128), (5, 7, 7), True),   # 3-D: 10
+    ((2, 16, 40, 64, 2, 64), (5, 9, 9), False)])  # 12
 def test_hopper_small_box_dispatch(shape, kernel, small):
     """Rank 2 and 3 take the 64-query boxes where the 128-query box walks at most
     SMALL_BOX_UP_TO key tiles, never with a bias (whose kernels are built for the 128-query
@@ -97,7 +98,7 @@ def test_hopper_small_box_dispatch(shape, kernel, small):
     prob = _problem(x, rank, kernel)
     dp = wgmma_forward._bucket(shape[-1])
     assert (wgmma_forward._key_tiles(prob, wgmma_forward.DEFAULT_ND)
-            <= wgmma_forward.SMALL_BOX_UP_TO) == small
+            <= wgmma_forward.SMALL_BOX_UP_TO[rank]) == small
     expect = wgmma_forward.SMALL_BOX[dp] if small else wgmma_forward.DEFAULT_ND
     assert wgmma_forward._default_tile(prob) == expect
     assert wgmma_forward._plan(prob).tile == expect

@@ -64,15 +64,18 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
     128: (T(2, 128, 3),),
 }
 # Rank 2 and 3 with one compute warpgroup: 64-query boxes (2-D 8 x 8, 3-D 2 x 4 x 8), two
-# CTAs an SM (shared memory for both: head dim 128 two stages of 64 keys). A box's key region
-# is smaller per query than the 128-query box's (2-D, window 21 x 21: 28 x 28 keys against
-# 28 x 36), but each CTA stages its own and runs without a second warpgroup to hide its
-# softmax. Taken without a bias where the 128-query box walks at most SMALL_BOX_UP_TO key
-# tiles (an interior box): measured on an H100 (NOTES-hopper-fwd.md, v8), 5-36% faster up to
-# 5 tiles (2-D windows 3 x 3 to 13 x 13, 3-D 3 x 3 x 3 to 3 x 5 x 5), mixed from 6 to 14
-# (2-D 15 x 15 at head dim 64: 7% slower), slower beyond (2-D 33 x 33: 46%).
-SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 2, True)}
-SMALL_BOX_UP_TO = 5
+# CTAs an SM with three stages of 64 keys (at head dim 128 they fit twice an SM only without
+# the kernel's old 1 KiB alignment pad: 6-11% faster than two stages, NOTES-hopper-fwd.md,
+# v12). A box's key region is smaller per query than the 128-query box's (2-D, window
+# 21 x 21: 28 x 28 keys against 28 x 36), but each CTA stages its own and runs without a
+# second warpgroup to hide its softmax. Taken without a bias where the 128-query box walks
+# at most SMALL_BOX_UP_TO[rank] key tiles (an interior box): measured on an H100 (v8, v12),
+# 5-36% faster up to 5 tiles (2-D windows 3 x 3 to 13 x 13, 3-D 3 x 3 x 3 to 3 x 5 x 5); in
+# 2-D even from 6 to 8 (15 x 15, 21 x 21), slower beyond (33 x 33: 25%); in 3-D 10-16%
+# faster from 7 to 10 tiles (3 x 7 x 7, 5 x 7 x 7), mixed beyond (12: 11% slower, 14: 5%
+# faster).
+SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 3, True)}
+SMALL_BOX_UP_TO = {2: 5, 3: 10}
 # The query box per (rank, compute warpgroups): 64 * wg queries (rank 1 takes any wg).
 QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (2, 4, 8)}
 # With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
@@ -139,7 +142,7 @@ def _default_tile(problem):
     tile = DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
     if problem.has_rpb:
         return BIAS_TILE.get((problem.rank, dp), tile)
-    if problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO:
+    if problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]:
         return SMALL_BOX[dp]
     return tile
 
@@ -182,12 +185,12 @@ def _region_max(problem, tile):
 
 
 def _smem(problem, tile, walk_boxes=True):
-    """Dynamic shared memory of a launch: Q and the stages' K and V tiles, 1 KiB to align
-    them to 1024 bytes, the stages' mbarriers, the bias box (float32) and with the flat walk
-    (rank 2, 3) each region key's index into it (int32)."""
+    """Dynamic shared memory of a launch: Q and the stages' K and V tiles (the kernel declares
+    the base 1024-byte aligned), the stages' mbarriers, the bias box (float32) and with the
+    flat walk (rank 2, 3) each region key's index into it (int32)."""
     dp = _bucket(problem.head_dim)
     flat = problem.has_rpb and problem.rank > 1 and not walk_boxes
-    return (2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 1024 + 16 * tile.stages
+    return (2 * dp * (tile.bm + 2 * tile.stages * tile.bn) + 16 * tile.stages
             + 4 * _bias_box(problem, tile) + (4 * _region_max(problem, tile) if flat else 0))
 
 
@@ -224,8 +227,7 @@ class Tiling:
     tile: HopperTile
     grid: tuple
     block: tuple
-    smem: int       # dynamic shared memory, bytes (+1 KiB to align the tiles to 1024, and
-                    # the stages' mbarriers)
+    smem: int       # dynamic shared memory, bytes (with the stages' mbarriers)
 
 
 @functools.lru_cache(maxsize=512)
