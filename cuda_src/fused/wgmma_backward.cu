@@ -36,7 +36,7 @@ __device__ __forceinline__ i64 dq_ws_row(const NAParams& p, i64 b, i64 h, const 
   for (int a = 0; a < 3; ++a) off = off * p.dilation[a] + g[a];
   off = off * (D / 64) + chunk;
 #pragma unroll
-  for (int a = 0; a < 3; ++a) off = off * ((p.extent[a] + p.dilation[a] - 1) / p.dilation[a]) + n[a];
+  for (int a = 0; a < 3; ++a) off = off * Axis::longest_group(p.extent[a], p.dilation[a]) + n[a];
   return off * 64;
 }
 __device__ __forceinline__ int dq_ws_key(const int (&n)[3]) { return (n[0] + n[1] + n[2]) % 8; }
@@ -46,8 +46,8 @@ __device__ __forceinline__ i64 dq_ws_group(const NAParams& p, const i64 (&c)[5],
   int g[3], n[3];
 #pragma unroll
   for (int a = 0; a < 3; ++a) {
-    g[a] = (int)(c[1 + a] % p.dilation[a]);
-    n[a] = (int)(c[1 + a] / p.dilation[a]);
+    g[a] = (int)Axis::group_of(c[1 + a], p.dilation[a]);
+    n[a] = (int)Axis::in_group(c[1 + a], p.dilation[a]);
   }
   return dq_ws_row<D>(p, c[0], c[4], g, ch / 8, n) + (((ch % 8) ^ dq_ws_key(n)) * 8);
 }

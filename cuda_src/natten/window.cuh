@@ -12,8 +12,8 @@ struct Axis {
 
   // Full-axis coordinate i is member in_group(i) of dilation group group_of(i); group g's
   // members are the coordinates g + dilation * ig.
-  __device__ __forceinline__ int group_of(int i) const { return i % dilation; }
-  __device__ __forceinline__ int in_group(int i) const { return i / dilation; }
+  __device__ __forceinline__ int group_of(int i) const { return group_of(i, dilation); }
+  __device__ __forceinline__ int in_group(int i) const { return in_group(i, dilation); }
 
   // Members of dilation group g: ceil((L - g) / d).
   __device__ __forceinline__ int group_len(int g) const {
@@ -21,8 +21,14 @@ struct Axis {
   }
   // Members of the longest group, group 0: ceil(L / d). No dilation-1 branch (group_len(0)
   // has one): callers size grids and tiles with it, off the per-element path.
-  __device__ __forceinline__ int longest_group() const {
-    return (extent + dilation - 1) / dilation;
+  __device__ __forceinline__ int longest_group() const { return longest_group(extent, dilation); }
+
+  // The same three rules in the caller's integer width, for addressing that stays 64-bit
+  // throughout (the Hopper backward's float32 dQ workspace, indexed by i64 coordinates).
+  template <typename I> static __device__ __forceinline__ I group_of(I i, I d) { return i % d; }
+  template <typename I> static __device__ __forceinline__ I in_group(I i, I d) { return i / d; }
+  template <typename I> static __device__ __forceinline__ I longest_group(I len, I d) {
+    return (len + d - 1) / d;
   }
 
   // In-group window [start, end) of in-group query index ig, in a group of glen members.
