@@ -82,6 +82,42 @@ __device__ __forceinline__ void warp_step(
   if (OwnerIsKey) St::template ab<N1 * 8>(acc1, s, r1, RB);
 }
 
+// Stages `rows` gathered rows of src0, src1 (last dims contiguous: the launcher guarantees it)
+// into the slab, zeros past the head dim D, and waits for them at a CTA barrier. Each warp
+// takes 32-row chunks: chunk(base) lets the lane find its own row base + lane (which may lie
+// past `rows`) and returns row_offsets(j, o0, o1), which every lane calls together (so that it
+// may shuffle them from lane j) for row base + j's element offsets in src0 and src1; the warp
+// then copies the chunk's 16-byte pieces, 32 consecutive ones a turn (coalesced).
+// The slab lies where bwd_pass puts it, after the two owner tiles of kWarps * 16 rows; taken
+// from the shared memory itself, not passed in: through pointer arguments the copies' shared
+// addresses come out one add longer (NVVM simplifies this function before it sees that they
+// are constant offsets into shared memory).
+template <typename T, int RS, int EPP, int CH, typename Chunk>
+__device__ __forceinline__ void stage_slab(const T* src0, const T* src1, int slab_rows,
+                                           int rows, int D, int warp, int lane, Chunk chunk) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* const gat_s0 = reinterpret_cast<T*>(smem) + 2 * kWarps * 16 * RS;
+  T* const gat_s1 = gat_s0 + slab_rows * RS;
+  for (int base = warp * 32; base < rows; base += kWarps * 32) {
+    const auto row_offsets = chunk(base);
+#pragma unroll 4
+    for (int idx = lane; idx < 32 * CH; idx += 32) {
+      const int j = idx / CH, piece = idx % CH;
+      i64 o0, o1;
+      row_offsets(j, o0, o1);
+      if (base + j < rows) {
+        const bool ok = piece * EPP < D;
+        const int e = ok ? piece * EPP : 0;
+        tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, src0 + (o0 + e), ok);
+        tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, src1 + (o1 + e), ok);
+      }
+    }
+  }
+  tc::cp_async_commit();
+  tc::cp_async_wait<0>();
+  __syncthreads();
+}
+
 // One pass of the backward. OwnerIsKey: owners are keys (rows of k, v), gathered rows are
 // queries (q, d_o, lse, delta), outputs dk (scaled) and dv. Otherwise owners are queries
 // (q, d_o), gathered rows keys (k, v), output dq (scaled); this pass also computes the
@@ -158,7 +194,7 @@ __device__ __forceinline__ void bwd_pass(
   // Full-axis coordinate of in-group index c.
   auto full = [&](int a, int c) { return grp[a] + ax[a].d * c; };
 
-  // ---- shared memory ----
+  // ---- shared memory (stage_slab finds the slab there too) ----
   extern __shared__ __align__(16) unsigned char smem[];
   T* own_s0 = reinterpret_cast<T*>(smem);
   T* own_s1 = own_s0 + kWarps * 16 * RS;
@@ -504,10 +540,9 @@ __device__ __forceinline__ void bwd_pass(
       const int rows = (e0 - s0) * m1 * m2;
       const bwd::FastDiv by_plane(m1 * m2), by_m2(m2);
       __syncthreads();  // every warp is done with the previous slab
-      // Each warp stages 32-row chunks: lane r finds row base + r's offsets (and copies its
-      // lse and delta: query rows of the dK/dV pass), then the warp copies the chunk's 16-byte
-      // pieces, 32 consecutive ones per turn (coalesced), offsets by shuffle.
-      for (int base = warp * 32; base < rows; base += kWarps * 32) {
+      // Lane r of a chunk finds row base + r's offsets (and copies its lse and delta: query
+      // rows of the dK/dV pass); the warp takes them by shuffle.
+      const auto chunk = [=, &p](int base) {
         const int r = base + lane;
         i64 off0 = 0, off1 = 0;
         if (r < rows) {
@@ -521,21 +556,12 @@ __device__ __forceinline__ void bwd_pass(
                            dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
           }
         }
-#pragma unroll 4
-        for (int idx = lane; idx < 32 * CH; idx += 32) {
-          const int j = idx / CH, piece = idx % CH;
-          const i64 o0 = __shfl_sync(0xffffffffu, off0, j), o1 = __shfl_sync(0xffffffffu, off1, j);
-          if (base + j < rows) {
-            const bool ok = piece * EPP < D;
-            const int e = ok ? piece * EPP : 0;
-            tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, gat0_bh + (o0 + e), ok);
-            tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, gat1_bh + (o1 + e), ok);
-          }
-        }
-      }
-      tc::cp_async_commit();
-      tc::cp_async_wait<0>();
-      __syncthreads();
+        return [=](int j, i64& o0, i64& o1) {
+          o0 = __shfl_sync(0xffffffffu, off0, j);
+          o1 = __shfl_sync(0xffffffffu, off1, j);
+        };
+      };
+      stage_slab<T, RS, EPP, CH>(gat0_bh, gat1_bh, slab_rows, rows, D, warp, lane, chunk);
 
       // This warp's share of the slab: its reach intersected with the slab box.
       const int lo0 = max(wlo[0], s0), lo1 = max(wlo[1], s1), lo2 = max(wlo[2], s2);
@@ -556,21 +582,18 @@ __device__ __forceinline__ void bwd_pass(
     for (int x0 = 0; x0 < ntok; x0 += slab_rows) {
       const int rows = min(slab_rows, ntok - x0);
       __syncthreads();  // every warp is done with the previous slab
-      for (int base = warp * 32; base < rows; base += kWarps * 32) {
-#pragma unroll 4
-        for (int idx = lane; idx < 32 * CH; idx += 32) {
-          const int j = idx / CH, piece = idx % CH;
+      // Token rows: every lane finds any row's offsets itself, only for rows of the slab
+      // (the multiplies stay under the copies' branch).
+      const auto chunk = [=, &p](int base) {
+        return [=, &p](int j, i64& o0, i64& o1) {
           if (base + j < rows) {
-            const bool ok = piece * EPP < D;
-            const i64 e = ok ? piece * EPP : 0, tok = x0 + base + j;
-            tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, xk_bh + (tok * p.xk[1] + e), ok);
-            tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, xv_bh + (tok * p.xv[1] + e), ok);
+            const i64 tok = x0 + base + j;
+            o0 = tok * p.xk[1];
+            o1 = tok * p.xv[1];
           }
-        }
-      }
-      tc::cp_async_commit();
-      tc::cp_async_wait<0>();
-      __syncthreads();
+        };
+      };
+      stage_slab<T, RS, EPP, CH>(xk_bh, xv_bh, slab_rows, rows, D, warp, lane, chunk);
       steps(live ? rows : 0, Share{0, 0, 0, 1, 0, 0, 0, 1, 1, bwd::FastDiv(1), bwd::FastDiv(1),
                                    true});
     }
