@@ -38,8 +38,8 @@ def main(argv=None):
                     help="run the Hopper forward itself with its default query box or the "
                          "64-query box (wgmma_forward.SMALL_BOX), whatever the dispatch picks")
     args = ap.parse_args(argv)
-    if args.hopper_box and (args.backward or args.hopper_dq):
-        ap.error("--hopper-box profiles the forward")
+    if args.hopper_box and (args.backward or args.hopper_dq or args.rpb):
+        ap.error("--hopper-box profiles the forward without a bias")
     w = probe_workload(args.workload)
     spec = dtype_spec(args.dtype)
     dtype, tf32 = spec["name"], spec["tf32"]
@@ -54,14 +54,14 @@ def main(argv=None):
              backend="fused", tile=tile, rpb=rpb)
     out, lse = ops.fused_forward(w.rank, q, k, v, w.kernel, return_lse=True, **c)
 
-    if args.hopper_dq or args.hopper_box:
+    if args.hopper_dq or args.hopper_box:   # a Hopper part called directly
         from natten_cupy import _args
-        from natten_cupy.backends.fused import wgmma_backward
+        from natten_cupy.backends.fused import wgmma_backward, wgmma_forward
         prob = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal,
                                  None, "fused")
+    if args.hopper_dq:
         grads = [cupy.empty(q.shape, q.dtype) for _ in range(3)]
     if args.hopper_box:
-        from natten_cupy.backends.fused import wgmma_forward
         box = ({} if args.hopper_box == "default" else
                dict(tile=wgmma_forward.SMALL_BOX[wgmma_forward._bucket(w.dim)]))
 
