@@ -29,6 +29,8 @@ import threading
 
 import numpy
 
+from ._tma import TensorMap
+
 __all__ = ["launch", "region", "add_recorder", "remove_recorder", "Operand", "KernelCall",
            "Plan", "run_plan", "profiling"]
 
@@ -62,14 +64,20 @@ def launch(fn, grid, block, args, *, shared_mem=0, name="", backend="", tile=Non
     if not _recorders:
         fn(grid, block, args, shared_mem=int(shared_mem))
         return
+    _recorded(lambda: fn(grid, block, args, shared_mem=int(shared_mem)), name=name or fn.name,
+              backend=backend, tile=tile, grid=grid, block=block)
+
+
+def _recorded(run, **info):
+    """Run ``run`` (GPU work on the current stream) between two events and report it to every
+    recorder with ``info`` (name, backend, tile, grid, block)."""
     import cupy
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     start.record()
-    fn(grid, block, args, shared_mem=int(shared_mem))
+    run()
     stop.record()
     for rec in _recorders:
-        rec.record(name=name or fn.name, backend=backend, tile=tile, grid=grid, block=block,
-                   start=start, stop=stop)
+        rec.record(start=start, stop=stop, **info)
 
 
 @contextlib.contextmanager
@@ -129,8 +137,9 @@ class KernelCall:
 
     The buffer is laid out as [pointer table][operand slots][constants]: the driver reads
     the kernel's arguments through the table, so the operand slots (8 bytes each) are packed
-    together and one ``struct`` call fills them. The buffer is reused under a lock (the driver
-    copies the arguments at launch).
+    together and one ``struct`` call fills them. A tensor map (``natten_cupy._tma.TensorMap``)
+    is a constant whose address field each launch sets to its operand's pointer. The buffer
+    is reused under a lock (the driver copies the arguments at launch).
     """
 
     def __init__(self, fn, grid, block, args, *, shared_mem=0, name="", backend="", tile=None):
@@ -144,27 +153,35 @@ class KernelCall:
         n = len(args)
         slots = [a.index for a in args if isinstance(a, Operand)]
         head = 8 * n
-        offsets, consts, pos = [], [], head + 8 * len(slots)
+        offsets, consts, maps, pos = [], [], [], head + 8 * len(slots)
         slot_at = head
         for a in args:
             if isinstance(a, Operand):
                 offsets.append(slot_at)
                 slot_at += 8
                 continue
-            data, align = _arg_bytes(a)
+            if isinstance(a, TensorMap):
+                data, align = a.data, 64
+                maps.append((a.index, len(offsets)))
+            else:
+                data, align = _arg_bytes(a)
             pos = -(-pos // max(align, 8)) * max(align, 8)
             offsets.append(pos)
             consts.append((pos, data))
             pos += len(data)
-        self._buf = ctypes.create_string_buffer(max(pos, 8))
-        base = ctypes.addressof(self._buf)
-        struct.pack_into(f"<{n}Q", self._buf, 0, *(base + o for o in offsets))
+        # The layout starts at a 64-byte aligned address inside the buffer (tensor maps are).
+        self._buf = ctypes.create_string_buffer(max(pos, 8) + 64)
+        start = -ctypes.addressof(self._buf) % 64
+        base = ctypes.addressof(self._buf) + start
+        struct.pack_into(f"<{n}Q", self._buf, start, *(base + o for o in offsets))
         for at, data in consts:
             ctypes.memmove(base + at, data, len(data))
         self._slots = tuple(slots)
         self._gather = _getter(self._slots)
         self._pack = struct.Struct(f"<{len(slots)}Q").pack_into
-        self._head = head
+        self._head = start + head
+        self._map_at = tuple((i, base + offsets[k]) for i, k in maps)
+        self._maps = ()   # (operand index, _tma.AddressSlot) once prepared
         self._params = base
         self._lock = threading.Lock()
         self._func = None
@@ -181,6 +198,9 @@ class KernelCall:
             self._func = self.fn.kernel.ptr
             self._launch = driver.launchKernel
             self._fixed = (self._func, *self.grid, *self.block, self.shared_mem)
+            if self._map_at:
+                from ._tma import AddressSlot
+                self._maps = tuple((i, AddressSlot(at)) for i, at in self._map_at)
         return self
 
     def __call__(self, ptrs, stream):
@@ -189,6 +209,8 @@ class KernelCall:
             return
         with self._lock:
             self._pack(self._buf, self._head, *self._gather(ptrs))
+            for i, slot in self._maps:
+                slot.set(ptrs[i])
             self._launch(*self._fixed, stream, self._params, 0)
 
 
@@ -215,14 +237,15 @@ def run_plan(plan, ptrs, stream):
 
 def run_plan_on(plan, arrays):
     """``run_plan`` with CuPy arrays (operands, then workspaces) on CuPy's current stream;
-    through ``launch`` (one event pair a kernel) while a profiler records."""
+    with one event pair a kernel, reported to the recorders, while a profiler records."""
     import cupy
-    if _recorders:
-        for c in plan.calls:
-            args = [arrays[a.index] if isinstance(a, Operand) else a for a in c.args]
-            launch(c.fn, c.grid, c.block, args, shared_mem=c.shared_mem, name=c.name,
-                   backend=c.backend, tile=c.tile)
-        return
     plan.prepare()
-    run_plan(plan, [0 if x is None else x.data.ptr for x in arrays],
-             cupy.cuda.get_current_stream().ptr)
+    ptrs = [0 if x is None else x.data.ptr for x in arrays]
+    stream = cupy.cuda.get_current_stream().ptr
+    if not _recorders:
+        run_plan(plan, ptrs, stream)
+        return
+    for c in plan.calls:
+        if not c.empty:
+            _recorded(lambda c=c: c(ptrs, stream), name=c.name, backend=c.backend, tile=c.tile,
+                      grid=c.grid, block=c.block)

@@ -10,7 +10,8 @@ the array API's own choice, warm calls; ``F@base``: family F built from other ke
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
-stages), on the same inputs: forward and backward CUDA-event medians after warm-up, and
+stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, e.g. ``wgmma+small+cpasync``),
+on the same inputs: forward and backward CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.
 """
@@ -89,14 +90,17 @@ def _run(wid, dtype, family, reps, forward_only=False):
         out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], cupy.float32)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
 
-        mod = family.split("@")[0].partition("+")[2]
-        way = {"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(mod, {})
-        box = {}
-        if mod.startswith("small"):   # smallN: the 64-query box with N stages
-            tile = fpart.SMALL_BOX[fpart._bucket(problem.head_dim)]
-            if mod[5:]:
-                tile = dataclasses.replace(tile, stages=int(mod[5:]))
-            box = dict(tile=tile)
+        mods = family.split("@")[0].split("+")[1:]
+        way, box = {}, {}
+        for mod in mods:
+            way.update({"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(mod, {}))
+            if mod.startswith("small"):   # smallN: the 64-query box with N stages
+                tile = fpart.SMALL_BOX[fpart._bucket(problem.head_dim)]
+                if mod[5:]:
+                    tile = dataclasses.replace(tile, stages=int(mod[5:]))
+                box["tile"] = tile
+            if mod in ("tma", "cpasync"):   # the Hopper forward's loader
+                box["tma"] = mod == "tma"
 
         def fwd_call():
             fpart.forward(problem, q, k, v, out, lse, **box)

@@ -6,6 +6,7 @@
 #include "natten/hopper/wgmma.cuh"
 #include "natten/hopper/tile_box.cuh"
 #include "natten/hopper/bias_box.cuh"
+#include "natten/hopper/tma.cuh"
 
 namespace natten {
 namespace hopper {
@@ -376,18 +377,23 @@ struct RowBlock {
 // instead of all of them contending at once.
 // BIAS: adds rpb[h, key - query + kernel - 1] (in-group offsets per axis) to each score
 // (BiasBox; stride 1).
+// TMA: the loader is one thread that stages Q and each K/V tile by tensor maps (tq, tk, tv:
+// tma.cuh) instead of the warpgroup's cp.async; rank 2 and 3 only with BOX (a key box is one
+// TMA box per 64 columns), rank 1 with the map's element stride stepping the dilation.
 template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
-          int T1, int T2, bool BOX, bool BIAS>
+          int T1, int T2, bool BOX, bool BIAS, bool TMA>
 __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k,
                                     const T* __restrict__ v, T* __restrict__ o,
                                     float* __restrict__ lse, const T* __restrict__ rpb,
-                                    const NAParams& p) {
+                                    const NAParams& p, const TmaMap* tq, const TmaMap* tk,
+                                    const TmaMap* tv) {
   constexpr int BM = 64 * WG, NT = 128;  // NT: threads that load (warpgroup 0)
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!PP || (PIPE && WG >= 2), "PP needs PIPE and two compute warpgroups");
   static_assert(T0 * T1 * T2 == BM && (RANK > 1 || T0 == BM) && (RANK > 2 || T2 == 1),
                 "the query tile is BM queries over the rank's axes");
   static_assert(!BOX || (RANK > 1 && BM == BN), "key boxes (rank 2, 3) have the query box's shape");
+  static_assert(!TMA || RANK == 1 || BOX, "TMA loads key boxes (rank 2, 3)");
   constexpr unsigned Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
   constexpr int LOAD_UNROLL = 2;  // the loader runs on few registers
 
@@ -440,7 +446,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   // mbarrier, made visible to the tensor cores' async proxy).
   auto acquire = [&](int j) {
     mbar_wait(full + 8 * (j % STAGES), (j / STAGES) & 1);
-    fence_proxy_async();
+    if (!TMA) fence_proxy_async();  // (TMA writes through the async proxy already)
   };
   auto release = [&](int j) {  // this warpgroup's GEMMs on tile j are complete
     mbar_arrive(empty + 8 * (j % STAGES));
@@ -631,22 +637,49 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   // 2-D and 3-D loaders do index math per row; 2-D at head dim 64 gives its loader 56 (at 40
   // it spilled 16 bytes once it computes the GQA kv head), its compute warpgroups fit in 224.
   // One compute warpgroup: two CTAs an SM (128 registers a thread at entry).
-  constexpr int kLoaderRegs = WG == 2 ? (RANK == 1 ? kLoaderRegs1D
-                                         : (RANK == 2 || BIAS) && D > 64 ? 40 : 56)
-                                      : WG == 1 ? 56 : 32;
-  constexpr int kComputeRegs = WG == 2 ? (RANK == 1 ? kComputeRegs1D
-                                          : (RANK == 2 || BIAS) && D > 64 ? 232 : 224)
-                                       : WG == 1 ? 200 : 160;
+  // The TMA loader is one thread with a few coordinates: 24 registers, the rest to compute.
+  constexpr int kLoaderRegs = TMA && WG <= 2 ? 24
+                              : WG == 2 ? (RANK == 1 ? kLoaderRegs1D
+                                           : (RANK == 2 || BIAS) && D > 64 ? 40 : 56)
+                                        : WG == 1 ? 56 : 32;
+  constexpr int kComputeRegs = TMA && WG <= 2 ? (WG == 2 ? 240 : 232)
+                               : WG == 2 ? (RANK == 1 ? kComputeRegs1D
+                                            : (RANK == 2 || BIAS) && D > 64 ? 232 : 224)
+                                         : WG == 1 ? 200 : 160;
   static_assert(WG != 2 || kLoaderRegs + 2 * kComputeRegs <= 3 * 168, "over the CTA's registers");
   static_assert(WG != 1 || kLoaderRegs + kComputeRegs <= 2 * 128, "over the CTA's registers");
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 128);
+      mbar_init(full + 8 * s, TMA ? 1 : 128);
       mbar_init(empty + 8 * s, 128 * WG);
     }
+    if (TMA) fence_mbar_init();
   }
   __syncthreads();
-  if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
+  if (TMA && wg < 0) {  // one thread loads: Q with tile 0, then each tile once its slot is free
+    regs_dec<kLoaderRegs>();
+    if (tid != 0) return;
+    tma_prefetch(tq);
+    tma_prefetch(tk);
+    tma_prefetch(tv);
+    const int hk = h / (int)p.heads_per_kv;  // GQA: the kv head of query head h
+    int x[3];  // full-axis coordinates of the first row of the query box, then of a key tile
+#pragma unroll
+    for (int a = 0; a < 3; ++a) x[a] = G.g[a] + (int)p.dilation[a] * G.o0[a];
+    mbar_expect_tx(full, Q_BYTES + 2 * KV_BYTES);
+    tma_tile<D, BM, RANK>(sq, tq, full, x, h, b, d0);
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j % STAGES;
+      if (j >= STAGES) mbar_wait(empty + 8 * s, (j / STAGES + 1) & 1);
+      if (j > 0) mbar_expect_tx(full + 8 * s, 2 * KV_BYTES);
+      int org[3] = {j * BN, 0, 0};  // rank 1: region keys [j * BN, (j + 1) * BN)
+      if (RANK > 1) G.box_origin(j, org);
+#pragma unroll
+      for (int a = 0; a < 3; ++a) x[a] = G.g[a] + (int)p.dilation[a] * (G.rs[a] + org[a]);
+      tma_tile<D, BN, RANK>(sk + s * KV_BYTES, tk, full + 8 * s, x, hk, b, d0);
+      tma_tile<D, BN, RANK>(sv + s * KV_BYTES, tv, full + 8 * s, x, hk, b, d0);
+    }
+  } else if (wg < 0) {  // the loader: Q with tile 0, then each tile once its slot is free
     regs_dec<kLoaderRegs>();
     // GQA: query head h reads kv head h / heads_per_kv. Computed here, in the loader only:
     // before the split (live into both roles) the 2-D D64 kernels spilled.
@@ -674,8 +707,21 @@ __global__ void __launch_bounds__(128 * (WG + 1), WG == 1 ? 2 : 1)
 na_fwd_hopper(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ rpb,
               const NAParams p) {
-  hopper::fwd<T, D, WG, BN, STAGES, PIPE, PP, RANK, T0, T1, T2, BOX, BIAS>(q, k, v, o, lse, rpb,
-                                                                           p);
+  hopper::fwd<T, D, WG, BN, STAGES, PIPE, PP, RANK, T0, T1, T2, BOX, BIAS, false>(
+      q, k, v, o, lse, rpb, p, nullptr, nullptr, nullptr);
+}
+
+// The same forward with Q, K and V staged by TMA: tq, tk, tv map q, k and v (tma.cuh).
+template <typename T, int D, int WG, int BN, int STAGES, bool PIPE, bool PP, int RANK, int T0,
+          int T1, int T2, bool BOX, bool BIAS>
+__global__ void __launch_bounds__(128 * (WG + 1), WG == 1 ? 2 : 1)
+na_fwd_hopper_tma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ rpb,
+                  const NAParams p, const __grid_constant__ hopper::TmaMap tq,
+                  const __grid_constant__ hopper::TmaMap tk,
+                  const __grid_constant__ hopper::TmaMap tv) {
+  hopper::fwd<T, D, WG, BN, STAGES, PIPE, PP, RANK, T0, T1, T2, BOX, BIAS, true>(
+      q, k, v, o, lse, rpb, p, &tq, &tk, &tv);
 }
 
 }  // namespace natten

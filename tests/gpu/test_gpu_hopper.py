@@ -68,9 +68,10 @@ def _reference(problem, q, k, v, rpb=None):
     return out.astype(F64), lse.astype(F64)
 
 
-def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None, bias=False):
-    """Run one case (with ``bias`` a random relative positional bias [H, 2k-1, ...]);
-    returns (out error, reference out error, lse error)."""
+def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None, bias=False, tma=None):
+    """Run one case (with ``bias`` a random relative positional bias [H, 2k-1, ...]; ``tma``:
+    the loader, as ``wgmma_forward.forward`` takes it); returns (out error, reference out
+    error, lse error)."""
     import cupy as cp
     spatial, kernel, _, _, _, heads, dim, dtype, _ = case
     rank = len(spatial)
@@ -90,7 +91,7 @@ def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None, bias=F
     out = upload(cp, numpy.full(shape, numpy.nan, dtype))
     lse = cp.full(shape[:-1], cp.nan, dtype=cp.float32)
     wgmma_forward.forward(prob, *dev, out, lse, None if rpb is None else upload(cp, rpb),
-                          tile=tile, walk_boxes=walk_boxes)
+                          tile=tile, walk_boxes=walk_boxes, tma=tma)
     out, lse = to_host(out), to_host(lse)
     h64 = [x.astype(F64) for x in host]
     r64 = None if rpb is None else rpb.astype(F64)
@@ -129,6 +130,42 @@ def test_hopper_small_box_tiles(case, walk_boxes, rng):
     _skip_unless_hopper()
     check_case(case, rng, walk_boxes=walk_boxes,
                tile=wgmma_forward.SMALL_BOX[wgmma_forward._bucket(case[6])])
+
+
+def _tma_runs(case):
+    """Where the TMA loader runs (the maps' limits, natten_cupy/_tma.py): rank 1 with dilation
+    up to 4, rank 2 with dilation up to 8, rank 3 where the head dim is the kernel's 64 or 128
+    (the tests' arrays are contiguous); rank 2 and 3 walking key boxes."""
+    spatial, _, _, dil, _, _, dim, _, _ = case
+    dil = (dil,) * len(spatial) if isinstance(dil, int) else dil
+    if len(spatial) == 1:
+        return dil[0] <= 4
+    return max(dil) <= 8 and (len(spatial) == 2 or dim in (64, 128))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-s{c[2]}-"
+                         f"d{c[3]}-c{c[4]}-D{c[6]}-{numpy.dtype(c[7]).name}")
+@pytest.mark.parametrize("tma", [False, True], ids=("cp.async", "tma"))
+def test_hopper_loaders(case, tma, rng):
+    """Both loaders on every case: cp.async always, TMA wherever its maps describe the
+    operands (a case outside them must be refused with the reason, not run the other loader)."""
+    _skip_unless_hopper()
+    walk = True if len(case[0]) > 1 else None
+    if tma and not _tma_runs(case):
+        with pytest.raises(ValueError, match="TMA loader cannot run"):
+            check_case(case, rng, walk_boxes=walk, tma=True)
+        return
+    check_case(case, rng, walk_boxes=walk, tma=tma)
+    if len(case[0]) > 1:   # and the 64-query box
+        check_case(case, rng, walk_boxes=True, tma=tma,
+                   tile=wgmma_forward.SMALL_BOX[wgmma_forward._bucket(case[6])])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] in (1, (1,) * len(c[0]))
+                                  and _tma_runs(c)][::2], ids=lambda c: f"{len(c[0])}d-{c[0]}")
+def test_hopper_tma_with_bias(case, rng):
+    _skip_unless_hopper()
+    check_case(case, rng, bias=True, walk_boxes=True if len(case[0]) > 1 else None, tma=True)
 
 
 @pytest.mark.parametrize("tile", [t for ts in wgmma_forward.ALTERNATIVES.values() for t in ts],

@@ -5,9 +5,10 @@ A CTA owns a box of 64 * WG in-group queries of one dilation group per axis (1-D
 consecutive, 2-D: 8 x 16, 3-D: 2 x 8 x 8; 2-D 8 x 8 and 3-D 2 x 4 x 8 where that box would walk
 few key tiles, ``SMALL_BOX``; a dilation group is a strided sub-grid, addressed by strides,
 never copied); its key region is the box of per-axis ranges [start(first query),
-end(last query)) by the window arithmetic, walked row-major in BN-key tiles that a
-STAGES-deep cp.async pipeline stages in 128-byte-swizzled shared memory; only tiles not inside
-every window of the CTA are masked. Each warpgroup computes S = Q K^T (wgmma, both operands
+end(last query)) by the window arithmetic, walked row-major in BN-key tiles or in key boxes of
+the query box's shape, that a STAGES-deep pipeline stages in 128-byte-swizzled shared memory
+(TMA loads from tensor maps where they describe the operands, ``tma_maps``; else the loader
+warpgroup's cp.async); only tiles not inside every window of the CTA are masked. Each warpgroup computes S = Q K^T (wgmma, both operands
 from shared memory), an online softmax in exp2, and O += P V (wgmma, P from registers).
 With a relative positional bias each CTA first stages the part of its head's table that
 its scores reach (``_bias_box``) in shared memory; each score then adds its entry.
@@ -29,6 +30,7 @@ from ..._dtypes import FLOAT16, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import SM90_SMEM_PER_BLOCK, head_dim_bucket, rows_ready, run_forward
 from ..._params import make_params
+from ..._tma import TensorMap, unavailable_reason as tma_unavailable
 
 SOURCE = "fused/wgmma_forward.cu"
 OPTIONS = ("-arch=sm_90a",)
@@ -85,6 +87,14 @@ QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (
 BIAS_TILE = {(1, 64): T(2, 128, 3, True, True), (1, 128): T(2, 128, 2, True, True),
              (2, 128): T(2, 128, 2, True, True), (3, 128): T(2, 128, 2, True, True)}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
+# Q, K and V staged by TMA (one loader thread, tensor maps: natten_cupy/_tma.py) wherever the
+# maps can describe them (rank 1, and rank 2 and 3 walking key boxes) and the CTA has at most
+# two compute warpgroups; the warpgroup's cp.async elsewhere. Measured on an H100
+# (NOTES-hopper-fwd.md, v13): 2D-33 and M4 10-11% faster, 1-D at head dim 128 4%, equal on
+# the 64-query boxes, 3-5% slower on 1-D at head dim 64 (three compute warpgroups).
+# USE_TMA = False switches it off (the probes' side-by-side timings).
+USE_TMA = True
+TMA_UP_TO_WG = 2
 
 
 def _bucket(head_dim):
@@ -129,10 +139,11 @@ def _box(rank, tile):
     return (tile.bm, 1, 1) if rank == 1 else QUERY_BOX[(rank, tile.wg)]
 
 
-def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False):
+def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False, tma=False):
     flags = ", ".join("true" if f else "false" for f in (tile.pipe, tile.pp))
     box = ", ".join(str(t) for t in _box(rank, tile))
-    return (f"natten::na_fwd_hopper<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
+    kernel = "na_fwd_hopper_tma" if tma else "na_fwd_hopper"
+    return (f"natten::{kernel}<{c_type(dtype)}, {dp}, {tile.wg}, {tile.bn}, {tile.stages}, "
             f"{flags}, {rank}, {box}, {'true' if walk_boxes else 'false'}, "
             f"{'true' if bias else 'false'}>")
 
@@ -156,13 +167,16 @@ def instantiations():
     out = []
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
-            out.append((SOURCE, _name(dtype, dp, DEFAULT[dp])))
-            out.append((SOURCE, _name(dtype, dp, BIAS_TILE[(1, dp)], bias=True)))
-            for rank in (2, 3):
-                out += [(SOURCE, _name(dtype, dp, tile, rank, walk))
-                        for tile in (DEFAULT_ND, SMALL_BOX[dp]) for walk in (False, True)]
-                out += [(SOURCE, _name(dtype, dp, BIAS_TILE.get((rank, dp), DEFAULT_ND), rank,
-                                       walk, True)) for walk in _bias_walks(rank, dp)]
+            for tma in (False, True):   # (key boxes only with TMA at rank 2, 3)
+                out.append((SOURCE, _name(dtype, dp, DEFAULT[dp], tma=tma)))
+                out.append((SOURCE, _name(dtype, dp, BIAS_TILE[(1, dp)], bias=True, tma=tma)))
+                for rank in (2, 3):
+                    out += [(SOURCE, _name(dtype, dp, tile, rank, walk, tma=tma))
+                            for tile in (DEFAULT_ND, SMALL_BOX[dp]) for walk in (False, True)
+                            if walk or not tma]
+                    out += [(SOURCE, _name(dtype, dp, BIAS_TILE.get((rank, dp), DEFAULT_ND),
+                                           rank, walk, True, tma))
+                            for walk in _bias_walks(rank, dp) if walk or not tma]
             if dtype == FLOAT16:
                 out += [(SOURCE, _name(dtype, dp, t)) for t in ALTERNATIVES[dp]]
     return sorted(set(out))
@@ -223,11 +237,13 @@ def _key_tiles(problem, tile):
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """Everything a launch needs besides the arrays (computed once per problem)."""
-    name: str       # kernel name expression
+    name: str       # kernel name expression (cp.async loader)
     tile: HopperTile
     grid: tuple
     block: tuple
     smem: int       # dynamic shared memory, bytes (with the stages' mbarriers)
+    walk_boxes: bool
+    tma_name: str   # the same kernel with the TMA loader
 
 
 @functools.lru_cache(maxsize=512)
@@ -260,28 +276,50 @@ def _plan(problem, tile=None, walk_boxes=None):
     for a in range(problem.rank):
         L, d = problem.spatial[a], problem.dilation[a]
         ctas *= d * -(-(-(-L // d)) // box[a])  # groups x tiles of the longest group
+    walk_boxes = bool(walk_boxes) and problem.rank > 1
     return Tiling(_name(problem.dtype, dp, tile, problem.rank, walk_boxes, problem.has_rpb),
                   tile, (ctas, problem.heads, problem.batch), (tile.threads, 1, 1),
-                  _smem(problem, tile, walk_boxes))
+                  _smem(problem, tile, walk_boxes), walk_boxes,
+                  _name(problem.dtype, dp, tile, problem.rank, walk_boxes, problem.has_rpb, True))
 
 
-def forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None):
+def forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None, tma=None):
     """out, lse = NA forward of q, k, v (CuPy arrays; outputs preallocated, all written),
     with ``rpb`` (``problem.has_rpb``) the relative positional bias added to the scores.
 
-    ``tile`` (a HopperTile among the instantiations, 1-D) and ``walk_boxes`` (rank 2, 3: key
-    boxes or the flat walk) override the defaults, for probing and tests.
+    ``tile`` (a HopperTile among the instantiations, 1-D), ``walk_boxes`` (rank 2, 3: key
+    boxes or the flat walk) and ``tma`` (the TMA loader: True always, ValueError where it
+    cannot run; False never) override the defaults, for probing and tests.
     """
-    run_forward(functools.partial(plan_forward, tile=tile, walk_boxes=walk_boxes), problem,
-                q, k, v, out, lse, rpb)
+    run_forward(functools.partial(plan_forward, tile=tile, walk_boxes=walk_boxes, tma=tma),
+                problem, q, k, v, out, lse, rpb)
 
 
-def plan_forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None):
+def tma_maps(problem, plan, q, k, v):
+    """The tensor maps of q, k and v (operands 0, 1, 2) for the TMA loader of ``plan`` (a
+    Tiling), or the reason it cannot run: the rank 2 and 3 flat walk, or an operand the maps
+    cannot describe (``natten_cupy._tma.operand_map``)."""
+    why = tma_unavailable()
+    if why:
+        return why
+    if problem.rank > 1 and not plan.walk_boxes:
+        return "the flat key walk has no box shape"
+    box, dp = _box(problem.rank, plan.tile)[:problem.rank], _bucket(problem.head_dim)
+    rows = (64,) if problem.rank == 1 else box   # (rank 1: tiles of 64-row boxes)
+    maps = [TensorMap.of(i, lay, problem.rank, rows, problem.dilation, dp)
+            for i, lay in enumerate((q, k, v))]
+    for m, name in zip(maps, "qkv"):
+        if isinstance(m, str):
+            return f"{name}: {m}"
+    return tuple(maps)
+
+
+def plan_forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None, tma=None):
     """The launch Plan of one forward on the current device for operand layouts (q, k, v,
     out, lse [, rpb: with ``problem.has_rpb``, read element by element at any strides]), or
     None if one of q, k, v, out cannot be read as it is (the plan contract of
-    ``natten_cupy._launch``; ``forward`` above takes arrays). ``tile`` / ``walk_boxes``: as
-    for ``forward``."""
+    ``natten_cupy._launch``; ``forward`` above takes arrays). ``tile`` / ``walk_boxes`` /
+    ``tma``: as for ``forward``."""
     if not all(rows_ready(x) for x in (q, k, v, out)):
         return None
     plan = _plan(problem, tile, walk_boxes)
@@ -290,8 +328,15 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=Non
                          f"({plan.grid[0]} query tiles)")
     params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb)
     bias = Operand(5) if problem.has_rpb else numpy.uint64(0)
-    call = KernelCall(get_kernel(SOURCE, plan.name, extra_options=OPTIONS), plan.grid,
-                      plan.block, (*map(Operand, range(5)), bias, params), shared_mem=plan.smem,
-                      name="na_fwd_hopper", backend="fused",
-                      tile=_box(problem.rank, plan.tile)[:problem.rank])
+    args = (*map(Operand, range(5)), bias, params)
+    want = USE_TMA and plan.tile.wg <= TMA_UP_TO_WG if tma is None else tma
+    maps = tma_maps(problem, plan, q, k, v) if want else ()
+    if tma and isinstance(maps, str):   # asked for, not possible
+        raise ValueError(f"the TMA loader cannot run this forward: {maps}")
+    name = plan.name
+    if isinstance(maps, tuple) and maps:
+        name, args = plan.tma_name, args + maps
+    call = KernelCall(get_kernel(SOURCE, name, extra_options=OPTIONS), plan.grid,
+                      plan.block, args, shared_mem=plan.smem, name="na_fwd_hopper",
+                      backend="fused", tile=_box(problem.rank, plan.tile)[:problem.rank])
     return Plan((call,))

@@ -1,0 +1,125 @@
+"""Tensor maps of the Hopper forward's TMA loader without a GPU: the dimensions, strides,
+boxes and element steps ``natten_cupy._tma.operand_map`` gives each rank, the operands it
+refuses (with the reason), and a launch's argument buffer holding a map (64-byte aligned, its
+address set per call). The maps' effect on the kernel is tested on the GPU
+(tests/gpu/test_gpu_hopper.py)."""
+
+import ctypes
+
+import numpy
+import pytest
+
+from natten_cupy import _launch, _tma
+from natten_cupy._dtypes import BFLOAT16
+from natten_cupy._launch import KernelCall, Operand
+from natten_cupy._operands import Layout
+
+F16 = numpy.dtype(numpy.float16)
+
+
+def _layout(shape, dtype=F16, order=None):
+    """Layout of a [B, *spatial, H, D] array stored in axis order ``order`` (outermost
+    first; default: as it is)."""
+    lay = Layout.contiguous(shape, dtype)
+    if order is None:
+        return lay
+    stored = Layout.contiguous([shape[i] for i in order], dtype)
+    strides = [0] * len(shape)
+    for pos, axis in enumerate(order):
+        strides[axis] = stored.strides[pos]
+    return Layout(tuple(shape), tuple(strides), lay.dtype, True)
+
+
+def test_rank1_map():
+    dims, strides, box, steps = _tma.operand_map(_layout((3, 1000, 4, 64)), 1, (64,), (2,), 64)
+    assert dims == (64, 4, 1000, 3)
+    assert strides == (128, 4 * 128, 1000 * 4 * 128)
+    assert box == (64, 1, 128, 1) and steps == (1, 1, 2, 1)
+
+
+def test_rank2_map_with_padded_head_dim():
+    # head dim 40 in the 64-column kernel: the box's columns past 40 lie outside the tensor
+    dims, strides, box, steps = _tma.operand_map(_layout((2, 30, 29, 3, 40), BFLOAT16), 2,
+                                                 (8, 16), (1, 3), 64)
+    assert dims == (40, 3, 29, 30, 2)
+    assert strides == (80, 240, 240 * 29, 240 * 29 * 30)
+    assert box == (64, 1, 48, 8, 1) and steps == (1, 1, 3, 1, 1)
+
+
+def test_rank3_map_merges_heads_and_columns():
+    dims, strides, box, steps = _tma.operand_map(_layout((2, 6, 10, 11, 4, 128)), 3, (2, 8, 8),
+                                                 (1, 2, 1), 128)
+    assert dims == (4 * 128, 11, 10, 6, 2)
+    assert strides == (4 * 256, 11 * 4 * 256, 10 * 11 * 4 * 256, 6 * 10 * 11 * 4 * 256)
+    assert box == (64, 8, 16, 2, 1) and steps == (1, 1, 2, 1, 1)
+
+
+def test_unit_axes_take_a_valid_stride():
+    # one head and batch one: their strides are never stepped (coordinate 0), any valid one
+    lay = _layout((1, 50, 1, 64))
+    lay = Layout(lay.shape, (7, lay.strides[1], 3, 2), lay.dtype, True)
+    dims, strides, _, _ = _tma.operand_map(lay, 1, (64,), (1,), 64)
+    assert dims == (64, 1, 50, 1) and strides == (16, 128, 16)
+
+
+def test_heads_first_layout_maps_at_rank_1_and_2():
+    lay = _layout((2, 21, 18, 3, 64), order=(0, 3, 1, 2, 4))   # stored [B, H, X, Y, D]
+    dims, strides, _, _ = _tma.operand_map(lay, 2, (8, 16), (1, 1), 64)
+    assert dims == (64, 3, 18, 21, 2)
+    assert strides == (21 * 18 * 128, 128, 18 * 128, 3 * 21 * 18 * 128)
+
+
+@pytest.mark.parametrize("lay, rank, rows, dil, cols, why", [
+    (_layout((2, 6, 10, 11, 4, 96)), 3, (2, 8, 8), (1, 1, 1), 128, "heads and columns"),
+    (_layout((2, 6, 10, 11, 4, 64), order=(0, 4, 1, 2, 3, 5)), 3, (2, 8, 8), (1, 1, 1), 64,
+     "head stride"),
+    (_layout((2, 1000, 2, 64)), 1, (64,), (5,), 64, "box 320"),
+    (_layout((2, 40, 40, 2, 64)), 2, (8, 16), (9, 1), 64, "step 9"),
+    (Layout((2, 100, 2, 64), (100 * 2 * 128, -256, 128, 2), F16, True), 1, (64,), (1,), 64,
+     "stride -256"),
+    (Layout((2, 100, 2, 64), (100 * 2 * 136, 272, 136, 2), F16, True), 1, (64,), (1,), 64,
+     "stride 136"),
+    (Layout((2, 100, 2, 64), (25600, 256, 128, 2), F16, False), 1, (64,), (1,), 64,
+     "16-byte aligned"),
+])
+def test_refusals_name_the_reason(lay, rank, rows, dil, cols, why):
+    got = _tma.operand_map(lay, rank, rows, dil, cols)
+    assert isinstance(got, str) and why in got, got
+
+
+def test_kernel_call_holds_a_map_and_sets_its_address(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    calls, slots = [], []
+
+    class FakeSlot:   # what cuTensorMapReplaceAddress would do: write the pointer in place
+        def __init__(self, address):
+            self.address, self.ptr = address, None
+            slots.append(self)
+
+        def set(self, ptr):
+            self.ptr = ptr
+            ctypes.c_uint64.from_address(self.address).value = ptr
+
+    class FakeKernel:
+        name = "fake"
+        max_dynamic_shared_size_bytes = 0
+
+        class kernel:  # noqa: N801
+            ptr = 0xBEEF
+
+    monkeypatch.setattr(_tma, "AddressSlot", FakeSlot)
+    monkeypatch.setattr(cupy.cuda.driver, "launchKernel",
+                        lambda *a: calls.append(a[-2]))   # the argument table
+    data = bytes(range(128))
+    args = (Operand(0), numpy.int32(3), _tma.TensorMap(1, data), _tma.TensorMap(0, data[::-1]))
+    call = KernelCall(FakeKernel(), (1, 1, 1), (32, 1, 1), args).prepare()
+    call([0x1000, 0x2000], 0)
+    call([0x3000, 0x4000], 0)
+    table = calls[-1]
+    at = [ctypes.c_uint64.from_address(table + 8 * i).value for i in range(4)]
+    assert at[2] % 64 == 0 and at[3] % 64 == 0
+    assert ctypes.c_uint64.from_address(at[0]).value == 0x3000
+    assert ctypes.string_at(at[2], 128) == (0x4000).to_bytes(8, "little") + data[8:]
+    assert ctypes.string_at(at[3], 128) == (0x3000).to_bytes(8, "little") + data[::-1][8:]
+    assert [s.ptr for s in slots] == [0x4000, 0x3000]
+    assert _launch.TensorMap is _tma.TensorMap
