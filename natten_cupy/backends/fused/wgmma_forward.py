@@ -72,12 +72,11 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
 # 21 x 21: 28 x 28 keys against 28 x 36), but each CTA stages its own and runs without a
 # second warpgroup to hide its softmax. Taken without a bias where the 128-query box walks
 # at most SMALL_BOX_UP_TO[rank] key tiles (an interior box): measured on an H100 (v8, v12),
-# 5-36% faster up to 5 tiles (2-D windows 3 x 3 to 13 x 13, 3-D 3 x 3 x 3 to 3 x 5 x 5); in
-# 2-D even from 6 to 8 (15 x 15, 21 x 21), slower beyond (33 x 33: 25%); in 3-D 10-16%
-# faster from 7 to 10 tiles (3 x 7 x 7, 5 x 7 x 7), mixed beyond (12: 11% slower, 14: 5%
-# faster).
+# 5-36% faster up to 5 tiles (2-D windows 3 x 3 to 13 x 13, 3-D 3 x 3 x 3 to 3 x 5 x 5), in
+# 3-D 10-16% from 7 to 10 tiles (3 x 7 x 7, 5 x 7 x 7); with TMA loads (v13) 2-3% faster at
+# 8 tiles in 2-D (M5), 1-2% at 12 in 3-D (M4), 6% at 14 (M7), 10% slower at 15 in 2-D (33 x 33).
 SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 3, True)}
-SMALL_BOX_UP_TO = {2: 5, 3: 10}
+SMALL_BOX_UP_TO = {2: 8, 3: 14}
 # The query box per (rank, compute warpgroups): 64 * wg queries (rank 1 takes any wg).
 QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (2, 4, 8)}
 # With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
