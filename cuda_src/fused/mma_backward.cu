@@ -88,14 +88,15 @@ __device__ __forceinline__ void warp_step(
 // past `rows`) and returns row_offsets(j, o0, o1), which every lane calls together (so that it
 // may shuffle them from lane j) for row base + j's element offsets in src0 and src1; the warp
 // then copies the chunk's 16-byte pieces, 32 consecutive ones a turn (coalesced).
-// The slab lies where bwd_pass puts it, after the two owner tiles of kWarps * 16 rows; taken
-// from the shared memory itself, not passed in: through pointer arguments the copies' shared
-// addresses come out one add longer (NVVM simplifies this function before it sees that they
-// are constant offsets into shared memory).
+// The slab lies after the two owner tiles of kWarps * 16 rows in smem, the caller's dynamic
+// shared memory (bwd_pass's and na_bwd_extra_kv's are two symbols: that kernel lies outside
+// this namespace). The slab's tiles are computed here from smem rather than passed in: through
+// pointer arguments the copies' shared addresses come out one add longer (NVVM simplifies
+// this function before it sees that they are constant offsets into shared memory).
 template <typename T, int RS, int EPP, int CH, typename Chunk>
-__device__ __forceinline__ void stage_slab(const T* src0, const T* src1, int slab_rows,
-                                           int rows, int D, int warp, int lane, Chunk chunk) {
-  extern __shared__ __align__(16) unsigned char smem[];
+__device__ __forceinline__ void stage_slab(unsigned char* smem, const T* src0, const T* src1,
+                                           int slab_rows, int rows, int D, int warp, int lane,
+                                           Chunk chunk) {
   T* const gat_s0 = reinterpret_cast<T*>(smem) + 2 * kWarps * 16 * RS;
   T* const gat_s1 = gat_s0 + slab_rows * RS;
   for (int base = warp * 32; base < rows; base += kWarps * 32) {
@@ -561,7 +562,7 @@ __device__ __forceinline__ void bwd_pass(
           o1 = __shfl_sync(0xffffffffu, off1, j);
         };
       };
-      stage_slab<T, RS, EPP, CH>(gat0_bh, gat1_bh, slab_rows, rows, D, warp, lane, chunk);
+      stage_slab<T, RS, EPP, CH>(smem, gat0_bh, gat1_bh, slab_rows, rows, D, warp, lane, chunk);
 
       // This warp's share of the slab: its reach intersected with the slab box.
       const int lo0 = max(wlo[0], s0), lo1 = max(wlo[1], s1), lo2 = max(wlo[2], s2);
@@ -593,7 +594,7 @@ __device__ __forceinline__ void bwd_pass(
           }
         };
       };
-      stage_slab<T, RS, EPP, CH>(xk_bh, xv_bh, slab_rows, rows, D, warp, lane, chunk);
+      stage_slab<T, RS, EPP, CH>(smem, xk_bh, xv_bh, slab_rows, rows, D, warp, lane, chunk);
       steps(live ? rows : 0, Share{0, 0, 0, 1, 0, 0, 0, 1, 1, bwd::FastDiv(1), bwd::FastDiv(1),
                                    true});
     }
@@ -837,7 +838,9 @@ na_bwd_extra_kv(const T* __restrict__ q, const T* __restrict__ d_o,
     for (int s0 = n_lo; s0 < n_hi; s0 += slab_rows) {
       const int rows = min(slab_rows, n_hi - s0);
       __syncthreads();  // every warp is done with the previous slab
-      for (int base = warp * 32; base < rows; base += kWarps * 32) {
+      // Lane r of a chunk finds query row base + r's offsets and copies its lse and delta;
+      // the warp takes the offsets by shuffle.
+      const auto chunk = [=, &p](int base) {
         const int r = base + lane;
         i64 off0 = 0, off1 = 0;
         if (r < rows) {
@@ -848,21 +851,12 @@ na_bwd_extra_kv(const T* __restrict__ q, const T* __restrict__ d_o,
           bwd::cp_async4(lse_a + r * 4, lse + offset6(p.lse, b, x0, x1, x2, hq, 0));
           bwd::cp_async4(dlt_a + r * 4, delta + offset6(p.delta, b, x0, x1, x2, hq, 0));
         }
-#pragma unroll 4
-        for (int idx = lane; idx < 32 * CH; idx += 32) {
-          const int j = idx / CH, piece = idx % CH;
-          const i64 o0 = __shfl_sync(0xffffffffu, off0, j), o1 = __shfl_sync(0xffffffffu, off1, j);
-          if (base + j < rows) {
-            const bool ok = piece * EPP < D;
-            const int e = ok ? piece * EPP : 0;
-            tc::cp_async16(gat_s0 + (base + j) * RS + piece * EPP, q + (o0 + e), ok);
-            tc::cp_async16(gat_s1 + (base + j) * RS + piece * EPP, d_o + (o1 + e), ok);
-          }
-        }
-      }
-      tc::cp_async_commit();
-      tc::cp_async_wait<0>();
-      __syncthreads();
+        return [=](int j, i64& o0, i64& o1) {
+          o0 = __shfl_sync(0xffffffffu, off0, j);
+          o1 = __shfl_sync(0xffffffffu, off1, j);
+        };
+      };
+      stage_slab<T, RS, EPP, CH>(smem, q, d_o, slab_rows, rows, D, warp, lane, chunk);
 
 #pragma unroll 1
       for (int base = 0; base < (wlive ? rows : 0); base += kNB) {
