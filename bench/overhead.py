@@ -8,8 +8,9 @@ fast path (warm calls served by ``natten_cupy._fast``) and with it switched off 
 path: validation, backend choice, DLPack, stream objects on every call), side by side in one
 process. Also: the kernels alone (CUDA-graph replay), a cProfile count of the Python calls in
 one warm call, a warm ``tile="autotune"`` call, FlexAttention's eager call on the same
-problem for scale, and the frameworks' own floor (an empty CuPy kernel launch, one output
-array, one torch kernel launch).
+problem for scale, the frameworks' own floor (an empty CuPy kernel launch, one output
+array, one torch kernel launch), and the CuPy warm calls with their outputs in one
+allocation against one allocation per array (``allocation_ab``).
 
     python bench/overhead.py --out overhead.json
 """
@@ -146,6 +147,17 @@ def main(argv=None):
         for name, fn in rows[:2] + rows[6:7]:
             profiles[name] = timing.python_profile(fn)["top"]
 
+    # The CuPy warm calls' one-block allocation of outputs and workspaces against one
+    # allocation per array, side by side (interleaved, best of two medians each).
+    alloc_ab = []
+    for name, fn in rows[:2]:
+        pair = {True: [], False: []}
+        for shared in (True, False, True, False):
+            _fast.share_allocation = shared
+            pair[shared].append(timing.wall_us(fn, calls=args.calls))
+        _fast.share_allocation = True
+        alloc_ab.append(dict(call=name, one_block_us=min(pair[True]),
+                             per_array_us=min(pair[False])))
     kernel_fwd = timing.graph_ms(lambda: nt.na2d(tq, tk, tv, KERNEL)) * 1e3
     kernel_fb = timing.graph_ms(layer_fwd_bwd) * 1e3
     calls = {}
@@ -174,7 +186,7 @@ def main(argv=None):
                   python_calls_per_warm_forward=dict(
                       fast=dict(calls=calls["fast"][0], functions=calls["fast"][1]),
                       general=dict(calls=calls["general"][0], functions=calls["general"][1])),
-                  flex_eager_forward_us=flex_us, profiles=profiles)
+                  flex_eager_forward_us=flex_us, profiles=profiles, allocation_ab=alloc_ab)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -192,6 +204,9 @@ def main(argv=None):
     for r in results:
         print(f"{r['call']:55s} {r['fast_us']:6.1f} / {r['fast_host_us']:5.1f} "
               f"{r['general_us']:7.1f} / {r['general_host_us']:6.1f}")
+    for r in alloc_ab:
+        print(f"{r['call']}: outputs in one block {r['one_block_us']:.1f} us, one allocation "
+              f"per array {r['per_array_us']:.1f} us")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ __all__ = ["enabled", "fused_forward", "fused_backward", "fused_forward_ext",
            "entries"]
 
 enabled = os.environ.get("NATTEN_CUPY_FAST_PATH", "1") != "0"
+# CuPy warm calls allocate their outputs and small workspaces as one block (``_Block``);
+# False: one allocation each (bench/overhead.py times both).
+share_allocation = True
 
 MAX_ENTRIES = 4096
 _entries = {}
@@ -135,7 +138,7 @@ class Entry:
     workspaces."""
 
     __slots__ = ("problem", "plan", "calls", "device", "copies", "outputs", "workspaces",
-                 "workspace_bytes", "torch_out", "torch_device", "order", "after")
+                 "workspace_bytes", "block", "torch_out", "torch_device", "order", "after")
 
     def __init__(self, problem, plan, device, copies, outputs, workspaces, order=None):
         self.problem = problem
@@ -146,6 +149,7 @@ class Entry:
         self.outputs = outputs        # (shape, numpy dtype) per output
         self.workspaces = workspaces  # (shape, numpy dtype) per workspace
         self.workspace_bytes = tuple(_nbytes(s, d) for s, d in workspaces)
+        self.block = _Block(tuple(_nbytes(s, d) for s, d in outputs), self.workspace_bytes)
         self.torch_out = None         # (shape, torch dtype) per output and per workspace
         self.torch_device = None      # their torch.device
         # The plan's operands as indices into (inputs, outputs, workspaces), where they are
@@ -154,6 +158,32 @@ class Entry:
         # Entries of later calls on this call's tensors, by the signature of the one tensor
         # they add (``torch_after``: the torch layer's backward after its forward).
         self.after = {}
+
+
+class _Block:
+    """Where a CuPy warm call's outputs and small workspaces lie in one pool allocation (one
+    allocation instead of one per array; the arrays keep it alive together). Workspaces
+    join only while they add at most 1/16 to the outputs' bytes (a large one, such as a
+    float32 dQ accumulator, is allocated apart and freed after the call). Pieces start
+    256-byte aligned. ``bytes`` 0: fewer than three pieces, allocated as usual (measured on
+    an H100 host, ``bench/results/overhead_block_ab.json``: a backward's three gradients and
+    delta 36 us in one block against 43; a forward's out and lse 25 against 24)."""
+
+    __slots__ = ("bytes", "outputs", "workspaces", "apart")
+    ALIGN = 256
+
+    def __init__(self, output_bytes, workspace_bytes):
+        joined = 16 * sum(workspace_bytes) <= sum(output_bytes)
+        sizes = output_bytes + (workspace_bytes if joined else ())
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += -(-n // self.ALIGN) * self.ALIGN
+        n_out = len(output_bytes)
+        self.bytes = at if len(sizes) > 2 and at else 0
+        self.outputs = tuple(offsets[:n_out])
+        self.workspaces = tuple(offsets[n_out:])
+        self.apart = () if joined else workspace_bytes
 
 
 def _nbytes(shape, dtype):
@@ -228,11 +258,12 @@ def _build(op, problem, backend, fam, inputs, outputs, order=None, rows=None):
 #
 # The framework calls a warm call makes are bound once, by the first build (CuPy and torch
 # are imported lazily): outputs are made without going through cupy.ndarray's Python-level
-# constructor where this CuPy allows it, and workspaces are plain pool allocations (they
-# need no array object; the pool hands their memory out again only on the same stream).
+# constructor where this CuPy allows it, in one pool allocation with the small workspaces
+# (``_Block``); workspaces need no array object (the pool hands their memory out again only
+# on the same stream).
 
 _one_gpu = None          # whether the machine has one GPU (then it is the current device)
-_new_cupy_array = None   # (shape, numpy dtype) -> uninitialized C-contiguous cupy.ndarray
+_new_cupy_array = None   # (shape, numpy dtype[, memptr]) -> C-contiguous cupy.ndarray
 _cupy_alloc = None       # nbytes -> cupy MemoryPointer from the current allocator
 _cupy_stream = None      # device id -> its current CuPy stream
 _torch_tensor = None
@@ -258,20 +289,20 @@ def _bind(fam):
 
 
 def _array_maker(cupy):
-    """``cupy.ndarray(shape, dtype)`` without its Python-level ``__new__`` and ``__init__``:
-    for ndarray itself (not a subclass) they only call ``_init``, after the extension type's
-    own ``__new__``. Plain ``cupy.ndarray`` where this CuPy lacks either."""
+    """``cupy.ndarray(shape, dtype[, memptr])`` without its Python-level ``__new__`` and
+    ``__init__``: for ndarray itself (not a subclass) they only call ``_init``, after the
+    extension type's own ``__new__``. Plain ``cupy.ndarray`` where this CuPy lacks either."""
     ndarray = cupy.ndarray
     base = getattr(getattr(cupy, "_core", None), "core", None)
     base = getattr(base, "_ndarray_base", None)
     if base is None or not isinstance(ndarray, type) or not issubclass(ndarray, base) \
             or not hasattr(ndarray, "_init"):
-        return ndarray
+        return lambda shape, dtype, memptr=None: ndarray(shape, dtype, memptr=memptr)
     new = base.__new__
 
-    def new_array(shape, dtype):
+    def new_array(shape, dtype, memptr=None):
         a = new(ndarray)
-        a._init(shape, dtype)
+        a._init(shape, dtype, memptr)
         return a
     return new_array
 
@@ -281,12 +312,21 @@ def _run_cupy(e, inputs):
         inputs = list(inputs)
         for i in e.copies:
             inputs[i] = inputs[i].copy(order="C")
-    new = _new_cupy_array
-    outs = [new(s, d) for s, d in e.outputs]
-    ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
-    if e.workspace_bytes:   # (kept alive until the kernels are queued)
-        ws = [_cupy_alloc(n) for n in e.workspace_bytes]
-        ptrs += [m.ptr for m in ws]
+    new, block = _new_cupy_array, e.block
+    if block.bytes and share_allocation:   # outputs (and small workspaces) in one allocation
+        mem = _cupy_alloc(block.bytes)
+        outs = [new(s, d, mem + at) for (s, d), at in zip(e.outputs, block.outputs)]
+        ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
+        ptrs += [mem.ptr + at for at in block.workspaces]
+        if block.apart:
+            ws = [_cupy_alloc(n) for n in block.apart]   # (alive until the kernels are queued)
+            ptrs += [m.ptr for m in ws]
+    else:
+        outs = [new(s, d) for s, d in e.outputs]
+        ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
+        if e.workspace_bytes:
+            ws = [_cupy_alloc(n) for n in e.workspace_bytes]
+            ptrs += [m.ptr for m in ws]
     if e.order is not None:
         ptrs = [ptrs[i] for i in e.order]
     stream = _cupy_stream(e.device).ptr

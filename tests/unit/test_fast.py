@@ -313,3 +313,21 @@ def test_ext_order_is_the_general_paths_operand_order(monkeypatch, op, has_rpb, 
     names = inputs + outputs
     assert len(seen) == 1 and tuple(names[i] for i in order) == tuple(seen[0])
     assert sorted(names[i] for i in rows) == sorted(x for x in made_ready if x is not None)
+
+
+def test_block_puts_outputs_and_small_workspaces_in_one_allocation():
+    # backward-like: three 4 KiB outputs, a 200-byte workspace (joins: under 1/16)
+    b = _fast._Block((4096, 4096, 4096), (200,))
+    assert b.outputs == (0, 4096, 8192) and b.workspaces == (12288,) and b.apart == ()
+    assert b.bytes == 12288 + 256
+    # a workspace over 1/16 of the outputs (a float32 dQ accumulator) is allocated apart
+    b = _fast._Block((1000, 1000, 1000), (8000,))
+    assert b.outputs == (0, 1024, 2048) and b.workspaces == () and b.apart == (8000,)
+    assert b.bytes == 3072
+    # pieces start 256-byte aligned
+    b = _fast._Block((10, 300, 1), ())
+    assert b.outputs == (0, 256, 768) and b.bytes == 1024
+    # fewer than three pieces (a forward's out and lse), or nothing at all: as usual
+    assert _fast._Block((4096, 64), ()).bytes == 0
+    assert _fast._Block((4096,), (64,)).bytes == 0
+    assert _fast._Block((0, 0, 0), ()).bytes == 0
