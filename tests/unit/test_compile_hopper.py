@@ -85,10 +85,13 @@ def test_hopper_small_box_plans(shape, kernel):
     ((1, 64, 64, 2, 128), (9, 9), True),        # 3 key tiles of the 128-query box
     ((1, 64, 64, 2, 64), (13, 13), True),       # 5
     ((1, 8, 32, 32, 2, 128), (3, 5, 5), True),  # 5
-    ((1, 96, 96, 2, 64), (15, 15), False),      # 6
+    ((1, 96, 96, 2, 64), (15, 15), True),       # 6
+    ((1, 128, 128, 2, 128), (21, 21), True),    # 8
+    ((1, 128, 128, 2, 128), (23, 23), False),   # 9
     ((1, 256, 256, 2, 128), (33, 33), False),   # 15
     ((1, 16, 32, 32, 2, 128), (5, 7, 7), True),   # 3-D: 10
-    ((2, 16, 40, 64, 2, 64), (5, 9, 9), False)])  # 12
+    ((2, 16, 40, 64, 2, 64), (5, 9, 9), True),    # 12
+    ((2, 16, 40, 64, 2, 64), (7, 11, 11), False)])  # 21
 def test_hopper_small_box_dispatch(shape, kernel, small):
     """Rank 2 and 3 take the 64-query boxes where the 128-query box walks at most
     SMALL_BOX_UP_TO key tiles, never with a bias (whose kernels are built for the 128-query
