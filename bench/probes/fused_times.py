@@ -10,8 +10,8 @@ the array API's own choice, warm calls; ``F@base``: family F built from other ke
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
-stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, e.g. ``wgmma+small+cpasync``),
-on the same inputs: forward and backward CUDA-event medians after warm-up, and
+stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
+walk, e.g. ``wgmma+small+boxes``), on the same inputs: forward and backward CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.
 """
@@ -101,6 +101,8 @@ def _run(wid, dtype, family, reps, forward_only=False):
                 box["tile"] = tile
             if mod in ("tma", "cpasync"):   # the Hopper forward's loader
                 box["tma"] = mod == "tma"
+            if mod in ("boxes", "flat"):   # its key walk (rank 2, 3)
+                box["walk_boxes"] = mod == "boxes"
 
         def fwd_call():
             fpart.forward(problem, q, k, v, out, lse, **box)
