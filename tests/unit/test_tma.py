@@ -123,3 +123,26 @@ def test_kernel_call_holds_a_map_and_sets_its_address(monkeypatch):
     assert ctypes.string_at(at[3], 128) == (0x3000).to_bytes(8, "little") + data[::-1][8:]
     assert [s.ptr for s in slots] == [0x4000, 0x3000]
     assert _launch.TensorMap is _tma.TensorMap
+
+
+@pytest.mark.parametrize("shape, kernel, walk, why", [
+    ((1, 30, 29, 2, 64), (7, 7), False, "flat key walk has no box shape"),
+    ((1, 6, 10, 11, 2, 96), (3, 5, 5), True, "heads and columns as one dimension"),
+    ((1, 90, 2, 64), (7,), None, "box 320"),   # 1-D dilation 5: 64 rows x 5 > 256
+])
+def test_forced_tma_refuses_with_the_reason_before_any_gpu_work(shape, kernel, walk, why):
+    """plan_forward(tma=True) on operands the maps cannot describe raises, naming why (the
+    default, tma=None, takes the cp.async loader there: tests/gpu/test_gpu_hopper.py)."""
+    from natten_cupy import _args
+    from natten_cupy.backends.fused import wgmma_forward
+    if _tma.unavailable_reason():
+        pytest.skip(_tma.unavailable_reason())
+    x = numpy.zeros(shape, F16)
+    rank = len(shape) - 3
+    dil = 5 if rank == 1 else 1
+    prob = _args.check_fused(rank, x, x, x, kernel, 1, dil, False, None, "fused")
+    lay = _layout(shape)
+    lse = Layout.contiguous(shape[:-1], numpy.float32)
+    with pytest.raises(ValueError, match="TMA loader cannot run") as err:
+        wgmma_forward.plan_forward(prob, lay, lay, lay, lay, lse, walk_boxes=walk, tma=True)
+    assert why in str(err.value)
