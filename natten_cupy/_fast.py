@@ -316,17 +316,14 @@ def _run_cupy(e, inputs):
     if block.bytes and share_allocation:   # outputs (and small workspaces) in one allocation
         mem = _cupy_alloc(block.bytes)
         outs = [new(s, d, mem + at) for (s, d), at in zip(e.outputs, block.outputs)]
-        ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
-        ptrs += [mem.ptr + at for at in block.workspaces]
-        if block.apart:
-            ws = [_cupy_alloc(n) for n in block.apart]   # (alive until the kernels are queued)
-            ptrs += [m.ptr for m in ws]
+        joined, apart = [mem.ptr + at for at in block.workspaces], block.apart
     else:
         outs = [new(s, d) for s, d in e.outputs]
-        ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
-        if e.workspace_bytes:
-            ws = [_cupy_alloc(n) for n in e.workspace_bytes]
-            ptrs += [m.ptr for m in ws]
+        joined, apart = [], e.workspace_bytes
+    ws = [_cupy_alloc(n) for n in apart]   # (alive until the kernels are queued)
+    ptrs = [0 if x is None else x.data.ptr for x in (*inputs, *outs)]
+    ptrs += joined
+    ptrs += [m.ptr for m in ws]
     if e.order is not None:
         ptrs = [ptrs[i] for i in e.order]
     stream = _cupy_stream(e.device).ptr

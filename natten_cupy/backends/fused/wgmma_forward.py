@@ -328,7 +328,7 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=Non
     params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb)
     bias = Operand(5) if problem.has_rpb else numpy.uint64(0)
     args = (*map(Operand, range(5)), bias, params)
-    want = USE_TMA and plan.tile.wg <= TMA_UP_TO_WG if tma is None else tma
+    want = (USE_TMA and plan.tile.wg <= TMA_UP_TO_WG) if tma is None else tma
     maps = tma_maps(problem, plan, q, k, v) if want else ()
     if tma and isinstance(maps, str):   # asked for, not possible
         raise ValueError(f"the TMA loader cannot run this forward: {maps}")
