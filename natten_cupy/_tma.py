@@ -47,7 +47,7 @@ def _driver():
 @functools.lru_cache(maxsize=None)
 def unavailable_reason():
     """Why tensor maps cannot be made here (None: they can): cuda-python's driver bindings
-    missing, or without the two calls."""
+    missing or without the two calls, or no CUDA driver to call."""
     try:
         d = _driver()
     except Exception as e:  # not installed, or a build for another CUDA
@@ -55,6 +55,10 @@ def unavailable_reason():
     for name in ("cuTensorMapEncodeTiled", "cuTensorMapReplaceAddress"):
         if not hasattr(d, name):
             return f"cuda.bindings.driver has no {name}"
+    try:   # the calls go through the driver library, which a machine without a GPU lacks
+        d.cuDriverGetVersion()
+    except Exception as e:
+        return f"the CUDA driver library cannot be loaded ({type(e).__name__})"
     return None
 
 
@@ -126,10 +130,13 @@ class TensorMap:
     @classmethod
     def of(cls, index, layout, rank, rows, dilation, columns):
         """The map of operand ``index`` (``operand_map``'s arguments), or the reason there is
-        none."""
+        none (the operand's layout, or no way to encode maps here)."""
         spec = operand_map(layout, rank, rows, dilation, columns)
         if isinstance(spec, str):
             return spec
+        why = unavailable_reason()
+        if why:
+            return why
         return cls(index, _encode(layout.dtype.name, *spec))
 
 

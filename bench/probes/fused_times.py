@@ -11,7 +11,8 @@ the array API's own choice, warm calls; ``F@base``: family F built from other ke
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
 stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
-walk, e.g. ``wgmma+small+boxes``), on the same inputs: forward and backward CUDA-event medians after warm-up, and
+walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
+query-tile loads, ``+kvN``: its dK/dV pass with N stages), on the same inputs: forward and backward CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.
 """
@@ -103,6 +104,11 @@ def _run(wid, dtype, family, reps, forward_only=False):
                 box["tma"] = mod == "tma"
             if mod in ("boxes", "flat"):   # its key walk (rank 2, 3)
                 box["walk_boxes"] = mod == "boxes"
+            if mod in ("btma", "bcp"):   # the Hopper backward's dK/dV query-tile loads
+                way["tma"] = mod == "btma"
+            if mod[:2] == "kv" and mod[2:].isdigit():   # kvN: its dK/dV pass with N stages
+                way["tile"] = dataclasses.replace(bpart.DEFAULT[bpart._bucket(problem.head_dim)],
+                                                  kv_stages=int(mod[2:]))
 
         def fwd_call():
             fpart.forward(problem, q, k, v, out, lse, **box)

@@ -1,11 +1,12 @@
 // Fused neighborhood-attention backward for Hopper (sm_90a), 1-D, 2-D and 3-D, on wgmma: delta = rowsum(dO * O), then dK, dV (key-parallel) and dQ (query-parallel), deterministic (no atomics).
-// delta: one group of D / 8 threads per query row. dK/dV: a CTA owns 128 in-group keys (1-D consecutive, 2-D 8x16, 3-D 2x8x8) of one dilation group, compute warpgroup w owns keys 64w..64w+63 and walks the queries of the keys' inverse windows in 64-query tiles; dQ: a CTA owns 128 queries (the forward's boxes) and walks their windows' keys in BN-key tiles. Warpgroup 0 of both loads (cp.async, mbarriers).
+// delta: one group of D / 8 threads per query row. dK/dV: a CTA owns 128 in-group keys (1-D consecutive, 2-D 8x16, 3-D 2x8x8) of one dilation group, compute warpgroup w owns keys 64w..64w+63 and walks the queries of the keys' inverse windows in 64-query tiles; dQ: a CTA owns 128 queries (the forward's boxes) and walks their windows' keys in BN-key tiles. Warpgroup 0 of both loads (cp.async, mbarriers; the rank-1 dK/dV pass's Q and dO tiles by TMA in na_bwd_hopper_kv_tma).
 // Reads q, k, v, dO, out (last dim contiguous, rows 16-byte aligned), lse (natural log) and delta (float32); writes delta, dq, dk, dv (every element of the valid rows, padded head-dim columns never).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
 #include "natten/hopper/bwd_tiles.cuh"
 #include "natten/hopper/bias_box.cuh"
+#include "natten/hopper/tma.cuh"
 
 namespace natten {
 namespace hopper {
@@ -171,7 +172,8 @@ struct BwdSmem {
 // Thread 0 decodes the CTA's geometry and sets up the stage barriers (a stage is full
 // after the loader's FULL arrivals, empty after the compute warpgroups' EMPTY); then the
 // whole CTA learns whether it has work.
-template <int STAGES, int FULL, int EMPTY, typename Geom>
+// ASYNC: TMA loads complete on the full barriers too (their inits made visible to them).
+template <int STAGES, int FULL, int EMPTY, bool ASYNC = false, typename Geom>
 __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, unsigned empty,
                                           const NAParams& p) {
   if (threadIdx.x == 0) {
@@ -180,6 +182,7 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
       mbar_init(full + 8 * s, FULL);
       mbar_init(empty + 8 * s, EMPTY);
     }
+    if (ASYNC) fence_mbar_init();
   }
   __syncthreads();
   return live;
@@ -199,20 +202,27 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // the region's last axis (1-D: one), waiting for their reads a step later.
 // BIAS: S^T gets rpb[h, key - query + kernel - 1] (KeyBiasBox, staged after the mbarriers for
 // each query head of the walk in turn, with each region query's place in it for rank 2, 3).
+// TMA (rank 1): thread 0 of the loader stages each tile's Q and dO by tensor maps (tq, tdo:
+// tma.cuh, 64-row boxes stepping the dilation), the loader's threads only the owner K, V
+// (once) and the tile's lse and delta; a stage is full after their 128 arrivals, thread 0's
+// and the maps' bytes. Region rows past the group arrive as the tensor's rows (zeros past its
+// end), not zeros: their scores are masked, as those of rows outside a key's reach are.
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
-          bool BIAS>
+          bool BIAS, bool TMA = false>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
                                        const float* __restrict__ lse,
                                        const float* __restrict__ delta, T* __restrict__ dk,
                                        T* __restrict__ dv, float* __restrict__ dq_ws,
-                                       const T* __restrict__ rpb, const NAParams& p) {
+                                       const T* __restrict__ rpb, const NAParams& p,
+                                       const TmaMap* tq = nullptr, const TmaMap* tdo = nullptr) {
   constexpr int NT = 128, WG = 2;
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
                 "the key tile is 128 keys over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
   static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
+  static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
   typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
@@ -239,18 +249,34 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const float* lseb = lse + b * p.lse[0] + h0 * p.lse[4];
   const float* deltab = delta + b * p.delta[0] + h0 * p.delta[4];
 
-  if (!begin_cta<STAGES, NT, 128 * WG>(G, live, sm.full, sm.empty, p)) return;
+  if (!begin_cta<STAGES, NT + (TMA ? 1 : 0), 128 * WG, TMA>(G, live, sm.full, sm.empty, p))
+    return;
   const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
     regs_dec<BwdRegs::loader>();
+    if (TMA && tid == 0) {
+      tma_prefetch(tq);
+      tma_prefetch(tdo);
+    }
     load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
     int j = 0;  // the step: query tile jt of head g, in walk order
     for (int g = 0; g < group; ++g)
       for (int jt = 0; jt < num_tiles; ++jt, ++j) {
         if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
-        load_rows<T, D, BQ, NT>(sm.tile0(j), qb + g * p.q[4], p.q, sm.tile1(j),
-                                dob + g * p.d_o[4], p.d_o, G, p, jt * BQ, hd, tid);
+        if constexpr (TMA) {
+          if (tid == 0) {
+            const unsigned full = sm.full + 8 * (j % STAGES);
+            const int d0 = (int)p.dilation[0];
+            const int x[3] = {G.g[0] + d0 * (G.rs[0] + jt * BQ), 0, 0};
+            mbar_expect_tx(full, 2 * Smem::TILE);
+            tma_tile<D, BQ, 1>(sm.tile0(j), tq, full, x, (int)h0 + g, b, d0);
+            tma_tile<D, BQ, 1>(sm.tile1(j), tdo, full, x, (int)h0 + g, b, d0);
+          }
+        } else {
+          load_rows<T, D, BQ, NT>(sm.tile0(j), qb + g * p.q[4], p.q, sm.tile1(j),
+                                  dob + g * p.d_o[4], p.d_o, G, p, jt * BQ, hd, tid);
+        }
         load_row_values<BQ>(sm.vec0(j), lseb + g * p.lse[4], sm.vec1(j),
                             deltab + g * p.delta[4], G, p, jt * BQ, tid);
         cp_async_arrive(sm.full + 8 * (j % STAGES));
@@ -724,6 +750,21 @@ na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p) {
   hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS>(q, k, v, d_o, lse, delta, dk,
                                                                    dv, dq_ws, rpb, p);
+}
+
+// The same dK/dV pass with each query tile's Q and dO staged by TMA (rank 1): tq, tdo map q
+// and d_o (tma.cuh).
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
+          bool BIAS>
+__global__ void __launch_bounds__(384, 1)
+na_bwd_hopper_kv_tma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ d_o, const float* __restrict__ lse,
+                     const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                     float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p,
+                     const __grid_constant__ hopper::TmaMap tq,
+                     const __grid_constant__ hopper::TmaMap tdo) {
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS, true>(
+      q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p, &tq, &tdo);
 }
 
 template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>

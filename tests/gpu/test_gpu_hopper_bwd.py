@@ -41,6 +41,7 @@ CASES = [
     ((513,), 100, 1, 1, False, 1, 64, F16, 0.3),        # explicit scale
     ((64,), 64, 64, 1, False, 2, 64, BF16, None),       # stride == kernel: blocked attention
     ((260,), 10, 10, 1, False, 1, 128, F16, 1.5),       # blocked, scale > 1
+    ((400,), 9, 2, 5, True, 2, 128, BF16, None),        # dilation 5: past the TMA maps' reach
     # 2-D (8 x 16 owner boxes) and 3-D (2 x 8 x 8)
     ((33, 41), (7, 5), (2, 1), (2, 3), (True, False), 2, 64, F16, None),
     ((24, 37), (4, 6), 1, 1, False, 1, 128, BF16, None),
@@ -97,22 +98,23 @@ def _device(cp, host, layout="canonical"):
     return upload(cp, host)
 
 
-def _run(cp, problem, dev, shape, dtype, layout="canonical", dq_atomic=False):
+def _run(cp, problem, dev, shape, dtype, layout="canonical", dq_atomic=False, tma=None):
     grads = [_device(cp, numpy.full(shape, numpy.nan, dtype), layout) for _ in range(3)]
     q, k, v, d_out, out, lse = dev
-    H.backward(problem, q, k, v, out, lse, d_out, *grads, dq_atomic=dq_atomic)
+    H.backward(problem, q, k, v, out, lse, d_out, *grads, dq_atomic=dq_atomic, tma=tma)
     cp.cuda.get_current_stream().synchronize()
     return [to_host(g) for g in grads]
 
 
-def check_case(case, rng, layout="canonical", dq_atomic=False):
-    """Run one case; returns [(error, yardstick error)] for dq, dk, dv."""
+def check_case(case, rng, layout="canonical", dq_atomic=False, tma=None):
+    """Run one case (``tma``: the dK/dV pass's loads, ``plan_backward``); returns [(error,
+    yardstick error)] for dq, dk, dv."""
     import cupy as cp
     q, k, v, d_out, out, lse, truth = _inputs(case, rng)
     problem = _problem(q, case)
     assert H.refuse(problem) is None, H.refuse(problem)
     dev = [_device(cp, x, layout) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
-    got = _run(cp, problem, dev, q.shape, q.dtype, layout, dq_atomic)
+    got = _run(cp, problem, dev, q.shape, q.dtype, layout, dq_atomic, tma)
     low = _reference_backward(problem, q, k, v, out, lse, d_out)
     result = []
     for name, g, t, y in zip(("dq", "dk", "dv"), got, truth, low):
@@ -141,6 +143,27 @@ def test_hopper_backward_atomic_dq_matches_reference(case, rng):
     """The atomic dQ variant (dQ added in the dK/dV pass by bulk float32 reductions)."""
     _skip_unless_hopper()
     check_case(case, rng, dq_atomic=True)
+
+
+def _tma_runs(case):
+    """Where the rank-1 dK/dV pass loads its query tiles by TMA (natten_cupy/_tma.py's maps:
+    64-row boxes stepping the dilation, at most 256 elements): dilation up to 4."""
+    return len(case[0]) == 1 and case[3] <= 4
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if len(c[0]) == 1]
+                         + [c for c in CASES if len(c[0]) == 2][:1], ids=_case_id)
+@pytest.mark.parametrize("dq_atomic", [False, True], ids=("det", "atomic"))
+@pytest.mark.parametrize("tma", [False, True], ids=("cp.async", "tma"))
+def test_hopper_backward_loaders(case, dq_atomic, tma, rng):
+    """Both loaders of the dK/dV pass, both dQ variants: cp.async always, TMA wherever its
+    maps describe the operands (a case outside them is refused with the reason)."""
+    _skip_unless_hopper()
+    if tma and not _tma_runs(case):
+        with pytest.raises(ValueError, match="TMA loads cannot run"):
+            check_case(case, rng, dq_atomic=dq_atomic, tma=True)
+        return
+    check_case(case, rng, dq_atomic=dq_atomic, tma=tma)
 
 
 @pytest.mark.parametrize("case", [((333,), 65, 1, 2, False, 3, 64, F16, None),

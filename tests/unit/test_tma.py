@@ -1,4 +1,4 @@
-"""Tensor maps of the Hopper forward's TMA loader without a GPU: the dimensions, strides,
+"""Tensor maps of the Hopper kernels' TMA loads without a GPU: the dimensions, strides,
 boxes and element steps ``natten_cupy._tma.operand_map`` gives each rank, the operands it
 refuses (with the reason), and a launch's argument buffer holding a map (64-byte aligned, its
 address set per call). The maps' effect on the kernel is tested on the GPU
@@ -135,8 +135,6 @@ def test_forced_tma_refuses_with_the_reason_before_any_gpu_work(shape, kernel, w
     default, tma=None, takes the cp.async loader there: tests/gpu/test_gpu_hopper.py)."""
     from natten_cupy import _args
     from natten_cupy.backends.fused import wgmma_forward
-    if _tma.unavailable_reason():
-        pytest.skip(_tma.unavailable_reason())
     x = numpy.zeros(shape, F16)
     rank = len(shape) - 3
     dil = 5 if rank == 1 else 1
@@ -146,3 +144,53 @@ def test_forced_tma_refuses_with_the_reason_before_any_gpu_work(shape, kernel, w
     with pytest.raises(ValueError, match="TMA loader cannot run") as err:
         wgmma_forward.plan_forward(prob, lay, lay, lay, lay, lse, walk_boxes=walk, tma=True)
     assert why in str(err.value)
+
+
+@pytest.mark.parametrize("shape, kernel, dil, rpb, why", [
+    ((1, 30, 29, 2, 64), (7, 7), 1, False, "rank 2 and 3"),
+    ((1, 90, 2, 128), (7,), 5, False, "box 320"),   # 64 rows x dilation 5 > 256
+    ((1, 300, 2, 64), (65,), 1, True, "with a bias"),
+])
+def test_backward_tma_refuses_with_the_reason_before_any_gpu_work(shape, kernel, dil, rpb, why,
+                                                                  monkeypatch):
+    """plan_backward(tma=True) where the dK/dV pass cannot load its query tiles by maps
+    raises, naming why (tma=None takes its cp.async loader there)."""
+    from natten_cupy import _args
+    from natten_cupy.backends.fused import mma_backward, wgmma_backward as H
+    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(mma_backward, "_geometry", lambda p, t: (numpy.uint64(0), [0] * 3, {}))
+    x = numpy.zeros(shape, F16)
+    rank = len(shape) - 3
+    bias = numpy.zeros((shape[-2],) + tuple(2 * k - 1 for k in kernel), F16) if rpb else None
+    prob = _args.check_fused(rank, x, x, x, kernel, 1, dil, False, None, "fused", rpb=bias)
+    lay, lse = _layout(shape), Layout.contiguous(shape[:-1], numpy.float32)
+    extra = (_layout(bias.shape), _layout(bias.shape)) if rpb else ()
+    with pytest.raises(ValueError, match="TMA loads cannot run") as err:
+        H.plan_backward(prob, lay, lay, lay, lay, lay, lse, lay, lay, lay, *extra, tma=True)
+    assert why in str(err.value)
+    H.plan_backward(prob, lay, lay, lay, lay, lay, lse, lay, lay, lay, *extra)   # cp.async
+
+
+@pytest.mark.parametrize("dq_atomic", [False, True])
+def test_backward_rank1_plan_loads_query_tiles_by_maps(dq_atomic, monkeypatch):
+    """The rank-1 dK/dV pass's default plan: the TMA kernel, with the maps of q (operand 1)
+    and d_out (operand 0) after its parameters: 64-row boxes stepping the dilation."""
+    from natten_cupy import _args
+    from natten_cupy.backends.fused import wgmma_backward as H
+    if _tma.unavailable_reason():
+        pytest.skip(_tma.unavailable_reason())
+    names = []
+    monkeypatch.setattr(H, "get_kernel", lambda src, name, **k: names.append(name))
+    shape = (2, 1000, 3, 128)
+    x = numpy.zeros(shape, F16)
+    prob = _args.check_fused(1, x, x, x, 65, 1, 3, False, None, "fused")
+    lay, lse = _layout(shape), Layout.contiguous(shape[:-1], numpy.float32)
+    args = (prob, lay, lay, lay, lay, lay, lse, lay, lay, lay)
+    kv = H.plan_backward(*args, dq_atomic=dq_atomic).calls[1]
+    assert names[-1].startswith("natten::na_bwd_hopper_kv_tma<")
+    maps = [a for a in kv.args if isinstance(a, _tma.TensorMap)]
+    assert [m.index for m in maps] == [1, 0] and kv.args[-3].dtype.names   # params, maps
+    assert maps[0].data == _tma._encode("float16", *_tma.operand_map(lay, 1, (64,), (3,), 128))
+    plain = H.plan_backward(*args, dq_atomic=dq_atomic, tma=False).calls[1]
+    assert names[-1].startswith("natten::na_bwd_hopper_kv<")
+    assert plain.args == kv.args[:-2]

@@ -29,8 +29,10 @@ part refuses the problem on any device; ``refuse`` adds the device's compute cap
 ``plan_backward`` binds the arrays.
 
 A loader warpgroup stages the tiles (cp.async into 128-byte-swizzled shared memory,
-mbarriers, STAGES deep) in both passes. ``fused.py`` dispatches it where it measured faster
-than the mma.sync backward; design and measurements: ``bench/results/NOTES-hopper-bwd.md``.
+mbarriers, STAGES deep) in both passes; at rank 1 the dK/dV pass's query tiles (Q, dO) come
+by TMA from tensor maps where they describe the arrays (``kv_tma_maps``). ``fused.py``
+dispatches it where it measured faster than the mma.sync backward; design and
+measurements: ``bench/results/NOTES-hopper-bwd.md``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from ..._dtypes import HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import SM90_SMEM_PER_BLOCK, Layout, head_dim_bucket, rows_ready, run_backward
 from ..._params import make_params
+from ..._tma import TensorMap
 from ..._window import box_ranges, group_size
 
 SOURCE = "fused/wgmma_backward.cu"
@@ -71,6 +74,10 @@ DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 # The owner box per rank (128 rows), the forward's query boxes.
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
+# The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
+# natten_cupy/_tma.py) wherever the maps describe them; USE_TMA = False switches it off (the
+# probes' side-by-side timings).
+USE_TMA = True
 
 
 def _bucket(head_dim):
@@ -128,14 +135,15 @@ def _configure(problem, tile, dq_atomic):
     return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
-def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False):
-    """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store."""
+def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
+    """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store; with
+    ``tma`` the dK/dV pass loads its query tiles by tensor maps."""
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
     flag = lambda x: "true" if x else "false"
-    kv = (f"natten::na_bwd_hopper_kv<{ct}, {dp}, {tile.bq}, {tile.kv_stages}, {rank}, {box}, "
-          f"{flag(dq_atomic)}, {flag(bias)}>")
+    kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
+          f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
           f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}, "
           f"{flag(bias)}>")
@@ -150,6 +158,9 @@ def instantiations():
                 for atomic, bias in ((False, False), (True, False), (False, True)):
                     out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic,
                                                         bias=bias)]
+                    if rank == 1 and not bias:
+                        out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
+                                                   tma=True)[1]))
     return sorted(set(out))
 
 
@@ -241,6 +252,7 @@ class Tiling:
     workspaces: tuple   # after delta: with dq_atomic the float32 dQ, with a bias the boxes
     bias: numpy.void    # with a bias: the BiasGeom of na_bwd_fused_rpb, else None
     entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
+    kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none, kv_tma_maps)
 
 
 def _tiling(problem, tile, dq_atomic, smem):
@@ -259,8 +271,37 @@ def _tiling(problem, tile, dq_atomic, smem):
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
         workspaces += (((size,), numpy.dtype(numpy.float32)),)
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+    kv_tma = ("" if _kv_tma_refusal(problem, tile) else
+              _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1])
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
-                  OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries)
+                  OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma)
+
+
+def _kv_tma_refusal(problem, tile):
+    """Why the dK/dV pass of ``tile`` cannot load its query tiles by TMA whatever the arrays
+    (None: it can where the maps describe them, ``kv_tma_maps``)."""
+    if problem.rank > 1:
+        return "rank 2 and 3 walk their query regions flat (no box shape)"
+    if problem.has_rpb:
+        return "with a bias the dK/dV pass loads by cp.async"
+    if tile.bq != 64:
+        return f"query tiles of {tile.bq} rows (the maps' boxes are 64)"
+    return None
+
+
+def kv_tma_maps(problem, t, d_out, q):
+    """The tensor maps of q and d_out (plan operands 1 and 0) for the dK/dV pass of Tiling
+    ``t`` with TMA loads, or the reason it cannot run: rank 2 or 3, a bias, or an operand
+    the maps cannot describe (``natten_cupy._tma.operand_map``: e.g. dilation over 4)."""
+    if not t.kv_tma_name:
+        return _kv_tma_refusal(problem, DEFAULT[_bucket(problem.head_dim)])
+    dp = _bucket(problem.head_dim)
+    maps = (TensorMap.of(1, q, 1, (64,), problem.dilation, dp),
+            TensorMap.of(0, d_out, 1, (64,), problem.dilation, dp))
+    for m, name in zip(maps, ("q", "d_out")):
+        if isinstance(m, str):
+            return f"{name}: {m}"
+    return maps
 
 
 def atomic_pays(problem):
@@ -275,7 +316,7 @@ def atomic_pays(problem):
 
 
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
-                  tile=None, dq_atomic=None):
+                  tile=None, dq_atomic=None, tma=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
     with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
     workspaces: delta, with ``dq_atomic`` the float32 dQ, with a bias the dQ CTAs' bias-gradient
@@ -285,7 +326,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
     dK/dV adding dQ into it (bulk float32 reductions), dq = scale * workspace; five GEMMs
     where the deterministic passes run seven, not bitwise reproducible. None: where
-    ``atomic_pays``."""
+    ``atomic_pays``. ``tma``: the rank-1 dK/dV pass loads its query tiles by tensor maps
+    (True: always, ValueError where it cannot; False: never; None: where ``USE_TMA`` and the
+    maps describe q and d_out)."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
     t = configure(problem, tile, dq_atomic)
@@ -311,11 +354,17 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     kv_grid = (t.ctas, problem.kv_heads, problem.batch)
     grid = (t.ctas, problem.heads, problem.batch)
     ws = DQ_WS if t.dq_atomic else no_ws
+    kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
+    maps = kv_tma_maps(problem, t, d_out, q) if (USE_TMA if tma is None else tma) else ()
+    if tma and isinstance(maps, str):   # asked for, not possible
+        raise ValueError(f"the TMA loads cannot run this backward: {maps}")
+    if isinstance(maps, tuple) and maps:
+        fn_kv = get_kernel(SOURCE, t.kv_tma_name, extra_options=OPTIONS)
+        kv_args += maps
     calls = [
         KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
                    (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused"),
-        KernelCall(fn_kv, kv_grid, (THREADS, 1, 1),
-                   (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p), shared_mem=smem_kv,
+        KernelCall(fn_kv, kv_grid, (THREADS, 1, 1), kv_args, shared_mem=smem_kv,
                    name="na_bwd_hopper_kv", backend="fused", tile=t.box),
     ]
     if t.dq_atomic:
@@ -361,12 +410,12 @@ def dq_workspace(problem, dp):
 
 
 def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None, tile=None,
-             dq_atomic=None):
+             dq_atomic=None, tma=None):
     """dq, dk, dv (CuPy arrays, preallocated, every element written) of the NA forward that
     gave out and lse (natural log), for the upstream gradient d_out; with ``rpb`` (a bias)
     also d_rpb. ``dq_atomic``: dQ added in the dK/dV pass (not bitwise reproducible; see
-    plan_backward)."""
+    plan_backward; ``tma``: the dK/dV pass's loads, as there)."""
     if problem.is_empty:
         return
-    run_backward(functools.partial(plan_backward, tile=tile, dq_atomic=dq_atomic), problem,
-                 q, k, v, out, lse, d_out, dq, dk, dv, rpb, d_rpb)
+    run_backward(functools.partial(plan_backward, tile=tile, dq_atomic=dq_atomic, tma=tma),
+                 problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb, d_rpb)

@@ -30,7 +30,7 @@ from ..._dtypes import FLOAT16, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import SM90_SMEM_PER_BLOCK, head_dim_bucket, rows_ready, run_forward
 from ..._params import make_params
-from ..._tma import TensorMap, unavailable_reason as tma_unavailable
+from ..._tma import TensorMap
 
 SOURCE = "fused/wgmma_forward.cu"
 OPTIONS = ("-arch=sm_90a",)
@@ -298,9 +298,6 @@ def tma_maps(problem, plan, q, k, v):
     """The tensor maps of q, k and v (operands 0, 1, 2) for the TMA loader of ``plan`` (a
     Tiling), or the reason it cannot run: the rank 2 and 3 flat walk, or an operand the maps
     cannot describe (``natten_cupy._tma.operand_map``)."""
-    why = tma_unavailable()
-    if why:
-        return why
     if problem.rank > 1 and not plan.walk_boxes:
         return "the flat key walk has no box shape"
     box, dp = _box(problem.rank, plan.tile)[:problem.rank], _bucket(problem.head_dim)
