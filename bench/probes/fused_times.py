@@ -2,7 +2,7 @@
 
     python bench/probes/fused_times.py [--workloads 2D-33:fp16,M5:bf16] [--tiles wgmma,mma.sync]
         [--reps 15] [--out times.json] [--baseline fused/mma_forward.cu=fused/old.cu]
-        [--forward-only]
+        [--forward-only] [--rounds 3]
 
 Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and kernel family
 (``wgmma``: the Hopper parts, ``mma.sync``: the mma.sync parts, called directly; ``default``:
@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import sys
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +131,32 @@ def _run(wid, dtype, family, reps, forward_only=False):
     return row
 
 
+def _print(row, tag=""):
+    head = f"{tag}{row['workload']:>10}:{row['dtype']:<5} {row['tile']:<9}"
+    if "error" in row:
+        print(f"{head} {row['error'][:90]}", flush=True)
+        return
+    bwd = ("" if "bwd_ms" not in row else f"  bwd {row['bwd_ms']:8.3f} ms "
+           f"({row['bwd_tflops']:6.1f} TF)")
+    print(f"{head} fwd {row['fwd_ms']:8.3f} ms ({row['fwd_tflops']:6.1f} TF){bwd}  "
+          f"finite {row['finite']}", flush=True)
+
+
+def _median_row(rows):
+    """One row of several rounds: each time and rate the median over the rounds, the rounds'
+    times kept (``*_ms_rounds``), finite only if every round's was."""
+    if len(rows) == 1 or any("error" in r for r in rows):
+        return rows[0]
+    out = dict(rows[0])
+    for key in ("fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops"):
+        if key in out:
+            out[key] = statistics.median(r[key] for r in rows)
+            if key.endswith("_ms"):
+                out[key + "_rounds"] = [r[key] for r in rows]
+    out["finite"] = all(r["finite"] for r in rows)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=DEFAULT)
@@ -141,22 +168,25 @@ def main(argv=None):
                     help="for tiles F@base: compile cuda_src/OTHER in place of cuda_src/SHIPPED "
                          "(e.g. fused/mma_forward.cu=fused/mma_forward_base.cu, the file "
                          "of an earlier commit); repeatable")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every (workload, tile) this many times, interleaved, and keep "
+                         "the median of the rounds (a drifting clock then moves every variant)")
     args = ap.parse_args(argv)
     baselines = dict(b.split("=", 1) for b in args.baseline)
-    rows = []
-    for spec in args.workloads.split(","):
-        wid, dtype = spec.split(":")
-        for tile in args.tiles.split(","):
-            row = run(wid, dtype, tile, args.reps, baselines, args.forward_only)
-            rows.append(row)
-            if "error" in row:
-                print(f"{wid:>10}:{dtype:<5} {tile:<9} {row['error'][:90]}", flush=True)
-            else:
-                bwd = ("" if args.forward_only else f"  bwd {row['bwd_ms']:8.3f} ms "
-                       f"({row['bwd_tflops']:6.1f} TF)")
-                print(f"{wid:>10}:{dtype:<5} {tile:<9} fwd {row['fwd_ms']:8.3f} ms "
-                      f"({row['fwd_tflops']:6.1f} TF){bwd}  finite {row['finite']}", flush=True)
-        cupy.get_default_memory_pool().free_all_blocks()
+    runs = {}
+    for r in range(args.rounds):
+        for spec in args.workloads.split(","):
+            wid, dtype = spec.split(":")
+            for tile in args.tiles.split(","):
+                row = run(wid, dtype, tile, args.reps, baselines, args.forward_only)
+                runs.setdefault((wid, dtype, tile), []).append(row)
+                _print(row, f"[{r + 1}/{args.rounds}] " if args.rounds > 1 else "")
+            cupy.get_default_memory_pool().free_all_blocks()
+    rows = [_median_row(rs) for rs in runs.values()]
+    if args.rounds > 1:
+        print("medians of the rounds:")
+        for row in rows:
+            _print(row)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),

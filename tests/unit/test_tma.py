@@ -191,6 +191,7 @@ def test_backward_rank1_plan_loads_query_tiles_by_maps(dq_atomic, monkeypatch):
     maps = [a for a in kv.args if isinstance(a, _tma.TensorMap)]
     assert [m.index for m in maps] == [1, 0] and kv.args[-3].dtype.names   # params, maps
     assert maps[0].data == _tma._encode("float16", *_tma.operand_map(lay, 1, (64,), (3,), 128))
+    names.clear()
     plain = H.plan_backward(*args, dq_atomic=dq_atomic, tma=False).calls[1]
-    assert names[-1].startswith("natten::na_bwd_hopper_kv<")
+    assert [n.split("<")[0] for n in names if "hopper_kv" in n] == ["natten::na_bwd_hopper_kv"]
     assert plain.args == kv.args[:-2]
