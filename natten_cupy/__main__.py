@@ -51,7 +51,7 @@ def demo(size=None, heads=4, head_dim=32, kernel=KERNEL, seed=0):
         where = f"CPU (NumPy; {reason})"
     problem = check_fused(2, q, k, v, kernel, 1, 1, False, None, "auto")
     xp = numpy if not on_gpu else __import__("cupy")
-    backend = ops.select_backend("fused_forward", problem, xp, "auto")
+    selected = ops.select_backend("fused_forward", problem, xp, "auto")
 
     def run():
         out = na2d(q, k, v, kernel)
@@ -73,7 +73,7 @@ def demo(size=None, heads=4, head_dim=32, kernel=KERNEL, seed=0):
     tol = 1e-2 if dtype == numpy.float16 else 1e-5
     print(f"natten_cupy demo on {where}")
     print(f"  na2d: q/k/v {shape} {numpy.dtype(dtype).name}, kernel {kernel}x{kernel}")
-    print(f"  backend: {backend.NAME}")
+    print(f"  backend: {selected.name}")
     first_label = "first call (includes compiling)" if on_gpu else "first call"
     print(f"  {first_label}: {first * 1e3:.1f} ms; "
           f"median of the next: {numpy.median(times) * 1e3:.2f} ms")

@@ -3,15 +3,16 @@
 A call's signature is its op, rank, framework, option values (with their types, so that a
 later call with a bad-typed option is validated anew) and, per array, its type, shape,
 strides, dtype, device and whether its first element is 16-byte aligned. The first call with
-a signature validates (``_args``), selects the backend, and asks it for a ``Plan``
-(``_launch``): the kernels with their grids and packed arguments, and the workspaces they
-need. Later calls with the same signature only allocate their outputs and workspaces in the
-caller's framework (CuPy or PyTorch), read the data pointers and the caller's current stream,
-and launch: no validation, no DLPack, no stream objects, no CuPy arrays for torch tensors, so
-a warm call costs microseconds and can be captured in a CUDA graph of either framework.
+a signature validates (``_args``), selects the backend (``_selection.select_backend``, a
+``Selection``) and asks the selection for its ``Plan`` (``_launch``): the kernels with their
+grids and packed arguments, and the workspaces they need. Later calls with the same
+signature only allocate their outputs and workspaces in the caller's framework (CuPy or
+PyTorch), read the data pointers and the caller's current stream, and launch: no
+validation, no DLPack, no stream objects, no CuPy arrays for torch tensors, so a warm call
+costs microseconds and can be captured in a CUDA graph of either framework.
 
 Calls the fast path does not serve return None and take the general path of ``ops``: NumPy
-and JAX arrays, mixed frameworks, backends without plans (reference, naive, tiled), an active
+and JAX arrays, mixed frameworks, backends without plans (reference, naive), an active
 profiler, ``tile="autotune"`` before its winner is known, a bias together with additional
 tokens or tokens the kernels do not take themselves (merged in array math), or
 ``NATTEN_CUPY_FAST_PATH=0``.
@@ -25,9 +26,11 @@ import os
 import sys
 
 from . import _args
+from ._arrays import array_module
 from ._dtypes import accumulator_dtype, canonical_dtype
 from ._launch import Plan, _recorders, profiling
 from ._operands import Layout, layout_of, rows_ready
+from ._selection import select_backend
 
 __all__ = ["enabled", "fused_forward", "fused_backward", "fused_forward_ext",
            "fused_backward_ext", "ext_order", "ext_outputs", "ext_shape", "qk", "av",
@@ -135,13 +138,13 @@ def _remember(key, entry):
 
 class Entry:
     """What a warm call needs: the plan's launches, the arrays to copy first, outputs and
-    workspaces."""
+    workspaces; and the selection the plan came from (its backend and problem)."""
 
-    __slots__ = ("problem", "plan", "calls", "device", "copies", "outputs", "workspaces",
+    __slots__ = ("selection", "plan", "calls", "device", "copies", "outputs", "workspaces",
                  "workspace_bytes", "block", "torch_out", "torch_device", "order", "after")
 
-    def __init__(self, problem, plan, device, copies, outputs, workspaces, order=None):
-        self.problem = problem
+    def __init__(self, selection, plan, device, copies, outputs, workspaces, order=None):
+        self.selection = selection
         self.plan = plan
         self.calls = tuple(c for c in plan.calls if not c.empty)   # launched in this order
         self.device = device
@@ -205,49 +208,47 @@ def _device(fam, x):
     return x.data.device_id if fam == "cupy" else x.device.index
 
 
-def _build(op, problem, backend, fam, inputs, outputs, order=None, rows=None):
-    """The Entry of a validated call, or _SLOW (None: not yet, see autotune). ``inputs``:
-    the op's input arrays (None for an absent optional one); ``outputs``: (shape, numpy
-    dtype) each. The plan takes the inputs then the outputs, or with ``order`` the operands
-    at those indices of (inputs, outputs) (see ``ext_order``); ``rows``: the inputs read by
-    16-byte rows (default: the backend's ``ROW_INPUTS`` of ``op``)."""
-    planner = getattr(backend, "plan", None)
+def _build(sel, fam, inputs, outputs, order=None, rows=None):
+    """The Entry of a validated call whose backend is selected (``sel``, a ``Selection``),
+    or _SLOW (None: not yet, see autotune). ``inputs``: the op's input arrays (None for an
+    absent optional one); ``outputs``: (shape, numpy dtype) each. The plan takes the inputs
+    then the outputs, or with ``order`` the operands at those indices of (inputs, outputs)
+    (see ``ext_order``); ``rows``: the inputs read by 16-byte rows (default: the selection's
+    ``row_inputs``)."""
     present = [x for x in inputs if x is not None]
-    if planner is None or profiling():
+    if not sel.has_plans or profiling():
         return _SLOW
     if fam == "torch" and (present[0].device.type != "cuda"
                            or any(x.is_neg() or x.is_conj() for x in present)):
         return _SLOW   # CPU tensors run on the reference backend; lazy negation needs a copy
-    if problem.tile == "autotune":
-        from .backends import fused
-        problem = fused.tuned(op, problem)
-        if problem is None:  # the general path times the candidates first
-            return None
+    sel = sel.tuned()
+    if sel is None:  # tile="autotune": the general path times the candidates first
+        return None
     _bind(fam)
     device = _device(fam, present[0])
     layouts = [None if x is None else _layout(fam, x) for x in inputs]
-    rows = backend.ROW_INPUTS[op] if rows is None else rows
+    rows = sel.row_inputs if rows is None else rows
     copies = tuple(i for i in rows if not rows_ready(layouts[i]))
     layouts = [Layout.contiguous(lay.shape, lay.dtype) if i in copies else lay
                for i, lay in enumerate(layouts)]
     layouts += [Layout.contiguous(s, d) for s, d in outputs]
-    if problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
+    if sel.problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
         if order is not None:
             return _SLOW   # (a bias's gradient is zeroed there: the general path does it)
-        e = Entry(problem, Plan(()), device, (), tuple(outputs), ())
+        e = Entry(sel, Plan(()), device, (), tuple(outputs), ())
     else:
         import cupy
         if order is not None:
             layouts = [layouts[i] for i in order]
         with cupy.cuda.Device(device):
-            plan = planner(op, problem, layouts)
+            plan = sel.plan(layouts)
             if plan is None:
                 return _SLOW
             plan.prepare()
         if order is not None:   # then the workspaces, after the inputs and outputs
             n = len(inputs) + len(outputs)
             order = tuple(order) + tuple(range(n, n + len(plan.workspaces)))
-        e = Entry(problem, plan, device, copies, tuple(outputs), plan.workspaces, order)
+        e = Entry(sel, plan, device, copies, tuple(outputs), plan.workspaces, order)
     if fam == "torch":
         e.torch_out = _torch_specs(e.outputs + e.workspaces)
         e.torch_device = present[0].device
@@ -388,12 +389,6 @@ def _run(fam, e, inputs, *more):
 
 # ---- array-level calls ------------------------------------------------------------------
 
-def _select(op, problem, named, backend):
-    from . import ops
-    from ._arrays import array_module
-    return ops.select_backend(op, problem, array_module(named), backend)
-
-
 def _call(op, rank, names, arrays, options, backend, first, tag=None):
     """One array-level call through the fast path: the outputs (a list), or None where the
     general path must run it. ``first(rank, arrays, options)``, on a signature's first
@@ -429,8 +424,8 @@ def _first_call(op, rank, fam, names, arrays, options, backend, first):
     if got is None:
         return _SLOW
     problem, outputs, *shape = got
-    be = _select(op, problem, list(zip(names, arrays)), backend)
-    return _build(op, problem, be, fam, arrays, outputs, *shape)
+    sel = select_backend(op, problem, array_module(list(zip(names, arrays))), backend)
+    return _build(sel, fam, arrays, outputs, *shape)
 
 
 def _same(x, dt=None):
@@ -631,11 +626,11 @@ def av_backward(rank, d_out, attn, v, kernel_size, dilation, is_causal, backend,
 
 # ---- the torch layer --------------------------------------------------------------------
 
-def torch_entry(op, rank, tensors, options, problem_of, outputs_of, tag=None):
-    """The Entry for a torch-layer call on CUDA tensors (``problem_of()`` validates and
-    returns (problem, backend) on the first call of a signature; ``outputs_of(problem)``
-    gives the outputs' (shape, numpy dtype), or those with the plan's operand order and row
-    inputs (``ext_order``), or None where the fast path does not serve it), or None.
+def torch_entry(op, rank, tensors, options, select, outputs_of, tag=None):
+    """The Entry for a torch-layer call on CUDA tensors (``select()`` validates and returns
+    the ``Selection`` on the first call of a signature; ``outputs_of(problem)`` gives the
+    outputs' (shape, numpy dtype), or those with the plan's operand order and row inputs
+    (``ext_order``), or None where the fast path does not serve it), or None.
     ``tag``: the signature's op name where it is not ``op``."""
     if not enabled or _recorders:   # (``profiling()``, without the call)
         return None
@@ -648,14 +643,14 @@ def torch_entry(op, rank, tensors, options, problem_of, outputs_of, tag=None):
     except Exception:
         return None
     if e is None:
-        problem, be = problem_of()
-        shape = outputs_of(problem)
+        sel = select()
+        shape = outputs_of(sel.problem)
         if shape is None:
             e = _SLOW
         else:
             if isinstance(shape, list):
                 shape = (shape,)
-            e = _build(op, problem, be, "torch", tensors, *shape)
+            e = _build(sel, "torch", tensors, *shape)
             if e is None:
                 return None
         _remember(key, e)

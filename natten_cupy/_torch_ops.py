@@ -96,23 +96,23 @@ def _rpb_shape(heads, kernel_size):
 
 # ---- validation, cached per call signature ----------------------------------------------
 
-def _forward_problem(q, k, v, options):
-    """(problem, backend) of a fused forward; raises what the array API raises."""
+def _select_forward(q, k, v, options):
+    """The ``Selection`` of a fused forward; raises what the array API raises."""
     rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det, tile = options
     problem = _args.check_fused(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale,
                                 backend, tf32, det, tile)
     _check_tensors([("q", q), ("k", k), ("v", v)])
-    return problem, ops.select_backend("fused_forward", problem, module_for(q.is_cuda), backend)
+    return ops.select_backend("fused_forward", problem, module_for(q.is_cuda), backend)
 
 
-def _backward_problem(tensors, options):
+def _select_backward(tensors, options):
     rank, kernel_size, stride, dilation, is_causal, scale, backend, tf32, det, tile = options
     d_out, q, k, v, out, lse = tensors
     problem = _args.check_fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, stride,
                                          dilation, is_causal, scale, backend, tf32, det, tile)
     _check_tensors([("d_out", d_out), ("q", q), ("k", k), ("v", v), ("out", out),
                     ("lse", lse)])
-    return problem, ops.select_backend("fused_backward", problem, module_for(q.is_cuda), backend)
+    return ops.select_backend("fused_backward", problem, module_for(q.is_cuda), backend)
 
 
 def _like(x):
@@ -124,7 +124,7 @@ def _forward_entry(q, k, v, options):
     first call), or None where the general path runs it."""
     return _fast.torch_entry(
         "fused_forward", options[0], (q, k, v), options,
-        lambda: _forward_problem(q, k, v, options),
+        lambda: _select_forward(q, k, v, options),
         lambda p: [(tuple(q.shape[:-1]) + (v.shape[-1],), p.dtype),   # v's head dim
                    (tuple(q.shape[:-1]), accumulator_dtype(p.dtype))])
 
@@ -132,7 +132,7 @@ def _forward_entry(q, k, v, options):
 def _backward_entry(tensors, options):
     q, k, v = tensors[1:4]
     return _fast.torch_entry("fused_backward", options[0], tensors, options,
-                             lambda: _backward_problem(tensors, options),
+                             lambda: _select_backward(tensors, options),
                              lambda p: [_like(q), _like(k), _like(v)])
 
 
@@ -141,13 +141,13 @@ def _unfused_entry(op, tensors, options):
     dilation, is_causal, backend, allow_tf32), or None."""
     rank, ks, dl, ca, backend, tf32 = options
 
-    def problem_of():
+    def select():
         named = list(zip(_UNFUSED_NAMES[op], tensors))
         problem = _UNFUSED_CHECKS[op](rank, *tensors, ks, dl, ca, backend, tf32)
         _check_tensors(named)
-        return problem, ops.select_backend(op, problem, module_for(tensors[0].is_cuda), backend)
+        return ops.select_backend(op, problem, module_for(tensors[0].is_cuda), backend)
 
-    return _fast.torch_entry(op, rank, tensors, options, problem_of,
+    return _fast.torch_entry(op, rank, tensors, options, select,
                              lambda p: _UNFUSED_OUTPUTS[op](p, *tensors))
 
 
@@ -437,11 +437,11 @@ def _fused_forward_impl(q: Tensor, k: Tensor, v: Tensor, kernel_size: list[int],
     if e is not None:
         out, lse = _fast.run_torch_call(e, (q, k, v))
         return out, lse
-    problem, be = _forward_problem(q, k, v, options)
+    sel = _select_forward(q, k, v, options)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # Dv
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
     with _on_torch_stream(q.device):
-        ops.run_fused_forward(problem, be, *map(_view, (q, k, v, out, lse)))
+        ops.run_fused_forward(sel.problem, sel.backend, *map(_view, (q, k, v, out, lse)))
     return out, lse
 
 
@@ -465,10 +465,11 @@ def _fused_backward_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     if e is not None:
         dq, dk, dv = _fast.run_torch_call(e, tensors)
         return dq, dk, dv
-    problem, be = _backward_problem(tensors, options)
+    sel = _select_backward(tensors, options)
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     with _on_torch_stream(q.device):
-        ops.run_fused_backward(problem, be, *map(_view, (d_out, q, k, v, out, lse, *grads)))
+        ops.run_fused_backward(sel.problem, sel.backend,
+                               *map(_view, (d_out, q, k, v, out, lse, *grads)))
     return tuple(grads)
 
 
@@ -565,10 +566,10 @@ def _qk_impl(q: Tensor, k: Tensor, rpb: Optional[Tensor], kernel_size: list[int]
     problem = _args.check_qk(len(kernel_size), q, k, kernel_size, dilation, is_causal, rpb,
                              backend, allow_tf32)
     _check_tensors([("q", q), ("k", k), ("rpb", rpb)])
-    be = ops.select_backend("qk", problem, module_for(q.is_cuda), backend)
+    sel = ops.select_backend("qk", problem, module_for(q.is_cuda), backend)
     attn = torch.empty(q.shape[:-1] + (problem.num_neighbors,), dtype=q.dtype, device=q.device)
     with _on_torch_stream(q.device):
-        ops.run_qk(problem, be, *map(_view, (q, k, rpb, attn)))
+        ops.run_qk(sel.problem, sel.backend, *map(_view, (q, k, rpb, attn)))
     return attn
 
 
@@ -585,7 +586,7 @@ def _qk_backward_impl(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
     problem = _args.check_qk_backward(len(kernel_size), d_attn, q, k, kernel_size, dilation,
                                       is_causal, None, backend, allow_tf32)
     _check_tensors([("d_attn", d_attn), ("q", q), ("k", k)])
-    be = ops.select_backend("qk_backward", problem, module_for(q.is_cuda), backend)
+    sel = ops.select_backend("qk_backward", problem, module_for(q.is_cuda), backend)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     d_rpb = None
@@ -593,7 +594,7 @@ def _qk_backward_impl(d_attn: Tensor, q: Tensor, k: Tensor, with_rpb: bool,
         d_rpb = torch.empty(_rpb_shape(problem.heads, problem.kernel_size),
                             dtype=_accumulator(q.dtype), device=q.device)
     with _on_torch_stream(q.device):
-        ops.run_qk_backward(problem, be, *map(_view, (d_attn, q, k, dq, dk, d_rpb)))
+        ops.run_qk_backward(sel.problem, sel.backend, *map(_view, (d_attn, q, k, dq, dk, d_rpb)))
     if d_rpb is None:
         return dq, dk, q.new_empty((0,))
     return dq, dk, d_rpb.to(q.dtype)
@@ -646,11 +647,11 @@ def _av_impl(attn: Tensor, v: Tensor, kernel_size: list[int], dilation: list[int
     problem = _args.check_av(len(kernel_size), attn, v, kernel_size, dilation, is_causal,
                              backend, allow_tf32)
     _check_tensors([("attn", attn), ("v", v)])
-    be = ops.select_backend("av", problem, module_for(v.is_cuda), backend)
+    sel = ops.select_backend("av", problem, module_for(v.is_cuda), backend)
     # attn's heads (H), v's head dim: v may have fewer heads (H_kv, grouped-query attention)
     out = torch.empty(attn.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
     with _on_torch_stream(v.device):
-        ops.run_av(problem, be, *map(_view, (attn, v, out)))
+        ops.run_av(sel.problem, sel.backend, *map(_view, (attn, v, out)))
     return out
 
 
@@ -666,11 +667,11 @@ def _av_backward_impl(d_out: Tensor, attn: Tensor, v: Tensor, kernel_size: list[
     problem = _args.check_av_backward(len(kernel_size), d_out, attn, v, kernel_size, dilation,
                                       is_causal, backend, allow_tf32)
     _check_tensors([("d_out", d_out), ("attn", attn), ("v", v)])
-    be = ops.select_backend("av_backward", problem, module_for(v.is_cuda), backend)
+    sel = ops.select_backend("av_backward", problem, module_for(v.is_cuda), backend)
     d_attn = torch.empty(attn.shape, dtype=attn.dtype, device=attn.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     with _on_torch_stream(v.device):
-        ops.run_av_backward(problem, be, *map(_view, (d_out, attn, v, d_attn, dv)))
+        ops.run_av_backward(sel.problem, sel.backend, *map(_view, (d_out, attn, v, d_attn, dv)))
     return d_attn, dv
 
 
@@ -719,7 +720,7 @@ _refuse_double_backward("na_av_backward")
 # the additional tokens [B, T, H_x, D] (keys, values; given together) are optional inputs of
 # both, and the backward returns their gradients too (an empty tensor for one not given). Eager
 # calls go through warm-call entries where one plan runs them (``FusedExtNA``, below); the ops
-# validate every call (``_ext_problem``).
+# validate every call (``_select_ext``).
 
 _LIB.define("na_fused_forward_ext(Tensor q, Tensor k, Tensor v, Tensor? rpb, "
             "Tensor? additional_keys, Tensor? additional_values, SymInt[] kernel_size, "
@@ -734,8 +735,8 @@ _LIB.define("na_fused_backward_ext(Tensor d_out, Tensor q, Tensor k, Tensor v, T
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _ext_problem(op, tensors, rpb, keys, values, opts):
-    """(problem, backend) of a fused op with a bias and/or additional tokens from the ops'
+def _select_ext(op, tensors, rpb, keys, values, opts):
+    """The ``Selection`` of a fused op with a bias and/or additional tokens from the ops'
     option arguments."""
     ks, st, dl, ca, scale, backend, tf32, det, tile = opts
     rank, tile = len(ks), _tile_value(tile)
@@ -751,7 +752,7 @@ def _ext_problem(op, tensors, rpb, keys, values, opts):
         names = ("d_out", "q", "k", "v", "out", "lse")
     _check_tensors(list(zip(names, tensors)) + [("rpb", rpb), ("additional_keys", keys),
                                                 ("additional_values", values)])
-    return problem, ops.select_backend(op, problem, module_for(q.is_cuda), backend)
+    return ops.select_backend(op, problem, module_for(q.is_cuda), backend)
 
 
 _TORCH_DTYPES = {numpy.dtype(numpy.float32): torch.float32,
@@ -776,14 +777,14 @@ def _fused_forward_ext_impl(q: Tensor, k: Tensor, v: Tensor, rpb: Optional[Tenso
                             ) -> tuple[Tensor, Tensor]:
     opts = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
             deterministic, tile)
-    problem, be = _ext_problem("fused_forward", (q, k, v), rpb, additional_keys,
-                               additional_values, opts)
+    sel = _select_ext("fused_forward", (q, k, v), rpb, additional_keys, additional_values,
+                      opts)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=_accumulator(q.dtype), device=q.device)
     with _on_torch_stream(q.device), _torch_workspaces(q.device):
         qa, ka, va, oa, la, ra, xk, xv = map(_view, (q, k, v, out, lse, rpb, additional_keys,
                                                   additional_values))
-        ops.run_fused_forward(problem, be, qa, ka, va, oa, la, ra,
+        ops.run_fused_forward(sel.problem, sel.backend, qa, ka, va, oa, la, ra,
                               None if xk is None else (xk, xv))
     return out, lse
 
@@ -813,14 +814,15 @@ def _fused_backward_ext_impl(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     opts = (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
             deterministic, tile)
     tensors = (d_out, q, k, v, out, lse)
-    problem, be = _ext_problem("fused_backward", tensors, rpb, additional_keys,
-                               additional_values, opts)
+    sel = _select_ext("fused_backward", tensors, rpb, additional_keys, additional_values,
+                      opts)
     grads = _ext_grads_like(q, k, v, rpb, additional_keys, additional_values)
     with _on_torch_stream(q.device), _torch_workspaces(q.device):
         arrays = map(_view, (*tensors, *grads[:3]))
         ra, xk, xv = map(_view, (rpb, additional_keys, additional_values))
         g_rpb, g_xk, g_xv = map(_view, grads[3:])
-        ops.run_fused_backward(problem, be, *arrays, ra, None if ra is None else g_rpb,
+        ops.run_fused_backward(sel.problem, sel.backend, *arrays, ra,
+                               None if ra is None else g_rpb,
                                None if xk is None else (xk, xv),
                                None if xk is None else (g_xk, g_xv))
     return tuple(grads)
@@ -907,10 +909,10 @@ def _ext_entry(op, tensors, options):
     """The fast-path entry of an ext op on CUDA tensors (``tensors``: the ext op's inputs,
     None where not given; ``options``: (rank, kernel_size, stride, dilation, is_causal,
     scale, backend, allow_tf32, deterministic, tile) as the caller gave them), or None."""
-    def problem_of():
-        return _ext_problem(op, tensors[:-3], *tensors[-3:], _op_options(options))
+    def select():
+        return _select_ext(op, tensors[:-3], *tensors[-3:], _op_options(options))
 
-    return _fast.torch_entry(op, options[0], tensors, options, problem_of,
+    return _fast.torch_entry(op, options[0], tensors, options, select,
                              lambda problem: _fast.ext_shape(op, problem, tensors),
                              op + "_ext")
 

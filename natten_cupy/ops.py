@@ -2,56 +2,26 @@
 
 A warm call (a signature seen before, on CuPy arrays or CUDA torch tensors) is served by
 ``_fast``: one lookup, then allocation and launch. Otherwise every call takes the same four
-steps: validate and normalize the arguments (``_args``),
-select a backend (logging why others were refused) for where the arrays live, gather the
-arrays as NumPy/CuPy (``_arrays``; the first step that may touch a GPU), and let the backend
-launch its kernels into freshly allocated outputs. The ``run_*`` functions are the same calls
-on already-gathered arrays with caller-allocated outputs; the PyTorch layer uses them so that
-torch allocates every output.
+steps: validate and normalize the arguments (``_args``), select the backend for where the
+arrays live (``select_backend``, from ``_selection``: a ``Selection`` of op, backend and
+problem, logging why the backends tried before it refused), gather the arrays as NumPy/CuPy
+(``_arrays``; the first step that may touch a GPU), and let the selected backend launch its
+kernels into freshly allocated outputs. The ``run_*`` functions are that last step on
+already-gathered arrays with caller-allocated outputs, for a problem and a backend module (a
+selection's, or one a test or benchmark names); the PyTorch layer uses them so that torch
+allocates every output.
 """
 
 from __future__ import annotations
 
-import logging
-
-import numpy
-
 from . import _args, _extra, _fast
 from ._arrays import Inputs, place
 from ._dtypes import accumulator_dtype
-from .backends import get_backend, PREFERENCE
+from ._selection import select_backend
 
 __all__ = ["select_backend", "fused_forward", "fused_backward", "qk", "av", "qk_backward",
            "av_backward", "run_fused_forward", "run_fused_backward", "run_qk", "run_av",
            "run_qk_backward", "run_av_backward"]
-
-log = logging.getLogger("natten_cupy")
-
-
-def select_backend(op, problem, xp, requested="auto"):
-    """The backend module that runs ``op`` on ``problem``; ValueError if none can.
-
-    NumPy arrays always run on the reference backend. ``auto`` walks PREFERENCE[op]
-    (fastest first) and takes the first backend that accepts the problem.
-    """
-    if xp is numpy:
-        if requested not in ("auto", "reference"):
-            raise ValueError(f"backend {requested!r} runs on the GPU and needs CuPy or CUDA "
-                             "arrays; NumPy/CPU arrays run on backend 'reference'")
-        return get_backend("reference")
-    names = PREFERENCE[op] if requested == "auto" else (requested,)
-    reasons = []
-    for name in names:
-        mod = get_backend(name)
-        why = "not available" if mod is None else mod.refuse(op, problem)
-        if why is None:
-            if reasons:
-                log.info("natten_cupy %s: using %s (%s)", op, name, "; ".join(reasons))
-            return mod
-        reasons.append(f"{name}: {why}")
-    raise ValueError(f"backend {requested!r} cannot run {op} for this problem "
-                     f"(dtype {problem.dtype_name}, head_dim {problem.head_dim}): "
-                     + "; ".join(reasons))
 
 
 def _empty(xp, shape, dtype):
@@ -150,14 +120,14 @@ def fused_forward(rank, q, k, v, kernel_size, *, stride=1, dilation=1, is_causal
     named = [("q", q), ("k", k), ("v", v), ("rpb", rpb), ("additional_keys", additional_keys),
              ("additional_values", additional_values)]
     where = place(named)
-    be = select_backend("fused_forward", problem, where.xp, backend)
+    sel = select_backend("fused_forward", problem, where.xp, backend)
     ins = Inputs.gather(named, where)
     xp = ins.xp
     with ins.on_device():
         qa, ka, va, ra, xka, xva = ins.arrays
         out = _empty(xp, tuple(qa.shape[:-1]) + (va.shape[-1],), qa.dtype)  # v's head dim
         lse = _empty(xp, qa.shape[:-1], accumulator_dtype(qa.dtype))
-        run_fused_forward(problem, be, qa, ka, va, out, lse, ra,
+        run_fused_forward(sel.problem, sel.backend, qa, ka, va, out, lse, ra,
                           None if xka is None else (xka, xva))
     if return_lse:
         return ins.give_back(out), ins.give_back(lse)
@@ -187,7 +157,7 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
              ("rpb", rpb), ("additional_keys", additional_keys),
              ("additional_values", additional_values)]
     where = place(named)
-    be = select_backend("fused_backward", problem, where.xp, backend)
+    sel = select_backend("fused_backward", problem, where.xp, backend)
     ins = Inputs.gather(named, where)
     xp = ins.xp
     with ins.on_device():
@@ -198,8 +168,8 @@ def fused_backward(rank, d_out, q, k, v, out, lse, kernel_size, *, stride=1, dil
         if xka is not None:
             extra = (xka, xva)
             d_extra = (_empty(xp, xka.shape, qa.dtype), _empty(xp, xva.shape, qa.dtype))
-        run_fused_backward(problem, be, do_a, qa, ka, va, oa, la, *grads, ra, d_rpb, extra,
-                           d_extra)
+        run_fused_backward(sel.problem, sel.backend, do_a, qa, ka, va, oa, la, *grads, ra,
+                           d_rpb, extra, d_extra)
         grads += [g for g in (d_rpb,) if g is not None] + list(d_extra or ())
     return tuple(ins.give_back(g) for g in grads)
 
@@ -213,12 +183,12 @@ def qk(rank, q, k, kernel_size, *, dilation=1, is_causal=False, rpb=None, backen
                              allow_tf32)
     named = [("q", q), ("k", k), ("rpb", rpb)]
     where = place(named)
-    be = select_backend("qk", problem, where.xp, backend)
+    sel = select_backend("qk", problem, where.xp, backend)
     ins = Inputs.gather(named, where)
     with ins.on_device():
         qa, ka, ra = ins.arrays
         attn = _empty(ins.xp, tuple(qa.shape[:-1]) + (problem.num_neighbors,), qa.dtype)
-        run_qk(problem, be, qa, ka, ra, attn)
+        run_qk(sel.problem, sel.backend, qa, ka, ra, attn)
     return ins.give_back(attn)
 
 
@@ -231,12 +201,12 @@ def av(rank, attn, v, kernel_size, *, dilation=1, is_causal=False, backend="auto
                              allow_tf32)
     named = [("attn", attn), ("v", v)]
     where = place(named)
-    be = select_backend("av", problem, where.xp, backend)
+    sel = select_backend("av", problem, where.xp, backend)
     ins = Inputs.gather(named, where)
     with ins.on_device():
         aa, va = ins.arrays
         out = _empty(ins.xp, tuple(aa.shape[:-1]) + (va.shape[-1],), va.dtype)  # H, not H_kv
-        run_av(problem, be, aa, va, out)
+        run_av(sel.problem, sel.backend, aa, va, out)
     return ins.give_back(out)
 
 
@@ -251,14 +221,14 @@ def qk_backward(rank, d_attn, q, k, kernel_size, *, dilation=1, is_causal=False,
                                       rpb, backend, allow_tf32)
     named = [("d_attn", d_attn), ("q", q), ("k", k), ("rpb", rpb)]
     where = place(named)
-    be = select_backend("qk_backward", problem, where.xp, backend)
+    sel = select_backend("qk_backward", problem, where.xp, backend)
     ins = Inputs.gather(named, where)
     with ins.on_device():
         da, qa, ka, ra = ins.arrays
         dq = _empty(ins.xp, qa.shape, qa.dtype)
         dk = _empty(ins.xp, ka.shape, ka.dtype)
         d_rpb = None if ra is None else _empty(ins.xp, ra.shape, accumulator_dtype(ra.dtype))
-        run_qk_backward(problem, be, da, qa, ka, dq, dk, d_rpb)
+        run_qk_backward(sel.problem, sel.backend, da, qa, ka, dq, dk, d_rpb)
         if d_rpb is not None:
             d_rpb = d_rpb.astype(ra.dtype, copy=False)
     if d_rpb is None:
@@ -276,11 +246,11 @@ def av_backward(rank, d_out, attn, v, kernel_size, *, dilation=1, is_causal=Fals
                                       backend, allow_tf32)
     named = [("d_out", d_out), ("attn", attn), ("v", v)]
     where = place(named)
-    be = select_backend("av_backward", problem, where.xp, backend)
+    sel = select_backend("av_backward", problem, where.xp, backend)
     ins = Inputs.gather(named, where)
     with ins.on_device():
         do_a, aa, va = ins.arrays
         d_attn = _empty(ins.xp, aa.shape, aa.dtype)
         dv = _empty(ins.xp, va.shape, va.dtype)
-        run_av_backward(problem, be, do_a, aa, va, d_attn, dv)
+        run_av_backward(sel.problem, sel.backend, do_a, aa, va, d_attn, dv)
     return ins.give_back(d_attn), ins.give_back(dv)

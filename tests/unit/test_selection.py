@@ -1,0 +1,129 @@
+"""The select step (``natten_cupy._selection``) without a GPU: which backend a problem gets,
+why the faster ones refused, and what the selection's plan and tuning ask of the backend.
+
+Refusals need no device, so GPU arrays are stood in for by any module other than NumPy (the
+select step only asks whether the arrays are NumPy's). The problems are chosen so that no
+backend reads the device to refuse: float64 (every GPU-planned backend refuses it by dtype)
+and exact float32 (the fused backend's exact-fp32 part)."""
+
+import dataclasses
+import logging
+import re
+
+import numpy
+import pytest
+
+from natten_cupy import _args, _fast
+from natten_cupy._operands import Layout
+from natten_cupy._selection import Selection, select_backend
+from natten_cupy.backends import fused, get_backend, naive, tiled
+
+GPU = object()   # where the arrays live, for select_backend: not NumPy
+
+
+def _x(shape=(1, 9, 2, 8), dtype=numpy.float32):
+    return numpy.zeros(shape, dtype)
+
+
+def _fused(dtype=numpy.float32, tile=None, rpb=False):
+    q = _x(dtype=dtype)
+    bias = numpy.zeros((2, 5), dtype) if rpb else None
+    return _args.check_fused(1, q, q, q, 3, 1, 1, False, None, "auto", False, False, tile, bias)
+
+
+def _qk(dtype=numpy.float16):
+    q = _x(dtype=dtype)
+    return _args.check_qk(1, q, q, 3, 1, False, None, "auto", False)
+
+
+def test_numpy_arrays_select_the_reference_backend_which_plans_nothing():
+    sel = select_backend("fused_forward", _fused(), numpy)
+    assert (sel.op, sel.name, sel.refused) == ("fused_forward", "reference", ())
+    assert sel.backend is get_backend("reference") and sel.problem == _fused()
+    assert not sel.has_plans
+    assert sel.plan([Layout.contiguous((1, 9, 2, 8), numpy.dtype(numpy.float32))] * 5) is None
+    assert select_backend("qk", _qk(), numpy, "reference").name == "reference"
+
+
+@pytest.mark.parametrize("backend", ["naive", "tiled", "fused"])
+def test_a_gpu_backend_for_numpy_arrays_is_refused(backend):
+    with pytest.raises(ValueError, match=re.escape(
+            f"backend {backend!r} runs on the GPU and needs CuPy or CUDA arrays; NumPy/CPU "
+            "arrays run on backend 'reference'")):
+        select_backend("qk", _qk(), numpy, backend)
+
+
+def test_auto_takes_the_first_backend_that_accepts():
+    sel = select_backend("qk", _qk(), GPU)
+    assert (sel.name, sel.backend, sel.refused) == ("tiled", tiled, ())
+    assert sel.has_plans and sel.row_inputs == tiled.ROW_INPUTS["qk"]
+    sel = select_backend("fused_forward", _fused(), GPU)   # exact float32: fused's own part
+    assert (sel.name, sel.backend, sel.refused) == ("fused", fused, ())
+    assert sel.row_inputs == fused.ROW_INPUTS["fused_forward"]
+
+
+def test_refusals_are_recorded_and_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="natten_cupy"):
+        sel = select_backend("qk", _qk(numpy.float64), GPU)
+    why = "tiled: dtype float64 is not supported (float16, bfloat16, float32)"
+    assert (sel.name, sel.backend, sel.refused) == ("naive", naive, (why,))
+    assert caplog.messages == [f"natten_cupy qk: using naive ({why})"]
+    assert not sel.has_plans and sel.plan([None] * 4) is None
+    sel = select_backend("fused_forward", _fused(rpb=True), GPU)
+    assert sel.name == "naive" and len(sel.refused) == 1
+    assert sel.refused[0].startswith("fused: the exact-float32 kernels take no relative "
+                                     "positional bias")
+    huge = dataclasses.replace(_qk(numpy.float64), spatial=(2 ** 31,))   # in PREFERENCE order
+    assert select_backend("qk", huge, GPU).refused == (
+        why, "naive: extents of 2**31 or more do not fit the kernels' int32 coordinates")
+
+
+def test_a_requested_backend_that_refuses_raises_with_its_reason():
+    with pytest.raises(ValueError, match=re.escape(
+            "backend 'tiled' cannot run fused_forward for this problem (dtype float32, "
+            "head_dim 8): tiled: the tiled backend runs only the unfused ops")):
+        select_backend("fused_forward", _fused(), GPU, "tiled")
+
+
+def test_a_selection_is_frozen_and_keys_like_its_parts():
+    a = select_backend("qk", _qk(numpy.float64), GPU)
+    b = select_backend("qk", _qk(numpy.float64), GPU)
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert a != select_backend("qk", _qk(), GPU)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.name = "tiled"
+
+
+def test_plan_asks_the_backend_for_this_op_problem_and_layouts(monkeypatch):
+    asked = []
+    monkeypatch.setattr(tiled, "plan", lambda *args: asked.append(args) or "the plan")
+    sel = select_backend("qk", _qk(), GPU)
+    layouts = [Layout.contiguous((1, 9, 2, 8), numpy.dtype(numpy.float16))] * 2
+    assert sel.plan(layouts) == "the plan"
+    assert asked == [("qk", sel.problem, layouts)]
+
+
+def test_tuned_puts_the_timed_winner_in_or_waits(monkeypatch):
+    sel = select_backend("fused_forward", _fused(tile="autotune"), GPU)
+    monkeypatch.setattr(fused, "tuned", lambda op, problem: None)   # not timed yet
+    assert sel.tuned() is None
+    won = dataclasses.replace(sel.problem, tile=(32,))
+    monkeypatch.setattr(fused, "tuned", lambda op, problem: won)
+    assert sel.tuned() == dataclasses.replace(sel, problem=won)
+    plain = select_backend("fused_forward", _fused(), GPU)
+    assert plain.tuned() is plain
+    on_naive = Selection("fused_forward", "naive", naive, _fused(tile="autotune"))
+    assert on_naive.tuned() is on_naive   # no tile choice there
+
+
+def test_the_fast_path_builds_from_the_selection_before_any_gpu_work(monkeypatch):
+    """A backend without plans is served by the general path for good (_SLOW); an autotuned
+    problem whose winner is not yet known is not cached (None)."""
+    x = _x(dtype=numpy.float64)
+    outputs = [((1, 9, 2, 8), numpy.dtype(numpy.float64))]
+    sel = select_backend("fused_forward", _fused(numpy.float64), GPU)
+    assert sel.name == "naive"
+    assert _fast._build(sel, "cupy", [x, x, x], outputs) is _fast._SLOW
+    monkeypatch.setattr(fused, "tuned", lambda op, problem: None)
+    sel = select_backend("fused_forward", _fused(tile="autotune"), GPU)
+    assert _fast._build(sel, "cupy", [x, x, x], outputs) is None
