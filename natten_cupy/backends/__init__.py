@@ -13,6 +13,14 @@ A backend module provides
   outputs are preallocated and every element must be written;
 * ``instantiations() -> list[(source, name_expression)]``: every kernel it may compile
   (GPU backends), for the GPU-free compile test.
+
+A backend whose launches are planned (tiled, fused) also provides ``plan(op, problem,
+layouts) -> Plan | None`` (the ``_launch.Plan`` for the operands' layouts, in the order of
+its docstring; None where it plans nothing for them) and ``ROW_INPUTS[op]`` (the inputs its
+kernels read by 16-byte rows); fused adds ``tuned(op, problem)`` (an autotuned problem with its
+timed winner as tile) and ``runs_extra(op, problem)`` (whether its kernels take the additional
+tokens). The fast path reaches ``plan``, ``ROW_INPUTS`` and ``tuned`` through the
+``Selection`` that ``_selection.select_backend`` returns.
 """
 
 from __future__ import annotations
