@@ -173,8 +173,9 @@ def test_backward_tma_refuses_with_the_reason_before_any_gpu_work(shape, kernel,
 
 @pytest.mark.parametrize("dq_atomic", [False, True])
 def test_backward_rank1_plan_loads_query_tiles_by_maps(dq_atomic, monkeypatch):
-    """The rank-1 dK/dV pass's default plan: the TMA kernel, with the maps of q (operand 1)
-    and d_out (operand 0) after its parameters: 64-row boxes stepping the dilation."""
+    """The rank-1 dK/dV pass's default plan at head dim 128: the TMA kernel, with the maps of
+    q (operand 1) and d_out (operand 0) after its parameters: 64-row boxes stepping the
+    dilation."""
     from natten_cupy import _args
     from natten_cupy.backends.fused import wgmma_backward as H
     if _tma.unavailable_reason():
@@ -195,3 +196,9 @@ def test_backward_rank1_plan_loads_query_tiles_by_maps(dq_atomic, monkeypatch):
     plain = H.plan_backward(*args, dq_atomic=dq_atomic, tma=False).calls[1]
     assert [n.split("<")[0] for n in names if "hopper_kv" in n] == ["natten::na_bwd_hopper_kv"]
     assert plain.args == kv.args[:-2]
+    # head dim 64 keeps cp.async by default (TMA_HEAD_DIMS: measured slower there)
+    lay64 = _layout((2, 1000, 3, 64))
+    prob64 = _args.check_fused(1, numpy.zeros(lay64.shape, F16), *[numpy.zeros(lay64.shape,
+                               F16)] * 2, 65, 1, 3, False, None, "fused")
+    kv64 = H.plan_backward(prob64, *[lay64] * 5, lse, *[lay64] * 3, dq_atomic=dq_atomic).calls[1]
+    assert not [a for a in kv64.args if isinstance(a, _tma.TensorMap)]

@@ -29,9 +29,9 @@ part refuses the problem on any device; ``refuse`` adds the device's compute cap
 ``plan_backward`` binds the arrays.
 
 A loader warpgroup stages the tiles (cp.async into 128-byte-swizzled shared memory,
-mbarriers, STAGES deep) in both passes; at rank 1 the dK/dV pass's query tiles (Q, dO) come
-by TMA from tensor maps where they describe the arrays (``kv_tma_maps``). ``fused.py``
-dispatches it where it measured faster than the mma.sync backward; design and
+mbarriers, STAGES deep) in both passes; at rank 1 and head dim 128 the dK/dV pass's query
+tiles (Q, dO) come by TMA from tensor maps where they describe the arrays (``kv_tma_maps``).
+``fused.py`` dispatches it where it measured faster than the mma.sync backward; design and
 measurements: ``bench/results/NOTES-hopper-bwd.md``.
 """
 
@@ -75,9 +75,12 @@ DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
-# natten_cupy/_tma.py) wherever the maps describe them; USE_TMA = False switches it off (the
-# probes' side-by-side timings).
+# natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
+# measured 2-4% faster at 128 and 4% slower at 64 (H100, kernels by events, medians of three
+# interleaved rounds: M6 6.24 -> 6.14 ms, dense 16K D128 13.10 -> 12.62, W1 2.57 -> 2.66;
+# bench/results/hopper_bwd_tma_rounds.json). USE_TMA = False switches it off (the probes).
 USE_TMA = True
+TMA_HEAD_DIMS = (128,)
 
 
 def _bucket(head_dim):
@@ -327,8 +330,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     dK/dV adding dQ into it (bulk float32 reductions), dq = scale * workspace; five GEMMs
     where the deterministic passes run seven, not bitwise reproducible. None: where
     ``atomic_pays``. ``tma``: the rank-1 dK/dV pass loads its query tiles by tensor maps
-    (True: always, ValueError where it cannot; False: never; None: where ``USE_TMA`` and the
-    maps describe q and d_out)."""
+    (True: always, ValueError where it cannot; False: never; None: at the head dims of
+    ``TMA_HEAD_DIMS`` where the maps describe q and d_out)."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
     t = configure(problem, tile, dq_atomic)
@@ -355,7 +358,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     grid = (t.ctas, problem.heads, problem.batch)
     ws = DQ_WS if t.dq_atomic else no_ws
     kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
-    maps = kv_tma_maps(problem, t, d_out, q) if (USE_TMA if tma is None else tma) else ()
+    want = (USE_TMA and _bucket(problem.head_dim) in TMA_HEAD_DIMS) if tma is None else tma
+    maps = kv_tma_maps(problem, t, d_out, q) if want else ()
     if tma and isinstance(maps, str):   # asked for, not possible
         raise ValueError(f"the TMA loads cannot run this backward: {maps}")
     if isinstance(maps, tuple) and maps:
