@@ -112,3 +112,28 @@ def test_hopper_small_box_dispatch(shape, kernel, small):
     assert wgmma_forward._default_tile(biased).bm == 128
     one = _problem(numpy.zeros((1, 256, 2, shape[-1]), numpy.float16), 1, 9)
     assert wgmma_forward._default_tile(one) == wgmma_forward.DEFAULT[dp]
+
+
+@pytest.mark.parametrize("shape, kernel, causal, boxes, boxes_without_tma", [
+    # (flat, box) key tiles of the dispatched query box: 3-D 6x9x9 (M7's, 64-query box)
+    # 21 / 24 (14% more): boxes under TMA only; 2-D 13x13 (64-query box) 5 / 6: flat;
+    # 3-D 5x7x7 14 / 18 (29% more): flat; 2-D 33x33 (128-query box) 15 / 15: boxes either way
+    ((4, 12, 32, 32, 2, 64), (6, 9, 9), (True, False, False), True, False),
+    ((1, 256, 256, 2, 128), (13, 13), False, False, False),
+    ((1, 16, 32, 32, 2, 128), (5, 7, 7), False, False, False),
+    ((1, 256, 256, 2, 128), (33, 33), False, True, True),
+])
+def test_hopper_key_walk_counts_the_tma_gain(shape, kernel, causal, boxes, boxes_without_tma,
+                                             monkeypatch):
+    """Rank 2 and 3 walk key boxes where they cost at most TMA_BOX_MARGIN more key tiles
+    than the flat walk and will load by TMA (no margin without TMA, or with a bias)."""
+    x = numpy.zeros(shape, numpy.float16)
+    rank = len(shape) - 3
+    prob = _args.check_fused(rank, x, x, x, kernel, 1, 1, causal, None, "fused")
+    assert wgmma_forward._plan(prob).walk_boxes == boxes
+    monkeypatch.setattr(wgmma_forward, "USE_TMA", False)
+    wgmma_forward._plan.cache_clear()
+    try:
+        assert wgmma_forward._plan(prob).walk_boxes == boxes_without_tma
+    finally:
+        wgmma_forward._plan.cache_clear()

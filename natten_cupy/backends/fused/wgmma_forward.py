@@ -216,15 +216,32 @@ def _interior_tiles(problem, box):
     return (-(-math.prod(rk) // math.prod(box)), math.prod(-(-r // t) for r, t in zip(rk, box)))
 
 
-def _walk_boxes(problem, box):
+# Key boxes load by TMA (the flat walk cannot), which pays for some more key tiles than the
+# flat walk's: up to this fraction more per rank, where the box walk will load by TMA and
+# runs without a bias. Measured on an H100 (NOTES-hopper-fwd.md, v14; forward kernels,
+# medians of three interleaved rounds, hopper_walk_tma.json): 3-D 6x9x9 (M7) 14% more tiles,
+# boxes 13% faster; 2-D 13x13 (W2b) 20% more, 8% slower; 2-D 21x21 on 64-query boxes (M5)
+# 23% more, equal.
+TMA_BOX_MARGIN = {2: 0.1, 3: 0.2}
+
+
+def _tma_expected(problem, tile):
+    """Whether the key-box walk of ``tile`` will load by TMA on contiguous operands (the maps'
+    limits, natten_cupy/_tma.py: a rank-3 head dim equal to its bucket, dilation up to 8)."""
+    return (USE_TMA and tile.wg <= TMA_UP_TO_WG and max(problem.dilation) <= 8
+            and (problem.rank < 3 or problem.head_dim == _bucket(problem.head_dim)))
+
+
+def _walk_boxes(problem, box, margin=0.0):
     """Rank 2, 3: walk the key region in boxes of the query box's shape (no per-key index
     math, boxes inside every window unmasked) when padding the region to whole boxes costs no
-    more key tiles than the flat walk (estimated on an interior query box). Measured on the
-    H200 (NOTES-hopper-fwd.md, v4): boxes faster at equal tile counts in 3-D (5x9x9 window:
-    3.00 vs 3.25 ms), equal in 2-D (33x33: 4.34 ms both), slower with more tiles (13x13: 6 vs 5
-    tiles, 0.52 vs 0.49 ms; 21x21: 12 vs 8 tiles, 0.81 vs 0.67 ms)."""
+    more key tiles than the flat walk, or at most ``margin`` more (estimated on an interior
+    query box). Measured with cp.async on the H200 (NOTES-hopper-fwd.md, v4): boxes faster at
+    equal tile counts in 3-D (5x9x9 window: 3.00 vs 3.25 ms), equal in 2-D (33x33: 4.34 ms
+    both), slower with more tiles (13x13: 6 vs 5 tiles, 0.52 vs 0.49 ms; 21x21: 12 vs 8
+    tiles, 0.81 vs 0.67 ms); with TMA: ``TMA_BOX_MARGIN``."""
     flat, boxes = _interior_tiles(problem, box)
-    return boxes <= flat
+    return boxes <= flat * (1 + margin)
 
 
 def _key_tiles(problem, tile):
@@ -259,8 +276,10 @@ def _plan(problem, tile=None, walk_boxes=None):
     if tile.bn != tile.bm:  # key boxes have the query box's shape
         walks = (False,)
     if walk_boxes is None:
+        margin = (TMA_BOX_MARGIN.get(problem.rank, 0.0)
+                  if not problem.has_rpb and _tma_expected(problem, tile) else 0.0)
         walk_boxes = problem.rank > 1 and True in walks and (
-            walks == (True,) or _walk_boxes(problem, box)
+            walks == (True,) or _walk_boxes(problem, box, margin)
             or _smem(problem, tile, False) > SMEM_LIMIT)   # the key indices do not fit
     if problem.rank > 1 and walk_boxes not in walks:
         raise ValueError(f"rank {problem.rank} with a bias at head dim {problem.head_dim} "
