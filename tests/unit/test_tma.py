@@ -1,8 +1,9 @@
 """Tensor maps of the Hopper kernels' TMA loads without a GPU: the dimensions, strides,
 boxes and element steps ``natten_cupy._tma.operand_map`` gives each rank, the operands it
 refuses (with the reason), and a launch's argument buffer holding a map (64-byte aligned, its
-address set per call). The maps' effect on the kernel is tested on the GPU
-(tests/gpu/test_gpu_hopper.py)."""
+address set per call), the forward's and the rank-1 backward's plans with maps and their
+refusals. The maps' effect on the kernels is tested on the GPU (tests/gpu/test_gpu_hopper.py,
+tests/gpu/test_gpu_hopper_bwd.py)."""
 
 import ctypes
 
