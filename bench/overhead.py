@@ -43,7 +43,7 @@ def main(argv=None):
 
     import natten_cupy
     from natten_cupy import _fast
-    from natten_cupy import _torch_ops, torch as nt
+    from natten_cupy import _torch_library, torch as nt
 
     dev = "cuda"
     tq, tk, tv, tdo = (torch.randn(SHAPE, device=dev, dtype=torch.float16) for _ in range(4))
@@ -77,7 +77,7 @@ def main(argv=None):
     lib.define("fwd(Tensor q, Tensor k, Tensor v, int[] kernel_size, int[] stride, "
                "int[] dilation, bool[] is_causal, float? scale, str backend, bool allow_tf32, "
                "bool deterministic) -> (Tensor, Tensor)")
-    lib.impl("fwd", _torch_ops._fused_forward_impl, "CUDA")
+    lib.impl("fwd", _torch_library._fused_forward_impl, "CUDA")
     x_base = torch.randn(SHAPE, device=dev, requires_grad=True)
     nop = cupy.RawKernel('extern "C" __global__ void nop() {}', "nop")
     one = torch.empty(1, device=dev)

@@ -7,7 +7,7 @@ back (a torch tensor for torch inputs, a JAX array for JAX inputs) and which str
 launch on (PyTorch's current stream for torch inputs). Mixing CPU and GPU arrays, or passing
 something that is no array, raises before any GPU work.
 
-The torch layer (``_torch_ops``) checks its tensors itself but shares the rest: the array
+The torch layer (``_torch_common``) checks its tensors itself but shares the rest: the array
 module of a device (``module_for``), the same-GPU rule (``check_one_gpu``), PyTorch's stream
 as a CuPy stream (``torch_stream``) and the launch context (``on_device``).
 """

@@ -10,9 +10,11 @@
   with NATTEN's constructor arguments; their state dicts load NATTEN modules' (``qkv``,
   ``proj``, ``rpb``).
 
-Eager calls on CUDA tensors run warm calls through autograd functions; under ``torch.compile``
-the custom ops ``torch.ops.natten_cupy.*`` run (``natten_cupy._torch_ops``). Tensors are
-``[B, *spatial, H, D]`` with any strides; unfused weights ``[B, *spatial, H, K]``.
+Eager calls on CUDA tensors run warm calls through autograd functions
+(``natten_cupy._torch_eager``; ``_torch_ext`` with a bias or additional tokens); under
+``torch.compile`` the custom ops ``torch.ops.natten_cupy.*`` run (``natten_cupy._torch_library``,
+``_torch_ext``; shared helpers: ``_torch_common``). Tensors are ``[B, *spatial, H, D]`` with any
+strides; unfused weights ``[B, *spatial, H, K]``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from torch import nn
 
 from . import _AXES, _args
 from . import _fast
-from ._torch_ops import (_av, _check_tensors, _forward_entry, _fused_forward, _fused_forward_ext,
-                         _qk, _unfused_entry, av_apply, fused_ext_eager, fused_na_apply,
-                         per_axis, qk_apply, records, tile_text)
+from ._torch_common import _check_tensors, _forward_entry, _unfused_entry, per_axis, tile_text
+from ._torch_eager import av_apply, fused_na_apply, qk_apply, records
+from ._torch_ext import _fused_forward_ext, fused_ext_eager
+from ._torch_library import _av, _fused_forward, _qk
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av",
            "na3d_av", "merge_attentions", "NeighborhoodAttention", "NeighborhoodAttention1D",

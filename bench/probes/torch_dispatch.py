@@ -6,7 +6,8 @@ body that only allocates its outputs (no kernel, no validation), so the rows tim
 dispatch itself:
 
 * ``custom_op``: ``torch.library.custom_op`` + ``register_fake`` + ``register_autograd``
-  (what ``natten_cupy._torch_ops`` used up to this probe);
+  (what ``natten_cupy._torch_ops``, since split into ``_torch_library`` and others, used
+  up to this probe);
 * ``library+register_autograd``: ``torch.library.Library(ns, "FRAGMENT").define`` +
   ``.impl(name, fn, "CPU"/"CUDA")`` + ``register_fake`` + ``torch.library.register_autograd``;
 * ``library+autograd_kernel``: the same, with a hand-written Autograd kernel (an

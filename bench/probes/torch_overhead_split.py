@@ -45,7 +45,7 @@ def main(argv=None):
 
     import torch
 
-    from natten_cupy import _fast, _torch_ops, torch as nt
+    from natten_cupy import _fast, _torch_common, _torch_eager, torch as nt
 
     dev = "cuda"
     tq, tk, tv, tdo = (torch.randn(SHAPE, device=dev, dtype=torch.float16) for _ in range(4))
@@ -86,7 +86,7 @@ def main(argv=None):
 
     # host time inside the Function's bodies (the backward runs on autograd's device thread)
     spent = {"forward": [0.0, 0], "backward": [0.0, 0]}
-    orig_f, orig_b = _torch_ops.FusedNA.forward, _torch_ops.FusedNA.backward
+    orig_f, orig_b = _torch_eager.FusedNA.forward, _torch_eager.FusedNA.backward
 
     def timed(which, body):
         def run(ctx, *a):
@@ -98,8 +98,8 @@ def main(argv=None):
             return r
         return staticmethod(run)
 
-    _torch_ops.FusedNA.forward = timed("forward", orig_f)
-    _torch_ops.FusedNA.backward = timed("backward", orig_b)
+    _torch_eager.FusedNA.forward = timed("forward", orig_f)
+    _torch_eager.FusedNA.backward = timed("backward", orig_b)
     try:
         for _ in range(50):
             ours_fwd_bwd()
@@ -107,7 +107,7 @@ def main(argv=None):
             s[:] = [0.0, 0]
         whole = timing.wall_us(ours_fwd_bwd, calls=500, reps=3, host=True)[1]
     finally:
-        _torch_ops.FusedNA.forward, _torch_ops.FusedNA.backward = orig_f, orig_b
+        _torch_eager.FusedNA.forward, _torch_eager.FusedNA.backward = orig_f, orig_b
     rows["ours: forward + backward, with the bodies timed"] = whole
     for which, (sec, n) in spent.items():
         rows[f"inside FusedNA.{which}"] = sec / max(n, 1) * 1e6
@@ -117,10 +117,10 @@ def main(argv=None):
     tensors = (tdo, *det, out, lse)
 
     def body_bwd():
-        return _torch_ops._fused_backward_no_grad(tensors, opts)
+        return _torch_eager._fused_backward_no_grad(tensors, opts)
 
     def body_fwd():
-        return _torch_ops._fused_no_grad(*det, opts)
+        return _torch_eager._fused_no_grad(*det, opts)
 
     import natten_cupy
 
@@ -131,18 +131,18 @@ def main(argv=None):
     rows["forward body on this thread (no autograd)"] = _per_call_us(body_fwd)
     rows["array API backward, torch tensors"] = _per_call_us(array_bwd)
 
-    e = _torch_ops._backward_entry(tensors, opts)
-    rows["backward: signature + lookup"] = _per_call_us(lambda: _torch_ops._backward_entry(
+    e = _torch_common._backward_entry(tensors, opts)
+    rows["backward: signature + lookup"] = _per_call_us(lambda: _torch_common._backward_entry(
         tensors, opts))
-    fe0 = _torch_ops._forward_entry(*det, opts)
+    fe0 = _torch_common._forward_entry(*det, opts)
     kept = []
     o2, l2 = _fast.run_torch_call(fe0, tuple(det), None, kept)
     saved = (*det, o2, l2)
     after = (tdo, *saved)
-    _fast.torch_after(fe0, kept, tdo, saved, lambda: _torch_ops._backward_entry(after, opts))
+    _fast.torch_after(fe0, kept, tdo, saved, lambda: _torch_common._backward_entry(after, opts))
     rows["backward: lookup from the forward's entry (torch_after)"] = _per_call_us(
         lambda: _fast.torch_after(fe0, kept, tdo, saved,
-                                  lambda: _torch_ops._backward_entry(after, opts)))
+                                  lambda: _torch_common._backward_entry(after, opts)))
     first = tensors[0]
     rows["backward: torch allocations (%d)" % len(e.torch_out)] = _per_call_us(
         lambda: [first.new_empty(s, dtype=d) for s, d in e.torch_out])
@@ -155,7 +155,7 @@ def main(argv=None):
         lambda: torch._C._cuda_getCurrentRawStream(0))
     for i, c in enumerate(e.calls):
         rows[f"backward: launch {i} ({c.name})"] = _per_call_us(lambda c=c: c(ptrs, stream))
-    fe = _torch_ops._forward_entry(*det, opts)
+    fe = _torch_common._forward_entry(*det, opts)
     for i, c in enumerate(fe.calls):
         fptrs = [x.data_ptr() for x in (*det, out, lse)]
         rows[f"forward: launch {i} ({c.name})"] = _per_call_us(lambda c=c: c(fptrs, stream))

@@ -185,7 +185,7 @@ def test_launch_stream_is_the_current_stream_of_the_arrays_gpu():
 def test_torch_layer_and_array_api_share_the_launch_context(monkeypatch):
     """Both ways in launch on torch's current stream of the tensors' GPU, that GPU current,
     through the same ``_arrays`` helpers (stand-in CuPy and torch stream, no GPU needed)."""
-    from natten_cupy import _arrays, _torch_ops
+    from natten_cupy import _arrays, _torch_common
     entered = []
 
     class Context:
@@ -215,7 +215,7 @@ def test_torch_layer_and_array_api_share_the_launch_context(monkeypatch):
     monkeypatch.setattr(_arrays, "_cupy", lambda: FakeCupy)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"torch's on {device}")
     gpu1 = torch.device("cuda", 1)
-    with _torch_ops._on_torch_stream(gpu1):
+    with _torch_common._on_torch_stream(gpu1):
         pass
     tensor = type("TensorOnGpu1", (), {"device": gpu1})()
     stream = _arrays._caller_stream(FakeCupy, "torch", [("q", tensor)], 1)
@@ -224,13 +224,13 @@ def test_torch_layer_and_array_api_share_the_launch_context(monkeypatch):
     once = [("device", 1), ("stream", "torch's on cuda:1"), ("left", "stream", "torch's on cuda:1"),
             ("left", "device", 1)]
     assert entered == once * 2
-    with _torch_ops._on_torch_stream(torch.device("cpu")):
+    with _torch_common._on_torch_stream(torch.device("cpu")):
         pass
     assert entered == once * 2
 
 
 def test_torch_layer_shares_the_device_errors(monkeypatch):
-    from natten_cupy import _arrays, _torch_ops
+    from natten_cupy import _arrays, _torch_common
     assert _arrays.module_for(False) is numpy
     with pytest.raises(ValueError, match=re.escape("all arrays must be on the same GPU, got "
                                                    "devices [0, 1]")):
@@ -239,7 +239,7 @@ def test_torch_layer_shares_the_device_errors(monkeypatch):
     _arrays.check_one_gpu([])
     monkeypatch.setattr(_arrays, "_cupy", lambda: None)
     with pytest.raises(TypeError, match="GPU arrays were given but CuPy is not installed"):
-        _torch_ops._on_torch_stream(torch.device("cuda", 0))
+        _torch_common._on_torch_stream(torch.device("cuda", 0))
 
 
 def test_torch_meta_tensor_raises_type_error():

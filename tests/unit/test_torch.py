@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import natten_cupy  # noqa: E402
 import natten_cupy.torch as nt  # noqa: E402
-from natten_cupy import _torch_ops  # noqa: E402
+from natten_cupy import _torch_common, _torch_eager, _torch_ext  # noqa: E402
 
 NA = {1: nt.na1d, 2: nt.na2d, 3: nt.na3d}
 QK = {1: nt.na1d_qk, 2: nt.na2d_qk, 3: nt.na3d_qk}
@@ -112,8 +112,8 @@ def test_scale_is_used(rng):
 def test_unfused_match_array_api(rng, rank, spatial, ks, opts):
     q, k, v = _qkv(rng, spatial, dtype=torch.float32)
     heads = q.shape[-2]
-    rpb = _tensor(rng, (heads,) + tuple(2 * x - 1 for x in _torch_ops.per_axis(rank, ks, 1, False)[0]),
-                  dtype=torch.float32)
+    ks_t = _torch_common.per_axis(rank, ks, 1, False)[0]
+    rpb = _tensor(rng, (heads,) + tuple(2 * x - 1 for x in ks_t), dtype=torch.float32)
     attn = QK[rank](q, k, ks, rpb=rpb, **opts)
     want = getattr(natten_cupy, f"na{rank}d_qk")(_np(q), _np(k), ks, rpb=_np(rpb), **opts)
     numpy.testing.assert_array_equal(_np(attn), want)
@@ -164,7 +164,7 @@ def test_gradcheck_unfused(rng, rank, spatial, ks, opts):
     One 3-D case only (dilated, partly causal): a full 3-D Jacobian takes long on the CPU.
     """
     q, k, v = _qkv(rng, spatial, heads=1, dim=2, requires_grad=True)
-    ks_t = _torch_ops.per_axis(rank, ks, 1, False)[0]
+    ks_t = _torch_common.per_axis(rank, ks, 1, False)[0]
     rpb = _tensor(rng, (1,) + tuple(2 * x - 1 for x in ks_t), requires_grad=True)
 
     def f(q, k, v, rpb):
@@ -240,14 +240,14 @@ def test_applier_is_apply_without_the_python_wrapper():
         def backward(ctx, g):
             return g * ctx.factor, None
 
-    apply = _torch_ops._applier(Twice)
+    apply = _torch_eager._applier(Twice)
     x = torch.randn(5, dtype=torch.float64, requires_grad=True)
     y = apply(x, 3.0)
     assert type(y.grad_fn).__name__ == "TwiceBackward"
     y.sum().backward()
     assert torch.equal(y.detach(), x.detach() * 3)
     assert torch.equal(x.grad, torch.full((5,), 3.0, dtype=torch.float64))
-    assert callable(_torch_ops.fused_na_apply) and callable(_torch_ops.fused_ext_apply)
+    assert callable(_torch_eager.fused_na_apply) and callable(_torch_ext.fused_ext_apply)
 
 
 def test_save_on_cpu(rng):
@@ -468,7 +468,7 @@ def test_gpu_gradcheck_naive(rng, rank, spatial, ks, opts):
 @pytest.mark.parametrize("rank,spatial,ks,opts", UNFUSED, ids=UNFUSED_IDS)
 def test_gpu_gradcheck_unfused_naive(rng, rank, spatial, ks, opts):
     q, k, v = _qkv(rng, spatial, heads=2, dim=2, device="cuda", requires_grad=True)
-    ks_t = _torch_ops.per_axis(rank, ks, 1, False)[0]
+    ks_t = _torch_common.per_axis(rank, ks, 1, False)[0]
     rpb = _tensor(rng, (2,) + tuple(2 * x - 1 for x in ks_t), device="cuda",
                   requires_grad=True)
 
@@ -621,7 +621,7 @@ def test_torch_layer_takes_tile(tile):
     """tile= reaches the fused op (as text in its schema) eagerly and under torch.compile;
     on CPU tensors (reference backend) it changes nothing; a bad tile names the argument."""
     from natten_cupy import torch as nt
-    from natten_cupy._torch_ops import _tile_value, tile_text
+    from natten_cupy._torch_common import _tile_value, tile_text
     gen = torch.Generator().manual_seed(5)
     q, k, v, d_out = (torch.randn(1, 9, 10, 2, 8, generator=gen, dtype=torch.float64)
                       for _ in range(4))

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import natten_cupy.torch as nt  # noqa: E402
-from natten_cupy import _torch_ops  # noqa: E402
+from natten_cupy import _torch_library  # noqa: E402
 
 OPS = torch.ops.natten_cupy
 LISTS = ([3, 3], [1, 1], [1, 1], [False, True])
@@ -49,7 +49,7 @@ def test_schemas_and_tags_are_stable():
     }
     for name, schema in want.items():
         assert str(getattr(OPS, name).default._schema) == schema
-    for name in _torch_ops._SCHEMAS:
+    for name in _torch_library._SCHEMAS:
         op = getattr(OPS, name).default
         assert torch.Tag.pt2_compliant_tag in op.tags
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd"), name
