@@ -30,7 +30,7 @@ import ctypes
 import dataclasses
 import functools
 
-__all__ = ["unavailable_reason", "operand_map", "TensorMap", "MAP_BYTES"]
+__all__ = ["unavailable_reason", "operand_map", "TensorMap", "maps_of", "MAP_BYTES"]
 
 MAP_BYTES = 128
 MAP_ALIGN = 64
@@ -138,6 +138,18 @@ class TensorMap:
         if why:
             return why
         return cls(index, _encode(layout.dtype.name, *spec))
+
+
+def maps_of(operands, rank, rows, dilation, columns):
+    """The maps of ``operands`` ((plan index, name, Layout) each; ``TensorMap.of``'s other
+    arguments shared), or "name: reason" for the first one that has none."""
+    maps = []
+    for index, name, layout in operands:
+        m = TensorMap.of(index, layout, rank, rows, dilation, columns)
+        if isinstance(m, str):
+            return f"{name}: {m}"
+        maps.append(m)
+    return tuple(maps)
 
 
 class AddressSlot:

@@ -48,7 +48,7 @@ from ..._dtypes import HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import SM90_SMEM_PER_BLOCK, Layout, head_dim_bucket, rows_ready, run_backward
 from ..._params import make_params
-from ..._tma import TensorMap
+from ..._tma import maps_of
 from ..._window import box_ranges, group_size
 
 SOURCE = "fused/wgmma_backward.cu"
@@ -255,7 +255,8 @@ class Tiling:
     workspaces: tuple   # after delta: with dq_atomic the float32 dQ, with a bias the boxes
     bias: numpy.void    # with a bias: the BiasGeom of na_bwd_fused_rpb, else None
     entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
-    kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none, kv_tma_maps)
+    kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none)
+    kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
 
 
 def _tiling(problem, tile, dq_atomic, smem):
@@ -274,10 +275,11 @@ def _tiling(problem, tile, dq_atomic, smem):
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
         workspaces += (((size,), numpy.dtype(numpy.float32)),)
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
-    kv_tma = ("" if _kv_tma_refusal(problem, tile) else
-              _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1])
+    kv_tma_refusal = _kv_tma_refusal(problem, tile)
+    kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
-                  OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma)
+                  OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma,
+                  kv_tma_refusal)
 
 
 def _kv_tma_refusal(problem, tile):
@@ -296,15 +298,10 @@ def kv_tma_maps(problem, t, d_out, q):
     """The tensor maps of q and d_out (plan operands 1 and 0) for the dK/dV pass of Tiling
     ``t`` with TMA loads, or the reason it cannot run: rank 2 or 3, a bias, or an operand
     the maps cannot describe (``natten_cupy._tma.operand_map``: e.g. dilation over 4)."""
-    if not t.kv_tma_name:
-        return _kv_tma_refusal(problem, DEFAULT[_bucket(problem.head_dim)])
-    dp = _bucket(problem.head_dim)
-    maps = (TensorMap.of(1, q, 1, (64,), problem.dilation, dp),
-            TensorMap.of(0, d_out, 1, (64,), problem.dilation, dp))
-    for m, name in zip(maps, ("q", "d_out")):
-        if isinstance(m, str):
-            return f"{name}: {m}"
-    return maps
+    if t.kv_tma_refusal:
+        return t.kv_tma_refusal
+    return maps_of(((1, "q", q), (0, "d_out", d_out)), 1, (64,), problem.dilation,
+                   _bucket(problem.head_dim))
 
 
 def atomic_pays(problem):

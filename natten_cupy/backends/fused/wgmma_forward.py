@@ -30,7 +30,7 @@ from ..._dtypes import FLOAT16, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
 from ..._operands import SM90_SMEM_PER_BLOCK, head_dim_bucket, rows_ready, run_forward
 from ..._params import make_params
-from ..._tma import TensorMap
+from ..._tma import maps_of
 
 SOURCE = "fused/wgmma_forward.cu"
 OPTIONS = ("-arch=sm_90a",)
@@ -321,12 +321,8 @@ def tma_maps(problem, plan, q, k, v):
         return "the flat key walk has no box shape"
     box, dp = _box(problem.rank, plan.tile)[:problem.rank], _bucket(problem.head_dim)
     rows = (64,) if problem.rank == 1 else box   # (rank 1: tiles of 64-row boxes)
-    maps = [TensorMap.of(i, lay, problem.rank, rows, problem.dilation, dp)
-            for i, lay in enumerate((q, k, v))]
-    for m, name in zip(maps, "qkv"):
-        if isinstance(m, str):
-            return f"{name}: {m}"
-    return tuple(maps)
+    return maps_of(((0, "q", q), (1, "k", k), (2, "v", v)), problem.rank, rows,
+                   problem.dilation, dp)
 
 
 def plan_forward(problem, q, k, v, out, lse, rpb=None, tile=None, walk_boxes=None, tma=None):
