@@ -12,7 +12,9 @@ dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: t
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
 stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
-query-tile loads, ``+kvN``: its dK/dV pass with N stages), on the same inputs: forward and backward CUDA-event medians after warm-up, and
+query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+rpb``: with a random relative
+positional bias, d_rpb from the backward), on the same inputs: forward and backward
+CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.
 """
@@ -86,8 +88,14 @@ def _run(wid, dtype, family, reps, forward_only=False):
             return ops.fused_backward(w.rank, do, q, k, v, out, lse, w.kernel, **opts)
     else:
         fpart, bpart = _parts(family)
+        mods = family.split("@")[0].split("+")[1:]
+        rpb = d_rpb = None
+        if "rpb" in mods:   # a random bias [H, 2k - 1, ...] and its gradient
+            rpb = random_array(cupy, (w.shape[-2], *(2 * x - 1 for x in w.kernel)), spec["name"],
+                               4)
+            d_rpb = cupy.empty(rpb.shape, cupy.float32)
         problem = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal,
-                                    None, "fused", spec["tf32"])
+                                    None, "fused", spec["tf32"], rpb=rpb)
         why = fpart.refuse(problem) or bpart.refuse(problem)
         if why:
             row["error"] = f"refused: {why}"[:300]
@@ -95,8 +103,10 @@ def _run(wid, dtype, family, reps, forward_only=False):
         out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], cupy.float32)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
 
-        mods = family.split("@")[0].split("+")[1:]
         way, box = {}, {}
+        if rpb is not None:
+            box["rpb"] = rpb
+            way.update(rpb=rpb, d_rpb=d_rpb)
         for mod in mods:
             way.update({"atomic": dict(dq_atomic=True), "det": dict(dq_atomic=False)}.get(mod, {}))
             if mod.startswith("small"):   # smallN: the 64-query box with N stages

@@ -201,13 +201,16 @@ struct RowBlock {
     l[0] = l[1] = 0.f;
   }
 
-  // S = Q K^T; q_wg: this warpgroup's 64 rows of Q, k_tile: the BN x D key tile.
-  __device__ __forceinline__ void issue_qk(unsigned q_wg, unsigned k_tile, int bm) {
+  // S = Q K^T (onto: S += Q K^T, onto what acc_s holds); q_wg: this warpgroup's 64 rows of
+  // Q, k_tile: the BN x D key tile.
+  __device__ __forceinline__ void issue_qk(unsigned q_wg, unsigned k_tile, int bm,
+                                           bool onto = false) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const unsigned koff = (kk % 4) * 32;
       SS<BN>::run(acc_s, desc128(q_wg + (kk / 4) * (bm * 128) + koff, 16, 1024),
-                  desc128(k_tile + (kk / 4) * (BN * 128) + koff, 16, 1024), kk > 0, kind());
+                  desc128(k_tile + (kk / 4) * (BN * 128) + koff, 16, 1024), onto || kk > 0,
+                  kind());
     }
   }
 
@@ -376,7 +379,7 @@ struct RowBlock {
 // barriers 1..WG), so that one's softmax runs while another's GEMMs hold the tensor cores,
 // instead of all of them contending at once.
 // BIAS: adds rpb[h, key - query + kernel - 1] (in-group offsets per axis) to each score
-// (BiasBox; stride 1).
+// (BiasBox; stride 1): staged as rpb / scale, it is what S's accumulator starts from.
 // TMA: the loader is one thread that stages Q and each K/V tile by tensor maps (tq, tk, tv:
 // tma.cuh) instead of the warpgroup's cp.async; rank 2 and 3 only with BOX (a key box is one
 // TMA box per 64 columns), rank 1 with the map's element stride stepping the dilation.
@@ -495,14 +498,14 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       }
     }
     const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e): softmax in exp2
-    // With BIAS the walks turn the scores into log2 units and the softmax takes scale 1.
-    const float ssl = BIAS ? 1.f : sl;
     // The flat walk's unmasked tiles (rank 2, 3) read each key's box index from kidx (one
     // int per region key, after the box) instead of carrying its coordinates.
     const unsigned kidx = btab + 4 * bb.vol;
     if (BIAS) {
+      // The box holds rpb / scale: the accumulator starts from it and S = Q K^T lands on
+      // top, so that the softmax's scale turns both into log2 units at no cost per score.
       bb.stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))), rpb, h,
-                     p, tid - 128, 128 * WG);
+                     p, tid - 128, 128 * WG, 1.f / p.scale);
       if (!BOX && RANK > 1)
         bb.stage_places(reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw))), G,
                         tid - 128, 128 * WG);
@@ -512,52 +515,73 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     RowBlock<T, D, BN> rb;
     rb.init();
     float alpha[2];
-    // Scores of keys outside a row's window become -inf; with BIAS the others become
-    // scale * log2(e) * score + bias (log2 units; the softmax then runs with scale 1).
+    // BIAS, rank 1 and key boxes: before S, acc_s = each score's entry (rpb / scale), -inf
+    // outside its row's window (read only inside), and S = Q K^T lands on top (-inf stays
+    // -inf: no mask after S). The flat walk (rank 2, 3) adds each entry after S instead
+    // (before, its head-dim-128 kernels spilled).
+    constexpr bool ONTO = BIAS && (RANK == 1 || BOX);
+    auto bias_in = [&](int i, int r, bool in, int key) {
+      rb.acc_s[i] = in ? lds_f32(bias_row[r] + 4 * key) : negative_infinity<float>();
+    };
+    auto bias_all = [&](int i, int r, bool, int key) {
+      rb.acc_s[i] = lds_f32(bias_row[r] + 4 * key);
+    };
+    auto bias_tile = [&](int j) {  // flat: region keys [j * BN, (j + 1) * BN); BOX: box j
+      if constexpr (ONTO && BOX) {
+        int org[3];
+        G.box_origin(j, org);
+        if (G.box_needs_mask(org))
+          rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, bias_in);
+        else
+          rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, bias_all);
+      } else if constexpr (ONTO) {
+        if (needs_mask(j))
+          rb.walk_1d(j * BN, quad, ws, we, bias_in);
+        else
+          rb.walk_1d(j * BN, quad, ws, we, bias_all);
+      }
+    };
+    // After S: scores of keys outside a row's window become -inf; with BIAS (flat walk) the
+    // others gain their entry.
     auto masked = [&](int i, int r, bool in, int key) {
       if (!in)
         rb.acc_s[i] = negative_infinity<float>();
       else if (BIAS)
-        rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * key));
+        rb.acc_s[i] += lds_f32(bias_row[r] + 4 * key);
     };
-    auto biased = [&](int i, int r, bool, int key) {
-      rb.acc_s[i] = fmaf(rb.acc_s[i], sl, lds_f32(bias_row[r] + 4 * key));
+    auto bias_flat = [&](int i, int r, bool, int f) {  // box index of region key f: kidx
+      rb.acc_s[i] += lds_f32(bias_row[r] + 4 * lds_s32(kidx + 4 * f));
     };
-    auto biased_flat = [&](int i, int r, bool, int f) {  // box index of region key f: kidx
-      biased(i, r, true, lds_s32(kidx + 4 * f));
-    };
-    auto mask_tile = [&](int j) {  // flat: region keys [j * BN, (j + 1) * BN); BOX: box j
-      if constexpr (BOX) {
+    auto mask_tile = [&](int j) {
+      if constexpr (ONTO) {
+        return;
+      } else if constexpr (BOX) {
         int org[3];
         G.box_origin(j, org);
         if (G.box_needs_mask(org))
           rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, masked);
-        else if (BIAS)
-          rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, biased);
       } else if (RANK == 1) {
-        if (needs_mask(j))
-          rb.walk_1d(j * BN, quad, ws, we, masked);
-        else if (BIAS)
-          rb.walk_1d(j * BN, quad, ws, we, biased);
+        if (needs_mask(j)) rb.walk_1d(j * BN, quad, ws, we, masked);
       } else {
         if (needs_mask(j))
           rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, masked);
         else if (BIAS)
-          rb.walk_1d(j * BN, quad, ws, we, biased_flat);
+          rb.walk_1d(j * BN, quad, ws, we, bias_flat);
       }
     };
 
     if (!PIPE) {
       for (int j = 0; j < num_tiles; ++j) {
+        bias_tile(j);
         acquire(j);
         const unsigned slot = (j % STAGES) * KV_BYTES;
         wgmma_fence();
-        rb.issue_qk(q_wg, sk + slot, BM);
+        rb.issue_qk(q_wg, sk + slot, BM, ONTO);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(rb.acc_s);
         mask_tile(j);
-        rb.softmax(ssl, alpha);
+        rb.softmax(sl, alpha);
         rb.rescale(alpha);
         rb.pack_p();
         wgmma_fence();
@@ -568,23 +592,25 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         release(j);
       }
     } else {
+      bias_tile(0);
       acquire(0);
       turn_wait();
       wgmma_fence();
-      rb.issue_qk(q_wg, sk, BM);
+      rb.issue_qk(q_wg, sk, BM, ONTO);
       wgmma_commit();
       turn_pass(false);
       wgmma_wait<0>();
       fence_regs(rb.acc_s);
       mask_tile(0);
-      rb.softmax(ssl, alpha);  // O is still 0: nothing to rescale
+      rb.softmax(sl, alpha);  // O is still 0: nothing to rescale
       rb.pack_p();
       for (int j = 1; j < num_tiles; ++j) {
+        bias_tile(j);
         acquire(j);
         const unsigned slot = (j % STAGES) * KV_BYTES, prev = ((j - 1) % STAGES) * KV_BYTES;
         turn_wait();
         wgmma_fence();
-        rb.issue_qk(q_wg, sk + slot, BM);
+        rb.issue_qk(q_wg, sk + slot, BM, ONTO);
         wgmma_commit();
         rb.issue_pv(sv + prev);
         wgmma_commit();
@@ -592,7 +618,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         wgmma_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
         fence_regs(rb.acc_s);
         mask_tile(j);
-        rb.softmax(ssl, alpha);
+        rb.softmax(sl, alpha);
         wgmma_wait<0>();
         fence_regs(rb.acc_o);
         release(j - 1);
@@ -628,7 +654,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
         }
         if (quad == 0)
           lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] =
-              (rb.m[r] * ssl + __log2f(sum)) * 0.6931471805599453f;
+              (rb.m[r] * sl + __log2f(sum)) * 0.6931471805599453f;
       }
     }
   };

@@ -36,8 +36,8 @@ def test_hopper_instantiations_cover_defaults():
                 wgmma_forward.instantiations()
 
 
-def _problem(x, rank, kernel, scale=None):
-    return _args.check_fused(rank, x, x, x, kernel, 1, 1, False, scale, "fused")
+def _problem(x, rank, kernel, scale=None, rpb=None):
+    return _args.check_fused(rank, x, x, x, kernel, 1, 1, False, scale, "fused", rpb=rpb)
 
 
 def test_hopper_refusals():
@@ -52,6 +52,12 @@ def test_hopper_refusals():
     assert "compute capability" in wgmma_forward.refuse(_problem(two, 2, 3))
     ok = numpy.zeros((1, 16, 1, 64), numpy.float16)
     assert "positive scale" in wgmma_forward.refuse(_problem(ok, 1, 3, scale=-1.0))
+    # the bias rides in the scores' accumulator as rpb / scale
+    bias = numpy.ones((1, 5), numpy.float16)
+    tiny = wgmma_forward.refuse(_problem(ok, 1, 3, scale=1e-30, rpb=bias))
+    assert "rpb / scale" in tiny and "1e-30" in tiny
+    assert "rpb / scale" not in wgmma_forward.refuse(_problem(ok, 1, 3, scale=1e-30))
+    assert "rpb / scale" not in wgmma_forward.refuse(_problem(ok, 1, 3, scale=1e-3, rpb=bias))
 
 
 @pytest.mark.parametrize("shape, kernel", [((2, 33, 41, 2, 64), (7, 5)),

@@ -1,5 +1,6 @@
 // The relative positional bias of the Hopper (sm_90a) fused NA kernels: the part of a head's
-// table rpb[h, 2k-1, ...] that a CTA's scores reach, staged in shared memory in log2 units.
+// table rpb[h, 2k-1, ...] that a CTA's scores reach, staged in shared memory (the backward's
+// in log2 units, the forward's divided by the scale).
 // The entry of a score (query i, key j; in-group coordinates per axis) is key - query +
 // kernel - 1 per axis; a box is that offset minus its origin, row-major with strides bst
 // (bst[RANK - 1] = 1), so that a score's place in the box is one owner-row term plus one
@@ -58,11 +59,12 @@ struct BiasBoxBase {
     }
   }
 
-  // The table's entries into dst (log2 units), by threads [0, nt) of the caller's. Entries
-  // past the table are 0 (no score reads them).
+  // The table's entries times mul into dst (by default log2 e: log2 units), by threads
+  // [0, nt) of the caller's. Entries past the table are 0 (no score reads them).
   template <int RANK, typename T>
   __device__ __forceinline__ void stage(float* dst, const T* __restrict__ rpb, int h,
-                                        const NAParams& p, int t, int nt) const {
+                                        const NAParams& p, int t, int nt,
+                                        float mul = 1.4426950408889634f) const {
     for (int i = t; i < vol; i += nt) {
       const int o[3] = {i / bst[0], (i % bst[0]) / bst[1], i % bst[1]};
       bool ok = true;
@@ -73,7 +75,7 @@ struct BiasBoxBase {
         ok = ok && x < 2 * (int)p.kernel[a] - 1;  // (org >= 0)
         off += x * p.rpb[1 + a];
       }
-      dst[i] = ok ? to_float(rpb[off]) * 1.4426950408889634f : 0.f;
+      dst[i] = ok ? to_float(rpb[off]) * mul : 0.f;
     }
   }
 };
