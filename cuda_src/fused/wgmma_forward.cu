@@ -515,16 +515,19 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     RowBlock<T, D, BN> rb;
     rb.init();
     float alpha[2];
-    // BIAS, rank 1 and key boxes: before S, acc_s = each score's entry (rpb / scale), -inf
-    // outside its row's window (read only inside), and S = Q K^T lands on top (-inf stays
-    // -inf: no mask after S). The flat walk (rank 2, 3) adds each entry after S instead
-    // (before, its head-dim-128 kernels spilled).
-    constexpr bool ONTO = BIAS && (RANK == 1 || BOX);
+    // BIAS (but the flat walk's at head dim 128): before S, acc_s = each score's entry
+    // (rpb / scale), -inf outside its row's window (read only inside), and S = Q K^T lands
+    // on top (-inf stays -inf: no mask after S). The flat walk at head dim 128 adds each
+    // entry after S instead (before, it spilled).
+    constexpr bool ONTO = BIAS && (RANK == 1 || BOX || D <= 64);
     auto bias_in = [&](int i, int r, bool in, int key) {
       rb.acc_s[i] = in ? lds_f32(bias_row[r] + 4 * key) : negative_infinity<float>();
     };
     auto bias_all = [&](int i, int r, bool, int key) {
       rb.acc_s[i] = lds_f32(bias_row[r] + 4 * key);
+    };
+    auto bias_flat_all = [&](int i, int r, bool, int f) {  // box index of region key f: kidx
+      bias_all(i, r, true, lds_s32(kidx + 4 * f));
     };
     auto bias_tile = [&](int j) {  // flat: region keys [j * BN, (j + 1) * BN); BOX: box j
       if constexpr (ONTO && BOX) {
@@ -534,11 +537,16 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
           rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, bias_in);
         else
           rb.template walk_box<RANK, T0, T1, T2>(org, quad, wl, wn, bb.bst, bias_all);
-      } else if constexpr (ONTO) {
+      } else if constexpr (ONTO && RANK == 1) {
         if (needs_mask(j))
           rb.walk_1d(j * BN, quad, ws, we, bias_in);
         else
           rb.walk_1d(j * BN, quad, ws, we, bias_all);
+      } else if constexpr (ONTO) {
+        if (needs_mask(j))
+          rb.template walk_nd<RANK>(j * BN, quad, G.rk, G.inner, wl, wn, bb.bst, bias_in);
+        else
+          rb.walk_1d(j * BN, quad, ws, we, bias_flat_all);
       }
     };
     // After S: scores of keys outside a row's window become -inf; with BIAS (flat walk) the

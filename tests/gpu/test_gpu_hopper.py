@@ -222,6 +222,18 @@ def test_hopper_forward_with_bias_matches_reference(case, rng):
         check_case(case, rng, bias=True)
 
 
+@pytest.mark.parametrize("case", [c for c in BIAS_CASES if len(c[0]) > 1],
+                         ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-d{c[3]}-c{c[4]}-D{c[6]}-"
+                         f"{numpy.dtype(c[7]).name}")
+def test_hopper_small_box_with_bias_matches_reference(case, rng):
+    """The 64-query boxes (one compute warpgroup) with a bias: key boxes only, on either
+    loader (TMA where the maps take the case)."""
+    _skip_unless_hopper()
+    tile = wgmma_forward.SMALL_BOX[wgmma_forward._bucket(case[6])]
+    for tma in (False, None):
+        check_case(case, rng, tile=tile, bias=True, walk_boxes=True, tma=tma)
+
+
 @pytest.mark.parametrize("rank", (1, 2, 3))
 def test_biased_calls_run_the_hopper_forward(rank, rng):
     """na{1,2,3}d with a bias in half precision at head dim 64, on windows where the Hopper

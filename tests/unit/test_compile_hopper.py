@@ -100,8 +100,7 @@ def test_hopper_small_box_plans(shape, kernel):
     ((2, 16, 40, 64, 2, 64), (7, 11, 11), False)])  # 21
 def test_hopper_small_box_dispatch(shape, kernel, small):
     """Rank 2 and 3 take the 64-query boxes where the 128-query box walks at most
-    SMALL_BOX_UP_TO key tiles, never with a bias (whose kernels are built for the 128-query
-    box); rank 1 keeps its own boxes."""
+    SMALL_BOX_UP_TO key tiles, with a bias at head dim 64 only; rank 1 keeps its own boxes."""
     x = numpy.zeros(shape, numpy.float16)
     rank = len(shape) - 3
     prob = _problem(x, rank, kernel)
@@ -115,9 +114,34 @@ def test_hopper_small_box_dispatch(shape, kernel, small):
         wgmma_forward.instantiations()
     rpb = numpy.zeros((shape[-2], *(2 * k - 1 for k in kernel)), numpy.float16)
     biased = _args.check_fused(rank, x, x, x, kernel, 1, 1, False, None, "fused", rpb=rpb)
-    assert wgmma_forward._default_tile(biased).bm == 128
+    tile = wgmma_forward._default_tile(biased)
+    assert tile == (wgmma_forward.SMALL_BOX[dp] if small and dp == 64
+                    else wgmma_forward.BIAS_TILE.get((rank, dp), wgmma_forward.DEFAULT_ND))
+    plan = wgmma_forward._plan(biased)
+    assert plan.tile == tile and (wgmma_forward.SOURCE, plan.name) in \
+        wgmma_forward.instantiations()
+    assert plan.walk_boxes or tile.bm == 128   # (the 64-query box walks key boxes)
     one = _problem(numpy.zeros((1, 256, 2, shape[-1]), numpy.float16), 1, 9)
     assert wgmma_forward._default_tile(one) == wgmma_forward.DEFAULT[dp]
+
+
+@pytest.mark.parametrize("shape, kernel, boxes", [
+    # (flat, box) key tiles of the 128-query box: 2-D 13x13 (W2b) 5 / 6: boxes; 2-D 21x21
+    # (M5) 8 / 12: flat; 3-D at head dim 128: boxes only
+    ((1, 256, 256, 4, 128), (13, 13), True),
+    ((1, 128, 128, 16, 128), (21, 21), False),
+    ((1, 16, 32, 32, 8, 128), (5, 7, 7), True),
+])
+def test_hopper_key_walk_with_bias(shape, kernel, boxes):
+    """With a bias the key boxes pay for up to BIAS_BOX_MARGIN more key tiles (TMA loads)."""
+    x = numpy.zeros(shape, numpy.float16)
+    rank = len(shape) - 3
+    rpb = numpy.zeros((shape[-2], *(2 * k - 1 for k in kernel)), numpy.float16)
+    prob = _args.check_fused(rank, x, x, x, kernel, 1, 1, False, None, "fused", rpb=rpb)
+    assert wgmma_forward._plan(prob).walk_boxes == boxes
+    tile = wgmma_forward._default_tile(prob)
+    flat, box = wgmma_forward._interior_tiles(prob, wgmma_forward._box(rank, tile))
+    assert boxes == (box <= flat * (1 + wgmma_forward.BIAS_BOX_MARGIN)) or rank == 3
 
 
 @pytest.mark.parametrize("shape, kernel, causal, boxes, boxes_without_tma", [

@@ -191,7 +191,8 @@ def test_the_hopper_forward_stages_the_bias_box_it_reaches():
         return w._bias_box(p, w._default_tile(p))
     assert box((40, 40), (7, 7)) == min(13, 7 + 7) * min(13, 7 + 15)      # 8 x 16 queries
     assert box((40, 40), (7, 5)) == 13 * 9
-    assert box((16, 40, 64), (5, 9, 9)) == 6 * 16 * 16                    # 2 x 8 x 8
+    assert box((16, 40, 64), (5, 9, 9)) == 6 * 12 * 16                    # 2 x 4 x 8
+    assert box((16, 40, 64), (5, 9, 9), 128) == 6 * 16 * 16               # 2 x 8 x 8
     assert box((1000,), (255,)) == 255 + 127
     assert box((1000,), (255,), bias=False) == 0
     for spatial, kernel in (((9000,), (4095,)), ((90, 90), (33, 33)),

@@ -153,11 +153,10 @@ def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False, tma=False):
 def _default_tile(problem):
     dp = _bucket(problem.head_dim)
     tile = DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
-    if problem.has_rpb:
-        return BIAS_TILE.get((problem.rank, dp), tile)
-    if problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]:
-        return SMALL_BOX[dp]
-    return tile
+    small = problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]
+    if problem.has_rpb:   # (64-query boxes at head dim 64 only: BIAS_BOX_MARGIN)
+        return SMALL_BOX[dp] if small and dp == 64 else BIAS_TILE.get((problem.rank, dp), tile)
+    return SMALL_BOX[dp] if small else tile
 
 
 def _bias_walks(rank, dp):
@@ -179,6 +178,7 @@ def instantiations():
                     out += [(SOURCE, _name(dtype, dp, BIAS_TILE.get((rank, dp), DEFAULT_ND),
                                            rank, walk, True, tma))
                             for walk in _bias_walks(rank, dp) if walk or not tma]
+                    out.append((SOURCE, _name(dtype, dp, SMALL_BOX[dp], rank, True, True, tma)))
             if dtype == FLOAT16:
                 out += [(SOURCE, _name(dtype, dp, t)) for t in ALTERNATIVES[dp]]
     return sorted(set(out))
@@ -226,6 +226,14 @@ def _interior_tiles(problem, box):
 # boxes 13% faster; 2-D 13x13 (W2b) 20% more, 8% slower; 2-D 21x21 on 64-query boxes (M5)
 # 23% more, equal.
 TMA_BOX_MARGIN = {2: 0.1, 3: 0.2}
+# With a bias the flat walk reads each key's box index before its entry (two shared loads a
+# score, one in boxes), so boxes loaded by TMA pay for more tiles: measured on an H100 (v15,
+# hopper_fwd_bias_walks.json, 128-query boxes): 2-D 13 x 13 (W2b) boxes 5% faster at 20% more
+# tiles, 2-D 21 x 21 (M5) 1% slower at 50% more, 3-D 6 x 9 x 9 (M7) 10% faster.
+BIAS_BOX_MARGIN = 0.3
+# And at head dim 64 the 64-query boxes where the unbiased forward takes them (SMALL_BOX_UP_TO;
+# always key boxes): 3-D 6 x 9 x 9 (M7) 18% and 5 x 9 x 9 (M4) 11% faster than the 128-query
+# box; at head dim 128 they were slower (M5 12%, 3-D 5 x 7 x 7 18%, W2b 9%).
 
 
 def _tma_expected(problem, tile):
@@ -270,17 +278,20 @@ def _plan(problem, tile=None, walk_boxes=None):
     dp = _bucket(problem.head_dim)
     default = _default_tile(problem)
     tile = tile or default
-    if problem.has_rpb and tile != default:
-        raise ValueError(f"a bias runs {default} only, not {tile}")
+    small = problem.rank > 1 and tile == SMALL_BOX[dp]
+    if problem.has_rpb and tile != default and not small:
+        raise ValueError(f"a bias runs {default} or (rank 2, 3) {SMALL_BOX[dp]} only, "
+                         f"not {tile}")
     if problem.rank > 1 and (problem.rank, tile.wg) not in QUERY_BOX:
         raise ValueError(f"rank {problem.rank} has no query box of {tile.bm} queries")
     box = _box(problem.rank, tile)
-    walks = _bias_walks(problem.rank, dp) if problem.has_rpb else (False, True)
+    walks = ((True,) if small else _bias_walks(problem.rank, dp)) if problem.has_rpb \
+        else (False, True)
     if tile.bn != tile.bm:  # key boxes have the query box's shape
         walks = (False,)
     if walk_boxes is None:
-        margin = (TMA_BOX_MARGIN.get(problem.rank, 0.0)
-                  if not problem.has_rpb and _tma_expected(problem, tile) else 0.0)
+        margin = 0.0 if not _tma_expected(problem, tile) else (
+            BIAS_BOX_MARGIN if problem.has_rpb else TMA_BOX_MARGIN.get(problem.rank, 0.0))
         walk_boxes = problem.rank > 1 and True in walks and (
             walks == (True,) or _walk_boxes(problem, box, margin)
             or _smem(problem, tile, False) > SMEM_LIMIT)   # the key indices do not fit
