@@ -218,24 +218,27 @@ def test_the_hopper_forward_stages_the_bias_box_it_reaches():
 
 
 def test_the_hopper_forward_runs_where_its_window_pays(monkeypatch):
-    """fused._hopper_fwd_pays: from 128 neighbors at head dim 64 and 64 at 128, in 2-D with a
-    bias from 256 and 150 (the measured break-even points); below, the mma.sync forward."""
+    """fused._hopper_fwd_pays: from the measured break-even windows (HOPPER_FWD_FROM) per
+    rank, head dim and bias; below, the mma.sync forward."""
     from natten_cupy.backends import fused
     monkeypatch.setattr(fused, "_hopper_serves", lambda p, name="wgmma_forward": True)
 
     def pays(spatial, kernel, d, bias=False):
         return fused._hopper_fwd_pays(_hopper_problem(spatial, kernel, d, bias))
     assert not pays((8192,), (127,), 64) and pays((8192,), (128,), 64)
+    assert not pays((8192,), (127,), 64, True) and pays((8192,), (128,), 64, True)
     assert not pays((8192,), (63,), 128) and pays((8192,), (64,), 128)
     assert not pays((64, 64), (11, 11), 64) and pays((64, 64), (13, 13), 64)
-    assert not pays((64, 64), (7, 7), 128) and pays((64, 64), (9, 9), 128)
-    assert not pays((64, 64), (15, 15), 64, True) and pays((64, 64), (17, 17), 64, True)
-    assert not pays((64, 64), (11, 11), 128, True) and pays((64, 64), (13, 13), 128, True)
-    assert not pays((8, 32, 32), (3, 5, 5), 64) and pays((8, 32, 32), (3, 7, 7), 64, True)
-    assert pays((8, 32, 32), (3, 5, 5), 128) and pays((16, 40, 64), (5, 9, 9), 64, True)
-    assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (7, 7), 64, False)) == \
+    assert not pays((64, 64), (5, 5), 128) and pays((64, 64), (7, 7), 128)
+    assert not pays((64, 64), (11, 11), 64, True) and pays((64, 64), (13, 13), 64, True)
+    assert not pays((64, 64), (7, 7), 128, True) and pays((64, 64), (9, 9), 128, True)
+    assert not pays((8, 32, 32), (3, 5, 5), 64) and pays((8, 32, 32), (3, 7, 7), 64)
+    assert not pays((8, 32, 32), (3, 3, 7), 64, True) and pays((8, 32, 32), (3, 5, 5), 64, True)
+    assert not pays((8, 32, 32), (3, 3, 2), 128) and pays((8, 32, 32), (3, 3, 3), 128)
+    assert not pays((8, 32, 32), (3, 3, 5), 128, True) and pays((8, 32, 32), (3, 5, 5), 128, True)
+    assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (5, 5), 128, False)) == \
         "mma_forward"
-    assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (9, 9), 128, False)) == \
+    assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (7, 7), 128, False)) == \
         "wgmma_forward"
 
 

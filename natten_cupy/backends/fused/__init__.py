@@ -86,10 +86,18 @@ def _parts_for(op, problem):
 
 
 # Windows (neighbors per query) from which the Hopper forward beats the mma.sync one, per
-# head-dim bucket, and in 2-D with a bias (whose kernels walk more and break even later).
-# Kernels alone, bench/results/hopper_dispatch.json; the ratios: NOTES-hopper-fwd.md (v6).
-HOPPER_FWD_FROM = {64: 128, 128: 64}
-HOPPER_FWD_FROM_2D_BIAS = {64: 256, 128: 150}
+# (rank, head-dim bucket, bias). Kernels alone on an H100 with TMA loads, the 64-query boxes
+# and the bias started in S's accumulator (bench/results/hopper_dispatch_v2.json, small
+# problems: B 2-4, H 8): mma.sync / Hopper at the thresholds' neighbors, 1-D D64 255: 1.02,
+# D128 127: 1.10 (63: 0.90); 2-D D64 13x13: 0.97 (kept at 128, as measured on the H200, v6),
+# with a bias 13x13: 1.16 (11x11: 0.99); 2-D D128 7x7: 1.21 (5x5: 1.00), with a bias 9x9:
+# 1.04 (7x7: 0.90); 3-D D64 3x7x7: 1.14 (3x5x5: 0.91), with a bias 3x5x5: 1.01; 3-D D128
+# 3x3x3: 1.14, with a bias 3x5x5: 1.13 (3x3x3: 0.86). NOTES-hopper-fwd.md (v6, v15).
+HOPPER_FWD_FROM = {
+    (1, 64, False): 128, (1, 64, True): 128, (1, 128, False): 64, (1, 128, True): 64,
+    (2, 64, False): 128, (2, 64, True): 150, (2, 128, False): 32, (2, 128, True): 80,
+    (3, 64, False): 128, (3, 64, True): 75, (3, 128, False): 27, (3, 128, True): 64,
+}
 
 
 def _hopper_fwd_pays(problem):
@@ -98,8 +106,7 @@ def _hopper_fwd_pays(problem):
     if not _hopper_serves(problem):
         return False
     dp = _part("wgmma_forward")._bucket(problem.head_dim)
-    table = HOPPER_FWD_FROM_2D_BIAS if problem.has_rpb and problem.rank == 2 else HOPPER_FWD_FROM
-    return problem.num_neighbors >= table[dp]
+    return problem.num_neighbors >= HOPPER_FWD_FROM[(problem.rank, dp, problem.has_rpb)]
 
 
 def _hopper_bwd_pays(problem):
