@@ -279,8 +279,9 @@ def _plan(problem, tile=None, walk_boxes=None):
     default = _default_tile(problem)
     tile = tile or default
     small = problem.rank > 1 and tile == SMALL_BOX[dp]
-    if problem.has_rpb and tile != default and not small:
-        raise ValueError(f"a bias runs {default} or (rank 2, 3) {SMALL_BOX[dp]} only, "
+    biased = BIAS_TILE.get((problem.rank, dp), DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND)
+    if problem.has_rpb and tile != biased and not small:
+        raise ValueError(f"a bias runs {biased} or (rank 2, 3) {SMALL_BOX[dp]} only, "
                          f"not {tile}")
     if problem.rank > 1 and (problem.rank, tile.wg) not in QUERY_BOX:
         raise ValueError(f"rank {problem.rank} has no query box of {tile.bm} queries")
