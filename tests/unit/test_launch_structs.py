@@ -50,3 +50,16 @@ def test_the_checker_finds_a_one_sided_change():
     # C alignment: an int then a double puts the double at 8, the size at 16
     fs = [("a", numpy.int32, 1), ("b", numpy.float64, 1)]
     assert struct_twins.c_layout(fs) == ([0, 8], 16)
+
+
+def test_mma_backward_constants_match_the_kernel():
+    """The launcher sizes shared memory with the kernel's warps per CTA and rows per step
+    (KWARPS, KNB): the constants the .cu declares."""
+    import re
+
+    from natten_cupy import _compile
+    from natten_cupy.backends.fused import mma_backward as m
+    src = _compile._read(m.SOURCE)
+    for name, value in (("kWarps", m.KWARPS), ("kNB", m.KNB)):
+        found = re.search(rf"constexpr int {name} = (\d+);", src)
+        assert found and int(found.group(1)) == value, (name, found and found.group(0), value)
