@@ -3,7 +3,8 @@
 For each backend and dtype (a *stream*, e.g. ``naive/float16``; ``tf32`` is float32 with
 ``allow_tf32``), ``--cases`` random configurations are drawn and each is checked:
 
-* op kinds: fused forward + backward (naive, fused), unfused qk (with or without rpb), av,
+* op kinds: fused forward + backward (naive, fused; with rpb and d_rpb on a quarter of the
+  cases of stride 1), unfused qk (with or without rpb), av,
   qk_backward (d_rpb when rpb is drawn), av_backward (naive, tiled); the reference backend
   (``--backends reference``) runs all of them;
 * geometry: rank 1-3; extents odd, prime, smaller than a tile or plain, and now and then one
@@ -156,7 +157,7 @@ def draw_config(seed, backend, dtype, index):
                 heads -= 1
         if batch * heads * n * k * head_dim > cap:
             continue
-        return {
+        cfg = {
             "backend": backend, "dtype": dtype, "index": index, "seed": seed, "kind": kind,
             "rank": rank, "spatial": spatial, "kernel": kernel, "stride": stride,
             "dilation": dilation, "causal": causal, "batch": batch, "heads": heads,
@@ -166,6 +167,12 @@ def draw_config(seed, backend, dtype, index):
             "permuted": bool(rng.random() < 0.3),
             "input_seed": int(rng.integers(2 ** 31)),
         }
+        # A bias on a quarter of the fused cases of stride 1 (a bias takes no other), read
+        # off the input seed: no draw of its own, so every other field of every case stays
+        # what it was before fused cases took a bias.
+        if kind == "fused" and all(s == 1 for s in stride) and cfg["input_seed"] % 4 == 0:
+            cfg["rpb"] = True
+        return cfg
     raise RuntimeError(f"no configuration under MAX_WORK after {DRAW_ATTEMPTS} draws "
                        f"({backend}/{dtype} #{index})")
 
@@ -269,7 +276,7 @@ def problems(cfg, x, backend_name):
     if kind == "fused":
         p = _args.check_fused(r, x["q"], x["k"], x["v"], ks, cfg["stride"], dl, ca,
                               cfg["scale"], backend_name, allow_tf32=tf32,
-                              tile=cfg.get("tile"))
+                              tile=cfg.get("tile"), rpb=x.get("rpb"))
         return {"fused_forward": p, "fused_backward": p}
     if kind == "qk":
         return {"qk": _args.check_qk(r, x["q"], x["k"], ks, dl, ca, x.get("rpb"), backend_name,
@@ -312,10 +319,14 @@ def run(cfg, backend, x, dev, permuted):
     if kind == "fused":
         y["out"], y["lse"] = out(full), out(rows, acc)
         ops.run_fused_forward(probs["fused_forward"], backend, x["q"], x["k"], x["v"], y["out"],
-                              y["lse"])
+                              y["lse"], x.get("rpb"))
         y["dq"], y["dk"], y["dv"] = out(full), out(full), out(full)
+        d_rpb = None
+        if cfg["rpb"]:   # (the fused ops' d_rpb takes rpb's dtype)
+            y["d_rpb"] = d_rpb = dev.put(numpy.full(x["rpb"].shape, numpy.nan, dt), False, r)
         ops.run_fused_backward(probs["fused_backward"], backend, x["d_out"], x["q"], x["k"],
-                               x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"])
+                               x["v"], y["out"], y["lse"], y["dq"], y["dk"], y["dv"],
+                               x.get("rpb"), d_rpb)
     elif kind == "qk":
         y["attn"] = out(weights)
         ops.run_qk(probs["qk"], backend, x["q"], x["k"], x.get("rpb"), y["attn"])

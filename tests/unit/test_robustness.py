@@ -609,23 +609,45 @@ class _Spoilt:
     """The reference backend with one output element spoilt after each op (``how``: a
     relative error of 1e-3 on the largest element, or a NaN as if never written)."""
 
-    def __init__(self, how):
+    def __init__(self, how, only=None):
         self.ref = get_backend("reference")
         self.NAME = "reference"
         self.how = how
+        self.only = only   # spoil this op's output only
         self.refuse = self.ref.refuse
 
     def __getattr__(self, op):
         fn = getattr(self.ref, op)
+        if self.only not in (None, op):
+            return fn
 
-        def spoil(problem, *arrays):
-            fn(problem, *arrays)
-            last = arrays[-1] if arrays[-1] is not None else arrays[-2]
+        def spoil(problem, *arrays, **named):   # (a bias's d_rpb first, where there is one)
+            fn(problem, *arrays, **named)
+            last = named.get("d_rpb")
+            if last is None:
+                last = arrays[-1] if arrays[-1] is not None else arrays[-2]
             i = int(numpy.argmax(numpy.abs(numpy.nan_to_num(last.astype(numpy.float64),
                                                             neginf=0))))
             idx = numpy.unravel_index(i, last.shape)
             last[idx] = numpy.nan if self.how == "nan" else last[idx] * (1 + 1e-3)
         return spoil
+
+
+def test_sweep_draws_fused_cases_with_a_bias():
+    """A quarter of the sweep's fused cases of stride 1 carry a bias (read off their input
+    seed, so the other fields of every case are drawn as before); such a case runs on the
+    reference backend, and a d_rpb off by 1e-3 in one element fails it."""
+    sweep = _sweep_module()
+    cfgs = [sweep.draw_config(5, "reference", "float32", i) for i in range(300)]
+    fused = [c for c in cfgs if c["kind"] == "fused"]
+    biased = [c for c in fused if c["rpb"]]
+    assert biased and len(biased) < len(fused)
+    assert all(all(s == 1 for s in c["stride"]) and c["input_seed"] % 4 == 0 for c in biased)
+    cpu = sweep.Device("cpu")
+    for cfg in biased[:3]:
+        assert sweep.run_case(cfg, get_backend("reference"), cpu) is not None
+        with pytest.raises(AssertionError, match="d_rpb: max error"):
+            sweep.run_case(cfg, _Spoilt("error", only="fused_backward"), cpu)
 
 
 @pytest.mark.parametrize("how,message", [("nan", "unwritten"), ("error", "max error")])

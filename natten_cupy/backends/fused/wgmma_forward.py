@@ -122,8 +122,8 @@ def refuse(problem):
     if not problem.scale > 0:
         return f"the Hopper fused forward needs a positive scale, got {problem.scale}"
     if problem.has_rpb and problem.scale < 2.0 ** -64:
-        return (f"the Hopper fused forward adds the bias as rpb / scale, which scale "
-                f"{problem.scale} could overflow (below 2^-64)")
+        return (f"the Hopper fused forward adds the bias as rpb / scale, which could overflow "
+                f"at scale {problem.scale} (below 2^-64)")
     if problem.heads > 65535 or problem.batch > 65535:
         return f"heads {problem.heads} or batch {problem.batch} over 65535"
     try:
