@@ -93,7 +93,7 @@ def _run(wid, dtype, family, reps, forward_only=False):
         if "rpb" in mods:   # a random bias [H, 2k - 1, ...] and its gradient
             rpb = random_array(cupy, (w.shape[-2], *(2 * x - 1 for x in w.kernel)), spec["name"],
                                4)
-            d_rpb = cupy.empty(rpb.shape, cupy.float32)
+            d_rpb = cupy.empty_like(rpb)   # (rpb's dtype, as the backward writes it)
         problem = _args.check_fused(w.rank, q, k, v, w.kernel, w.stride, w.dilation, w.causal,
                                     None, "fused", spec["tf32"], rpb=rpb)
         why = fpart.refuse(problem) or bpart.refuse(problem)

@@ -150,12 +150,17 @@ def _name(dtype, dp, tile, rank=1, walk_boxes=False, bias=False, tma=False):
             f"{'true' if bias else 'false'}>")
 
 
+def _bias_tile(rank, dp):
+    """The tile of rank ``rank`` with a bias, but for the 64-query boxes."""
+    return BIAS_TILE.get((rank, dp), DEFAULT[dp] if rank == 1 else DEFAULT_ND)
+
+
 def _default_tile(problem):
     dp = _bucket(problem.head_dim)
     tile = DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
     small = problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]
     if problem.has_rpb:   # (64-query boxes at head dim 64 only: BIAS_BOX_MARGIN)
-        return SMALL_BOX[dp] if small and dp == 64 else BIAS_TILE.get((problem.rank, dp), tile)
+        return SMALL_BOX[dp] if small and dp == 64 else _bias_tile(problem.rank, dp)
     return SMALL_BOX[dp] if small else tile
 
 
@@ -170,13 +175,13 @@ def instantiations():
         for dp in BUCKETS:
             for tma in (False, True):   # (key boxes only with TMA at rank 2, 3)
                 out.append((SOURCE, _name(dtype, dp, DEFAULT[dp], tma=tma)))
-                out.append((SOURCE, _name(dtype, dp, BIAS_TILE[(1, dp)], bias=True, tma=tma)))
+                out.append((SOURCE, _name(dtype, dp, _bias_tile(1, dp), bias=True, tma=tma)))
                 for rank in (2, 3):
                     out += [(SOURCE, _name(dtype, dp, tile, rank, walk, tma=tma))
                             for tile in (DEFAULT_ND, SMALL_BOX[dp]) for walk in (False, True)
                             if walk or not tma]
-                    out += [(SOURCE, _name(dtype, dp, BIAS_TILE.get((rank, dp), DEFAULT_ND),
-                                           rank, walk, True, tma))
+                    out += [(SOURCE, _name(dtype, dp, _bias_tile(rank, dp), rank, walk, True,
+                                           tma))
                             for walk in _bias_walks(rank, dp) if walk or not tma]
                     out.append((SOURCE, _name(dtype, dp, SMALL_BOX[dp], rank, True, True, tma)))
             if dtype == FLOAT16:
@@ -279,7 +284,7 @@ def _plan(problem, tile=None, walk_boxes=None):
     default = _default_tile(problem)
     tile = tile or default
     small = problem.rank > 1 and tile == SMALL_BOX[dp]
-    biased = BIAS_TILE.get((problem.rank, dp), DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND)
+    biased = _bias_tile(problem.rank, dp)
     if problem.has_rpb and tile != biased and not small:
         raise ValueError(f"a bias runs {biased} or (rank 2, 3) {SMALL_BOX[dp]} only, "
                          f"not {tile}")
