@@ -244,7 +244,7 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // ATOMIC and BIAS with bias_ws (the bias gradient in this pass, no dQ pass): each warp adds its
 // 16 key rows of the step's dS^T tile (the 16-bit one the dQ GEMM reads) into a float32
 // gradient box laid out as the bias box, a row at a time (a row's queries have distinct
-// entries: the lanes' shared-memory adds never share a word), while the GEMMs run; at each
+// entries: the lanes' shared-memory adds never share a word), after the dQ staging; at each
 // query head's end the box goes into bias_ws [H, table] by global float adds (the sums' order
 // varies run to run). Without bias_ws (a bias that needs no gradient) no adds.
 // TMA (rank 1): thread 0 of the loader stages each tile's Q and dO by tensor maps (tq, tdo:
@@ -372,7 +372,8 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   auto flush_grad = [&](int g) {
     KeyBiasBox bb;
     bb.init(G, p);
-    float* const gb = reinterpret_cast<float*>(smem_raw + (lds_u32(smem_u32(bias_addr)) - smem_u32(smem_raw)));
+    float* const gb =
+        reinterpret_cast<float*>(smem_raw + (lds_u32(smem_u32(bias_addr)) - smem_u32(smem_raw)));
     int tvol = 1;
 #pragma unroll
     for (int a = 0; a < RANK; ++a) tvol *= 2 * (int)p.kernel[a] - 1;
@@ -559,12 +560,13 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
         bulk_commit();
       }
       if (GRAD_BOX && grad) {
-        // The bias gradient (once this step's GEMMs are done: fewer registers live): this warp's 16 key rows of dS^T (its own
-        // stores), lane l holding query columns 2 l, 2 l + 1 (one 32-bit word of a row).
-        // Scores outside the reaches hold 0 and add nothing.
+        // The bias gradient, after the step's GEMMs (fewer registers live than under them):
+        // this warp's 16 key rows of dS^T (its own stores), lane l holding query columns 2 l,
+        // 2 l + 1 (one 32-bit word of a row). Scores outside the reaches hold 0, add nothing.
         const int f = jt * BQ + 2 * lane;
         const unsigned ba = smem_u32(bias_addr);
-        const int* const places = reinterpret_cast<const int*>(smem_raw + (lds_u32(ba + 4) - smem_u32(smem_raw)));
+        const int* const places =
+            reinterpret_cast<const int*>(smem_raw + (lds_u32(ba + 4) - smem_u32(smem_raw)));
         const int pl0 = RANK == 1 ? f : (f < G.total ? places[f] : 0);
         const int pl1 = RANK == 1 ? f + 1 : (f + 1 < G.total ? places[f + 1] : 0);
         const unsigned ds_w = sm.ds_tile(j, wg) + 4 * (lane % 4), to_grad = lds_u32(ba) - btab;

@@ -336,15 +336,15 @@ def _bias_id(c):
             f"{numpy.dtype(c[6]).name}")
 
 
-# Each case in the variant it runs by default (head dim 128: dQ and the bias gradient added
-# in the dK/dV pass) and, where that is the atomic one, also in the deterministic passes.
-BIAS_VARIANTS = [(c, None) for c in BIAS_CASES] + [
-    (c, False) for c in BIAS_CASES if H._bucket(c[5]) in H.ATOMIC_BIAS_HEAD_DIMS]
+# Each case in both dQ variants where the atomic one takes a bias (head dim 128: dQ and the
+# bias gradient added in the dK/dV pass), else in the deterministic passes (the default).
+BIAS_VARIANTS = [(c, v) for c in BIAS_CASES for v in (
+    (True, False) if H._bucket(c[5]) in H.ATOMIC_BIAS_HEAD_DIMS else (None,))]
 
 
 @pytest.mark.parametrize("case,dq_atomic", BIAS_VARIANTS,
                          ids=lambda x: _bias_id(x) if isinstance(x, tuple) else
-                         {None: "default", False: "passes"}[x])
+                         {None: "default", True: "atomic", False: "passes"}[x])
 def test_hopper_backward_with_bias_matches_reference(case, dq_atomic, rng):
     """dq, dk, dv and d_rpb of the Hopper backward with a relative positional bias (both
     passes add it; the dQ pass sums d_rpb, or with dQ added in the dK/dV pass that pass does)
@@ -382,8 +382,7 @@ def test_hopper_backward_with_bias_matches_reference(case, dq_atomic, rng):
     problem = prob(q, rpb)
     assert H.refuse(problem) is None, H.refuse(problem)
     assert "deterministic" in H.refuse(prob(q, rpb, det=True))
-    assert H.configure(problem, None, dq_atomic).dq_atomic == (
-        H._bucket(dim) in H.ATOMIC_BIAS_HEAD_DIMS and dq_atomic is None)
+    assert H.configure(problem, None, dq_atomic).dq_atomic == bool(dq_atomic)
     dev = [upload(cp, x) for x in (q, k, v, d_out, out)]
     grads = [upload(cp, numpy.full(shape, numpy.nan, dtype)) for _ in range(3)]
     d_rpb = upload(cp, numpy.full(rpb.shape, numpy.nan, dtype))
@@ -417,7 +416,8 @@ def test_hopper_gqa_with_bias_matches_repeated_heads(spatial, ks, dim, rng):
     rpb = (0.5 * rng.standard_normal((heads, *(2 * x - 1 for x in kern)))).astype(F16)
     gqa = _args.check_fused(rank, q, k, v, ks, 1, 1, False, None, "fused", rpb=rpb)
     dense = _args.check_fused(rank, q, q, q, ks, 1, 1, False, None, "fused", rpb=rpb)
-    assert H.configure(gqa).dq_atomic and not H.configure(dense, None, False).dq_atomic
+    assert H.configure(gqa, None, True).dq_atomic
+    assert not H.configure(dense, None, False).dq_atomic
     # the forward's out and lse from the float64 reference of the dense-heads problem
     h64 = [x.astype(F64) for x in (q, _repeat_heads(k, 2), _repeat_heads(v, 2))]
     out64, lse64 = numpy.empty(qs, F64), numpy.empty(qs[:-1], F64)
@@ -431,7 +431,7 @@ def test_hopper_gqa_with_bias_matches_repeated_heads(spatial, ks, dim, rng):
                    *grads[:3], rpb=dev_rpb, d_rpb=grads[3], dq_atomic=atomic)
         return [to_host(g).astype(F64) for g in grads]
 
-    got = run(gqa, k, v, None)
+    got = run(gqa, k, v, True)
     want = run(dense, _repeat_heads(k, 2), _repeat_heads(v, 2), False)
     want[1:3] = [_group_sum(w, 2) for w in want[1:3]]
     for name, g, w in zip(("dq", "dk", "dv", "d_rpb"), got, want):

@@ -184,12 +184,13 @@ def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypa
     assert H.configure(p) is t
     # the decision is what the pieces give (head dim 128: dQ added in the dK/dV pass, which
     # with a bias also sums its gradient)
+    t = H.configure(p, None, True)   # with a bias asked for (not the default yet)
     assert t.dq_atomic and t.smem == (H._atomic_kv_smem(p), H._pass_smem(p)[1])
     assert H._atomic_kv_smem(p) == H.smem_bytes(128, 64, 2, True, True) + (
         8 * 13 * 9 + 4 * 14 * 20 if bias else 0)   # two boxes of 13 x 9 entries, 14 x 20 places
-    assert t.ctas == H.owner_ctas(p) and t.dq_atomic == H.atomic_pays(p)
+    assert t.ctas == H.owner_ctas(p) and H.atomic_pays(p) == (not bias)
     assert t.names == H._names(p.dtype, 128, 2, None, t.dq_atomic, bias)
-    plan = H.plan_backward(p, *_layouts(p))
+    plan = H.plan_backward(p, *_layouts(p), dq_atomic=True)
     delta, kv, dq = plan.calls[:3]
     assert [c.fn.name for c in plan.calls[:3]] == list(t.names)
     assert delta.grid == (t.delta_blocks, 1, 1)

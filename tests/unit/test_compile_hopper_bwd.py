@@ -230,8 +230,8 @@ def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
         with pytest.raises(ValueError, match="dq_atomic"):
             H.plan_backward(*args, dq_atomic=True)
         return
-    assert H.atomic_pays(prob)
-    atomic = H.plan_backward(*args)
+    assert not H.atomic_pays(prob)   # asked for: not the default yet
+    atomic = H.plan_backward(*args, dq_atomic=True)
     delta, kv, dq = atomic.calls
     assert ops(delta) == (0, 4, 11, 12, 13)   # ... -> delta, zeroing both workspaces
     assert ops(kv) == (1, 2, 3, 0, 5, 11, 7, 8, 12, 9, 13)  # ..., dQ ws, rpb, bias ws

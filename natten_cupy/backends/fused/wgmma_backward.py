@@ -78,7 +78,7 @@ DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # Head-dim buckets whose atomic dQ variant takes a bias (and sums its gradient in the dK/dV
-# pass): where ``atomic_pays``.
+# pass), asked for with dq_atomic=True: not yet the default (not yet measured on a GPU).
 ATOMIC_BIAS_HEAD_DIMS = (128,)
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
 # natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
@@ -346,10 +346,8 @@ def atomic_pays(problem):
     1.54 vs 1.84 ms, dense 16K 13.6 vs 14.1, 1-D 16K window 4096 6.59 vs 6.65); at 64 it
     measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window 2047 3.38 vs 2.83, 3-D 5x9x9 8.20
     vs 7.80)."""
-    dp = _bucket(problem.head_dim)
-    return (not problem.deterministic and dp == 128
-            and (not problem.has_rpb
-                 or (dp in ATOMIC_BIAS_HEAD_DIMS and _atomic_kv_smem(problem) <= SMEM_LIMIT)))
+    return (not problem.deterministic and not problem.has_rpb
+            and _bucket(problem.head_dim) == 128)
 
 
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
