@@ -374,10 +374,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     bb.init(G, p);
     float* const gb =
         reinterpret_cast<float*>(smem_raw + (lds_u32(smem_u32(bias_addr)) - smem_u32(smem_raw)));
-    int tvol = 1;
-#pragma unroll
-    for (int a = 0; a < RANK; ++a) tvol *= 2 * (int)p.kernel[a] - 1;
-    float* const ws = bias_ws + (h0 + g) * (i64)tvol;
+    float* const ws = bias_ws + (h0 + g) * bias_table(p);
     for (int i = tid - 128; i < bb.vol; i += 256) {
       const float x = gb[i];
       if (g >= 0 && x != 0.f) {

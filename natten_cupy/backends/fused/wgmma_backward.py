@@ -309,7 +309,7 @@ def _tiling(problem, tile, dq_atomic, smem):
         assert int(bias["ctas"]) == ctas
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
         workspaces += (((size,), numpy.dtype(numpy.float32)),)
-        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+        entries = bias_table(problem)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
