@@ -126,45 +126,6 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
   pack_store(at + 6, b.z * sc, b.w * sc);
 }
 
-// The atomic variant's bias-gradient workspace [H, table] (float32, table = prod(2 k - 1)):
-// zeroed by the delta launch, added into by the dK/dV pass, written to d_rpb (its dtype and
-// strides) by the dQ store; both launches' threads in a grid-stride loop.
-__device__ __forceinline__ i64 bias_table(const NAParams& p) {
-  return (2 * p.kernel[0] - 1) * (2 * p.kernel[1] - 1) * (2 * p.kernel[2] - 1);
-}
-
-__device__ __forceinline__ void zero_bias_ws(float* __restrict__ bias_ws, const NAParams& p) {
-  const i64 n = p.heads * bias_table(p), step = (i64)gridDim.x * blockDim.x;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) bias_ws[i] = 0.f;
-}
-
-template <typename T>
-__device__ __forceinline__ void store_bias_ws(const float* __restrict__ bias_ws,
-                                              T* __restrict__ d_rpb, const NAParams& p) {
-  const i64 tv = bias_table(p), n = p.heads * tv, step = (i64)gridDim.x * blockDim.x;
-  const i64 n2 = 2 * p.kernel[2] - 1, n1 = 2 * p.kernel[1] - 1;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-    const i64 h = i / tv, e = i % tv;
-    d_rpb[h * p.d_rpb[0] + (e / (n1 * n2)) * p.d_rpb[1] + ((e / n2) % n1) * p.d_rpb[2] +
-          (e % n2) * p.d_rpb[3]] = store_as<T>(bias_ws[i]);
-  }
-}
-
-// The two 16-bit values of a 32-bit word as floats (low half first).
-template <typename T>
-__device__ __forceinline__ void unpack_pair(unsigned w, float& lo, float& hi);
-template <>
-__device__ __forceinline__ void unpack_pair<__nv_bfloat16>(unsigned w, float& lo, float& hi) {
-  lo = __uint_as_float(w << 16);
-  hi = __uint_as_float(w & 0xffff0000u);
-}
-template <>
-__device__ __forceinline__ void unpack_pair<__half>(unsigned w, float& lo, float& hi) {
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
-  lo = f.x;
-  hi = f.y;
-}
-
 // Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of 128 rows),
 // STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) the dS^T
 // tiles of 64 x ROWS, one per compute warpgroup (at head dim 128 two sets, by step parity:
@@ -241,12 +202,6 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // the region's last axis (1-D: one), waiting for their reads a step later.
 // BIAS: S^T gets rpb[h, key - query + kernel - 1] (KeyBiasBox, staged after the mbarriers for
 // each query head of the walk in turn, with each region query's place in it for rank 2, 3).
-// ATOMIC and BIAS with bias_ws (the bias gradient in this pass, no dQ pass): each warp adds its
-// 16 key rows of the step's dS^T tile (the 16-bit one the dQ GEMM reads) into a float32
-// gradient box laid out as the bias box, a row at a time (a row's queries have distinct
-// entries: the lanes' shared-memory adds never share a word), after the dQ staging; at each
-// query head's end the box goes into bias_ws [H, table] by global float adds (the sums' order
-// varies run to run). Without bias_ws (a bias that needs no gradient) no adds.
 // TMA (rank 1): thread 0 of the loader stages each tile's Q and dO by tensor maps (tq, tdo:
 // tma.cuh, 64-row boxes stepping the dilation), the loader's threads only the owner K, V
 // (once) and the tile's lse and delta; a stage is full after their 128 arrivals, thread 0's
@@ -259,14 +214,14 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
                                        const float* __restrict__ lse,
                                        const float* __restrict__ delta, T* __restrict__ dk,
                                        T* __restrict__ dv, float* __restrict__ dq_ws,
-                                       const T* __restrict__ rpb, float* __restrict__ bias_ws,
-                                       const NAParams& p, const TmaMap* tq = nullptr,
-                                       const TmaMap* tdo = nullptr) {
+                                       const T* __restrict__ rpb, const NAParams& p,
+                                       const TmaMap* tq = nullptr, const TmaMap* tdo = nullptr) {
   constexpr int NT = 128, WG = 2;
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
                 "the key tile is 128 keys over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
+  static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
   static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
   typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
   extern __shared__ unsigned char smem_raw[];
@@ -333,65 +288,29 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   regs_inc<BwdRegs::compute>();
   // This thread's two key rows and the queries that reach them (region coordinates).
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
-  // The reaches of the thread's two key rows; the variant that sums the bias gradient works
-  // them out again each step from an opaque row (held over the walk, ranks 2 and 3 spilled).
   int wl[2][3], wn[2][3];
-  auto reaches = [&](int r0) {
-    G.row_reach(p, r0, wl[0], wn[0]);
-    G.row_reach(p, r0 + 8, wl[1], wn[1]);
-  };
-  if (!(ATOMIC && BIAS)) reaches(row0);
+  G.row_reach(p, row0, wl[0], wn[0]);
+  G.row_reach(p, row0 + 8, wl[1], wn[1]);
   const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e)
   const unsigned k_wg = sm.own0 + wg * 64 * 128, v_wg = sm.own1 + wg * 64 * 128;
 
-  // BIAS: bias_row[r] is key row r's term of its score's box index (KeyBiasBox), then (ATOMIC)
-  // the gradient box gbox, then qidx: each region query's place in the box (rank 2, 3).
-  // (GRAD_BOX: gbox and qidx are read from shared memory where used, bias_addr: not held in
-  // registers over the walk, where ranks 2 and 3 spilled.)
-  constexpr bool GRAD_BOX = ATOMIC && BIAS;
-  const bool grad = GRAD_BOX && bias_ws != nullptr;
+  // BIAS: bias_row[r] is key row r's term of its score's box index (KeyBiasBox), qidx each
+  // region query's place in the box (rank 2, 3; after the box).
   const unsigned btab = sm.empty + 8 * STAGES;
-  unsigned bias_row[2] = {btab, btab}, qidx = btab, gbox = btab;
-  __shared__ unsigned bias_addr[2];  // GRAD_BOX: gbox, qidx
+  unsigned bias_row[2] = {btab, btab}, qidx = btab;
   if constexpr (BIAS) {
     KeyBiasBox bb;
     bb.init(G, p);
     row_terms(bb, G, p, row0, btab, bias_row);
-    gbox = btab + 4 * bb.vol;
-    qidx = gbox + (GRAD_BOX ? 4 * bb.vol : 0);
-    if (GRAD_BOX && tid == 128) {
-      bias_addr[0] = gbox;
-      bias_addr[1] = qidx;
-    }
+    qidx = btab + 4 * bb.vol;
     if (RANK > 1)
       bb.stage_places(reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw))), G,
                       tid - 128, 256);
   }
-  // GRAD: the gradient box of query head h0 + g added into bias_ws and zeroed (g < 0: zeroed
-  // only), by the compute threads once every one is done adding to it.
-  auto flush_grad = [&](int g) {
-    KeyBiasBox bb;
-    bb.init(G, p);
-    float* const gb =
-        reinterpret_cast<float*>(smem_raw + (lds_u32(smem_u32(bias_addr)) - smem_u32(smem_raw)));
-    float* const ws = bias_ws + (h0 + g) * bias_table(p);
-    for (int i = tid - 128; i < bb.vol; i += 256) {
-      const float x = gb[i];
-      if (g >= 0 && x != 0.f) {
-        const int o[3] = {i / bb.bst[0], (i % bb.bst[0]) / bb.bst[1], i % bb.bst[1]};
-        int e = 0;
-#pragma unroll
-        for (int a = 0; a < RANK; ++a) e = e * (2 * (int)p.kernel[a] - 1) + bb.org[a] + o[a];
-        atomicAdd(ws + e, x);
-      }
-      gb[i] = 0.f;
-    }
-  };
   // The box of query head h0 + g: staged once every compute thread is done with the last
   // (the box worked out again: kept over the walk it spilled).
   auto stage_bias = [&](int g) {
-    if (g > 0 || GRAD_BOX) named_sync(4, 256);  // (GRAD_BOX: bias_addr written)
-    if (grad) flush_grad(g - 1);
+    if (g > 0) named_sync(4, 256);
     KeyBiasBox bb;
     bb.init(G, p);
     bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
@@ -433,19 +352,10 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
     const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
     const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
-    if constexpr (GRAD_BOX) {  // (reaches and row terms not held over the walk: spills)
-      int r0 = row0;
-      asm volatile("" : "+r"(r0));
-      reaches(r0);
-      KeyBiasBox bb;
-      bb.init(G, p);
-      row_terms(bb, G, p, r0, btab, bias_row);
-    }
     if constexpr (BIAS) {
       // P^T = exp2(S^T scale log2 e + bias - lse log2 e) inside each key's reach, else 0
       // (the bias read only there: branch-free, the D128 kernels stay within their registers).
-      const int* const places = reinterpret_cast<const int*>(
-          smem_raw + ((GRAD_BOX ? lds_u32(smem_u32(bias_addr) + 4) : qidx) - smem_u32(smem_raw)));
+      const int* const places = reinterpret_cast<const int*>(smem_raw + (qidx - smem_u32(smem_raw)));
       auto visit = [&](int i, int r, bool in, int f) {
         const int col = f - jt * BQ, place = RANK == 1 ? f : (in ? places[f] : 0);
         const float b = in ? lds_f32(bias_row[r] - 4 * place) : negative_infinity<float>();
@@ -556,37 +466,10 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
         }
         bulk_commit();
       }
-      if (GRAD_BOX && grad) {
-        // The bias gradient, after the step's GEMMs (fewer registers live than under them):
-        // this warp's 16 key rows of dS^T (its own stores), lane l holding query columns 2 l,
-        // 2 l + 1 (one 32-bit word of a row). Scores outside the reaches hold 0, add nothing.
-        const int f = jt * BQ + 2 * lane;
-        const unsigned ba = smem_u32(bias_addr);
-        const int* const places =
-            reinterpret_cast<const int*>(smem_raw + (lds_u32(ba + 4) - smem_u32(smem_raw)));
-        const int pl0 = RANK == 1 ? f : (f < G.total ? places[f] : 0);
-        const int pl1 = RANK == 1 ? f + 1 : (f + 1 < G.total ? places[f + 1] : 0);
-        const unsigned ds_w = sm.ds_tile(j, wg) + 4 * (lane % 4), to_grad = lds_u32(ba) - btab;
-#pragma unroll 4
-        for (int rr = 0; rr < 16; ++rr) {
-          // row rr's term: lane 4 (rr % 8) holds it as its row rr / 8
-          const unsigned at =
-              __shfl_sync(0xffffffffu, rr < 8 ? bias_row[0] : bias_row[1], 4 * (rr % 8)) + to_grad;
-          const unsigned w = lds_u32(ds_w + swz128(16 * wwarp + rr, lane / 4));
-          float x0, x1;
-          unpack_pair<T>(w, x0, x1);
-          if (x0 != 0.f) red_add_f32(at - 4 * pl0, x0);
-          if (x1 != 0.f) red_add_f32(at - 4 * pl1, x1);
-        }
-      }
     }
     mbar_arrive(sm.empty + 8 * (j % STAGES));
   }
   if (ATOMIC && (tid / 32) % 4 < 2) bulk_wait();  // the bulk adds done before the CTA ends
-  if (GRAD_BOX && grad) {  // the last query head's gradient box
-    named_sync(4, 256);
-    flush_grad(group - 1);
-  }
 
   // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group. (The row
   // is worked out again from an opaque thread index: carried over the walk it spilled.)
@@ -848,17 +731,13 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
 na_bwd_hopper_delta(const T* __restrict__ d_o, const T* __restrict__ o,
-                    float* __restrict__ delta, float* __restrict__ dq_ws,
-                    float* __restrict__ bias_ws, const NAParams p) {
-  if (bias_ws) hopper::zero_bias_ws(bias_ws, p);
+                    float* __restrict__ delta, float* __restrict__ dq_ws, const NAParams p) {
   hopper::delta_rows<T, D>(d_o, o, delta, dq_ws, p);
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq,
-                 const float* __restrict__ bias_ws, T* __restrict__ d_rpb, const NAParams p) {
-  if (bias_ws) hopper::store_bias_ws(bias_ws, d_rpb, p);
+na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, const NAParams p) {
   hopper::dq_rows<T, D>(dq_ws, dq, p);
 }
 
@@ -868,10 +747,9 @@ __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ d_o, const float* __restrict__ lse,
                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                 float* __restrict__ dq_ws, const T* __restrict__ rpb,
-                 float* __restrict__ bias_ws, const NAParams p) {
+                 float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p) {
   hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS>(q, k, v, d_o, lse, delta, dk,
-                                                                   dv, dq_ws, rpb, bias_ws, p);
+                                                                   dv, dq_ws, rpb, p);
 }
 
 // The same dK/dV pass with each query tile's Q and dO staged by TMA (rank 1): tq, tdo map q
@@ -882,12 +760,11 @@ __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_kv_tma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ d_o, const float* __restrict__ lse,
                      const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                     float* __restrict__ dq_ws, const T* __restrict__ rpb,
-                     float* __restrict__ bias_ws, const NAParams p,
+                     float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p,
                      const __grid_constant__ hopper::TmaMap tq,
                      const __grid_constant__ hopper::TmaMap tdo) {
   hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS, true>(
-      q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, bias_ws, p, &tq, &tdo);
+      q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p, &tq, &tdo);
 }
 
 template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>

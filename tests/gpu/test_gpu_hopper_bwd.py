@@ -336,20 +336,11 @@ def _bias_id(c):
             f"{numpy.dtype(c[6]).name}")
 
 
-# Each case in both dQ variants where the atomic one takes a bias (head dim 128: dQ and the
-# bias gradient added in the dK/dV pass), else in the deterministic passes (the default).
-BIAS_VARIANTS = [(c, v) for c in BIAS_CASES for v in (
-    (True, False) if H._bucket(c[5]) in H.ATOMIC_BIAS_HEAD_DIMS else (None,))]
-
-
-@pytest.mark.parametrize("case,dq_atomic", BIAS_VARIANTS,
-                         ids=lambda x: _bias_id(x) if isinstance(x, tuple) else
-                         {None: "default", True: "atomic", False: "passes"}[x])
-def test_hopper_backward_with_bias_matches_reference(case, dq_atomic, rng):
+@pytest.mark.parametrize("case", BIAS_CASES, ids=_bias_id)
+def test_hopper_backward_with_bias_matches_reference(case, rng):
     """dq, dk, dv and d_rpb of the Hopper backward with a relative positional bias (both
-    passes add it; the dQ pass sums d_rpb, or with dQ added in the dK/dV pass that pass does)
-    against the float64 reference of the biased forward and backward, NaN-poisoned outputs,
-    the same error rule as above."""
+    passes add it, the dQ pass sums d_rpb) against the float64 reference of the biased
+    forward and backward, NaN-poisoned outputs, the same error rule as above."""
     import cupy as cp
     _skip_unless_hopper()
     spatial, ks, dl, ca, heads, dim, dtype = case
@@ -382,12 +373,11 @@ def test_hopper_backward_with_bias_matches_reference(case, dq_atomic, rng):
     problem = prob(q, rpb)
     assert H.refuse(problem) is None, H.refuse(problem)
     assert "deterministic" in H.refuse(prob(q, rpb, det=True))
-    assert H.configure(problem, None, dq_atomic).dq_atomic == bool(dq_atomic)
     dev = [upload(cp, x) for x in (q, k, v, d_out, out)]
     grads = [upload(cp, numpy.full(shape, numpy.nan, dtype)) for _ in range(3)]
     d_rpb = upload(cp, numpy.full(rpb.shape, numpy.nan, dtype))
     H.backward(problem, *dev[:3], dev[4], cp.asarray(lse), dev[3], *grads, rpb=upload(cp, rpb),
-               d_rpb=d_rpb, dq_atomic=dq_atomic)
+               d_rpb=d_rpb)
     cp.cuda.get_current_stream().synchronize()
     for name, g, t, y in zip(("dq", "dk", "dv", "d_rpb"), map(to_host, (*grads, d_rpb)), truth,
                              low):
@@ -395,46 +385,3 @@ def test_hopper_backward_with_bias_matches_reference(case, dq_atomic, rng):
         err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
         floor = FLOOR[q.dtype] * max(1.0, float(numpy.abs(t).max()))
         assert err <= 3 * ref_err + floor, (name, err, ref_err, floor)
-
-
-@pytest.mark.parametrize("spatial,ks,dim", [((300,), 65, 128), ((20, 23), (5, 7), 128),
-                                            ((6, 9, 10), (3, 5, 5), 96)],
-                         ids=("1d", "2d", "3d"))
-def test_hopper_gqa_with_bias_matches_repeated_heads(spatial, ks, dim, rng):
-    """GQA with a bias in the atomic variant (the dK/dV pass walks each kv head's query heads
-    and adds each one's bias gradient in turn) against the same problem with the kv heads
-    repeated, run through the deterministic passes (the dQ pass sums d_rpb): dk, dv summed
-    over each group, dq and d_rpb as they are, within the half-precision rounding of two
-    summation orders; NaN-poisoned outputs."""
-    import cupy as cp
-    _skip_unless_hopper()
-    rank, heads, kv_heads = len(spatial), 4, 2
-    kern = (ks,) * rank if isinstance(ks, int) else ks
-    qs, kvs = (2, *spatial, heads, dim), (2, *spatial, kv_heads, dim)
-    q, d_out = (rng.standard_normal(qs).astype(F16) for _ in range(2))
-    k, v = (rng.standard_normal(kvs).astype(F16) for _ in range(2))
-    rpb = (0.5 * rng.standard_normal((heads, *(2 * x - 1 for x in kern)))).astype(F16)
-    gqa = _args.check_fused(rank, q, k, v, ks, 1, 1, False, None, "fused", rpb=rpb)
-    dense = _args.check_fused(rank, q, q, q, ks, 1, 1, False, None, "fused", rpb=rpb)
-    assert H.configure(gqa, None, True).dq_atomic
-    assert not H.configure(dense, None, False).dq_atomic
-    # the forward's out and lse from the float64 reference of the dense-heads problem
-    h64 = [x.astype(F64) for x in (q, _repeat_heads(k, 2), _repeat_heads(v, 2))]
-    out64, lse64 = numpy.empty(qs, F64), numpy.empty(qs[:-1], F64)
-    run_fused_forward(dense, get_backend("reference"), *h64, out64, lse64, rpb.astype(F64))
-    out, lse = upload(cp, out64.astype(F16)), cp.asarray(lse64.astype(F32))
-    dev_q, dev_do, dev_rpb = upload(cp, q), upload(cp, d_out), upload(cp, rpb)
-
-    def run(problem, kk, vv, atomic):
-        grads = [upload(cp, numpy.full(x.shape, numpy.nan, F16)) for x in (q, kk, vv, rpb)]
-        H.backward(problem, dev_q, upload(cp, kk), upload(cp, vv), out, lse, dev_do,
-                   *grads[:3], rpb=dev_rpb, d_rpb=grads[3], dq_atomic=atomic)
-        return [to_host(g).astype(F64) for g in grads]
-
-    got = run(gqa, k, v, True)
-    want = run(dense, _repeat_heads(k, 2), _repeat_heads(v, 2), False)
-    want[1:3] = [_group_sum(w, 2) for w in want[1:3]]
-    for name, g, w in zip(("dq", "dk", "dv", "d_rpb"), got, want):
-        assert not numpy.isnan(g).any(), f"unwritten (NaN) elements in {name}"
-        scale = max(1.0, float(numpy.abs(w).max()))
-        assert float(numpy.abs(g - w).max()) <= 2e-2 * scale, name

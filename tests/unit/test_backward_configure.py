@@ -182,34 +182,20 @@ def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypa
     assert H.refuse(p) == ("the Hopper fused backward needs compute capability 9.0, this "
                            "device has 8.0")
     assert H.configure(p) is t
-    # the decision is what the pieces give (head dim 128: dQ added in the dK/dV pass, which
-    # with a bias also sums its gradient)
-    t = H.configure(p, None, True)   # with a bias asked for (not the default yet)
-    assert t.dq_atomic and t.smem == (H._atomic_kv_smem(p), H._pass_smem(p)[1])
-    assert H._atomic_kv_smem(p) == H.smem_bytes(128, 64, 2, True, True) + (
-        8 * 13 * 9 + 4 * 14 * 20 if bias else 0)   # two boxes of 13 x 9 entries, 14 x 20 places
-    assert t.ctas == H.owner_ctas(p) and H.atomic_pays(p) == (not bias)
+    # the decision is what the pieces give
+    assert t.smem == (H._pass_smem(p) if bias or not t.dq_atomic else
+                      (H.smem_bytes(128, 64, 2, True, True), H._pass_smem(p)[1]))
+    assert t.ctas == H.owner_ctas(p) and t.dq_atomic == H.atomic_pays(p)
     assert t.names == H._names(p.dtype, 128, 2, None, t.dq_atomic, bias)
-    plan = H.plan_backward(p, *_layouts(p), dq_atomic=True)
+    plan = H.plan_backward(p, *_layouts(p))
     delta, kv, dq = plan.calls[:3]
     assert [c.fn.name for c in plan.calls[:3]] == list(t.names)
     assert delta.grid == (t.delta_blocks, 1, 1)
     assert kv.grid == (t.ctas, p.kv_heads, p.batch) and kv.shared_mem == t.smem[0]
     assert plan.workspaces[1:] == t.workspaces
-    # the bias gradient: a float32 [H, table] workspace, zeroed by the delta launch, added
-    # into by the dK/dV pass, written to d_rpb (operand 10) by the dQ store; no reduction
-    assert len(plan.calls) == 3 and t.bias is None and t.entries == 0
-    ws = H.Operand(13) if bias else numpy.uint64(0)
-    assert delta.args[4] == ws and kv.args[10] == ws and dq.args[2] == ws
-    assert dq.args[3] == (H.Operand(10) if bias else numpy.uint64(0))
     if bias:
-        assert t.workspaces[-1] == ((2, 13 * 9), numpy.float32)
-        # the deterministic passes: the dQ pass sums the boxes, na_bwd_fused_rpb reduces them
-        det = H.configure(p, None, False)
-        assert not det.dq_atomic and det.bias is not None and det.entries == 13 * 9
-        dplan = H.plan_backward(p, *_layouts(p), dq_atomic=False)
-        assert dplan.calls[2].shared_mem == det.smem[1]
-        assert dplan.calls[3].args[-1] is det.bias and dplan.calls[3].grid == (det.entries, 2, 1)
+        assert not t.dq_atomic and dq.shared_mem == t.smem[1]
+        assert plan.calls[3].args[-1] is t.bias and plan.calls[3].grid == (t.entries, 2, 1)
 
 
 def test_hopper_backward_overrides_are_their_own_decisions(fake_device):

@@ -28,10 +28,9 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
             print(f"  {r.name:<70} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
                   f"spill {r.spill_bytes}")
     # per dtype: delta and the dq store per head dim, two passes per rank and head dim, the
-    # atomic dK/dV kernels (every rank and head dim), both passes with a bias, the atomic
-    # dK/dV kernels with a bias (every rank, head dim 128), and the rank-1 dK/dV passes (both
-    # dQ variants) with TMA loads
-    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2 + 2 * 3 * 2 + 3 + 2 * 2)
+    # atomic dK/dV kernels (every rank and head dim), both passes with a bias, and the rank-1
+    # dK/dV passes (both dQ variants) with TMA loads
+    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2 + 2 * 3 * 2 + 2 * 2)
     assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in reports if "serialized" in r.log]
     assert not [r.name for r in reports if "C7508" in r.log or "setmaxnreg" in r.log.lower()]
@@ -184,9 +183,7 @@ BIAS_PLAN_CASES = [c for c in PLAN_CASES if c[2] == 1 and c[1] != 16384] + [
 def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
     """With a bias: the bias in both passes, the dQ pass writing its CTAs' gradient boxes
     to a workspace that na_bwd_fused_rpb (told the Hopper owner boxes) reduces into d_rpb;
-    shared memory with the bias parts, within sm_90's 227 KB. At head dim 128 the default is
-    the atomic dQ variant, whose dK/dV pass adds the bias gradient into a float32 [H, table]
-    workspace (zeroed by delta, written to d_rpb by the dQ store); at 64 it is refused."""
+    shared memory with the bias parts, within sm_90's 227 KB; never the atomic dQ variant."""
     from natten_cupy._launch import Operand
     from natten_cupy.backends.fused import mma_backward
     shape, ks, st, dl, ca = case
@@ -200,7 +197,7 @@ def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
     kern = (ks,) * rank if isinstance(ks, int) else ks
     rpb = Layout.contiguous((shape[-2],) + tuple(2 * k - 1 for k in kern), numpy.float16)
     args = (prob, lay, lay, lay, lay, lay, lse, lay, lay, lay, rpb, rpb)
-    plan = H.plan_backward(*args, dq_atomic=False)
+    plan = H.plan_backward(*args)
     delta, kv, q, red = plan.calls
     ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
     assert ops(delta) == (0, 4, 11)
@@ -224,23 +221,8 @@ def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
     plain = H.plan_backward(dataclasses.replace(prob, has_rpb=False), *args[1:10],
                             dq_atomic=False)
     assert kv.shared_mem > plain.calls[1].shared_mem and q.shared_mem > plain.calls[2].shared_mem
-    dp = H._bucket(shape[-1])
-    if dp not in H.ATOMIC_BIAS_HEAD_DIMS:
-        assert not H.atomic_pays(prob)
-        with pytest.raises(ValueError, match="dq_atomic"):
-            H.plan_backward(*args, dq_atomic=True)
-        return
-    assert not H.atomic_pays(prob)   # asked for: not the default yet
-    atomic = H.plan_backward(*args, dq_atomic=True)
-    delta, kv, dq = atomic.calls
-    assert ops(delta) == (0, 4, 11, 12, 13)   # ... -> delta, zeroing both workspaces
-    assert ops(kv) == (1, 2, 3, 0, 5, 11, 7, 8, 12, 9, 13)  # ..., dQ ws, rpb, bias ws
-    assert ops(dq) == (12, 6, 13, 10)         # dQ ws -> dq, bias ws -> d_rpb
-    assert atomic.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),
-                                 H.dq_workspace(prob, dp),
-                                 ((shape[-2], int(numpy.prod([2 * k - 1 for k in kern]))),
-                                  numpy.dtype(numpy.float32)))
-    assert kv.shared_mem == H._atomic_kv_smem(prob) <= 227 * 1024
+    with pytest.raises(ValueError, match="dq_atomic"):
+        H.plan_backward(*args, dq_atomic=True)
 
 
 def test_hopper_bwd_plan_refuses_unreadable_rows(monkeypatch):

@@ -17,15 +17,12 @@ adds each query tile's dS K into it by bulk reductions (``cp.reduce.async.bulk``
 ``na_bwd_hopper_dq`` writes dq = scale * workspace: five GEMMs per tile pair instead of seven.
 
 With a relative positional bias (``problem.has_rpb``) both passes add it to the scores (a
-CTA stages the part of its head's table that its scores reach, as the Hopper forward does).
-The bias gradient sums dS per table entry into a float32 box per CTA with shared-memory
-atomics, so the sums' order varies from run to run (``deterministic=True`` takes the mma.sync
-backward, whose bias gradient is reproducible). Deterministic passes: the dQ pass sums, writes
-its box to a workspace [B, H, CTAs, box], and the mma.sync backward's ``na_bwd_fused_rpb``
-adds the boxes of each entry into d_rpb. With ``dq_atomic`` (head dim 128): the dK/dV pass
-sums its dS^T tiles (the 16-bit ones the dQ GEMM reads) and adds its box per query head into
-a float32 workspace [H, table] (global atomics; the delta launch zeroes it, the dQ store
-writes it to d_rpb).
+CTA stages the part of its head's table that its scores reach, as the Hopper forward does),
+and the dQ pass also sums dS per table entry into a float32 box per CTA (shared-memory
+atomics, so the sums' order varies from run to run: ``deterministic=True`` takes the
+mma.sync backward, whose bias gradient is reproducible), written to a workspace [B, H, CTAs,
+box]; the mma.sync backward's ``na_bwd_fused_rpb`` then adds the boxes of each entry in a
+fixed order into d_rpb. Never with ``dq_atomic`` (the dQ pass makes the bias gradient).
 
 ``configure`` decides once per problem, tile and dQ variant (cached): the Tiling or why this
 part refuses the problem on any device; ``refuse`` adds the device's compute capability and
@@ -77,9 +74,6 @@ DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 # The owner box per rank (128 rows), the forward's query boxes.
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
-# Head-dim buckets whose atomic dQ variant takes a bias (and sums its gradient in the dK/dV
-# pass), asked for with dq_atomic=True: not yet the default (not yet measured on a GPU).
-ATOMIC_BIAS_HEAD_DIMS = (128,)
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
 # natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
 # measured 2-4% faster at 128 and 4% slower at 64 (H100, kernels by events, medians of three
@@ -140,13 +134,7 @@ def _configure(problem, tile, dq_atomic):
         return (f"the bias boxes of kernel {problem.kernel_size} do not fit the Hopper fused "
                 "backward's shared memory")
     if problem.has_rpb and dq_atomic:
-        if _bucket(problem.head_dim) not in ATOMIC_BIAS_HEAD_DIMS:
-            return (f"with a bias the atomic dQ variant runs the head-dim buckets "
-                    f"{ATOMIC_BIAS_HEAD_DIMS}, not head dim {problem.head_dim} (bucket "
-                    f"{_bucket(problem.head_dim)}): dq_atomic must be off")
-        if _atomic_kv_smem(problem, tile) > SMEM_LIMIT:
-            return (f"the bias boxes of kernel {problem.kernel_size} do not fit the Hopper "
-                    "fused backward's atomic dK/dV pass: dq_atomic must be off")
+        return "a bias gradient comes from the dQ pass: dq_atomic must be off"
     return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
@@ -170,10 +158,7 @@ def instantiations():
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
             for rank in (1, 2, 3):
-                for atomic, bias in ((False, False), (True, False), (False, True),
-                                     (True, True)):
-                    if atomic and bias and dp not in ATOMIC_BIAS_HEAD_DIMS:
-                        continue
+                for atomic, bias in ((False, False), (True, False), (False, True)):
                     out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic,
                                                         bias=bias)]
                     if rank == 1 and not bias:
@@ -225,24 +210,6 @@ def _pass_smem(problem, tile=None):
     return kv, dq
 
 
-def _atomic_kv_smem(problem, tile=None):
-    """Dynamic shared memory of the atomic variant's dK/dV pass, with a bias its box, the
-    gradient box and (rank 2, 3) each region query's place."""
-    dp = _bucket(problem.head_dim)
-    tile = tile or DEFAULT[dp]
-    kv = smem_bytes(dp, tile.bq, tile.kv_stages, True, True)
-    if problem.has_rpb:
-        ext = _bias_extents(problem)
-        kv += 8 * math.prod(e[3] for e in ext)
-        kv += 4 * math.prod(e[2] for e in ext) if problem.rank > 1 else 0
-    return kv
-
-
-def bias_table(problem):
-    """Entries of one head's bias table: prod(2 k - 1)."""
-    return math.prod(2 * k - 1 for k in problem.kernel_size)
-
-
 def smem_bytes(dp, rows, stages, values, ds=False):
     """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, the atomic
     variant's dS^T tiles (two sets at head dim 128) and dQ staging tiles, lse/delta vectors,
@@ -286,8 +253,8 @@ class Tiling:
     smem: tuple         # dynamic shared memory of the (dK/dV, dQ) passes, bytes
     box: tuple          # the owner box per axis (what the launches record)
     workspaces: tuple   # after delta: with dq_atomic the float32 dQ, with a bias the boxes
-    bias: numpy.void    # with a bias (not dq_atomic): the BiasGeom of na_bwd_fused_rpb
-    entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without it)
+    bias: numpy.void    # with a bias: the BiasGeom of na_bwd_fused_rpb, else None
+    entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
     kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none)
     kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
 
@@ -298,18 +265,16 @@ def _tiling(problem, tile, dq_atomic, smem):
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
     names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb)
     if dq_atomic:
-        smem = (_atomic_kv_smem(problem, tile), smem[1])
+        smem = (smem_bytes(dp, tile.bq, tile.kv_stages, True, True), smem[1])
     workspaces = (dq_workspace(problem, dp),) if dq_atomic else ()
     bias, entries = None, 0
-    if problem.has_rpb and dq_atomic:
-        workspaces += (((problem.heads, bias_table(problem)), numpy.dtype(numpy.float32)),)
     # BiasGeom's fields are int32: a launch too large to run (plan_backward says so) has none.
-    elif problem.has_rpb and ctas < 2 ** 31:
+    if problem.has_rpb and ctas < 2 ** 31:
         bias = _bias_geometry(problem)
         assert int(bias["ctas"]) == ctas
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
         workspaces += (((size,), numpy.dtype(numpy.float32)),)
-        entries = bias_table(problem)
+        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
@@ -355,7 +320,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     """The Plan of one backward on the current device for operand layouts (in this order;
     with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
     workspaces: delta, with ``dq_atomic`` the float32 dQ, with a bias the dQ CTAs' bias-gradient
-    boxes or with ``dq_atomic`` the float32 bias gradient [H, table]), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
+    boxes), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
     contract of ``natten_cupy._launch``).
 
     Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
@@ -377,14 +342,10 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                     delta=delta, rpb=rpb, d_rpb=d_rpb)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
     no_ws = numpy.uint64(0)  # a null pointer
-    RPB = D_RPB = PART = BIAS_WS = DQ_WS = no_ws
     if problem.has_rpb:
-        RPB, D_RPB, DELTA = map(Operand, range(9, 12))
-        if t.dq_atomic:
-            DQ_WS, BIAS_WS = Operand(12), Operand(13)
-        else:
-            PART = Operand(12)
+        RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
     else:
+        RPB, PART = no_ws, no_ws
         DELTA, DQ_WS = Operand(9), Operand(10)
     fn_delta, fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in t.names)
     smem_kv, smem_dq = t.smem
@@ -393,7 +354,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     kv_grid = (t.ctas, problem.kv_heads, problem.batch)
     grid = (t.ctas, problem.heads, problem.batch)
     ws = DQ_WS if t.dq_atomic else no_ws
-    kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, BIAS_WS, p)
+    kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
     want = (USE_TMA and _bucket(problem.head_dim) in TMA_HEAD_DIMS) if tma is None else tma
     maps = kv_tma_maps(problem, t, d_out, q) if want else ()
     if tma and isinstance(maps, str):   # asked for, not possible
@@ -403,15 +364,13 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
         kv_args += maps
     calls = [
         KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
-                   (D_OUT, OUT, DELTA, ws, BIAS_WS, p), name="na_bwd_hopper_delta",
-                   backend="fused"),
+                   (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused"),
         KernelCall(fn_kv, kv_grid, (THREADS, 1, 1), kv_args, shared_mem=smem_kv,
                    name="na_bwd_hopper_kv", backend="fused", tile=t.box),
     ]
     if t.dq_atomic:
         calls.append(KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
-                                (DQ_WS, DQ, BIAS_WS, D_RPB, p), name="na_bwd_hopper_dq",
-                                backend="fused"))
+                                (DQ_WS, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
     else:
         calls.append(KernelCall(fn_dq, grid, (THREADS, 1, 1),
                                 (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
