@@ -212,9 +212,9 @@ __device__ __forceinline__ void bwd_pass(
   // The dK/dV pass copies a head's whole table; the dQ pass only the CTA's box of it (the
   // offsets its queries reach, bg.dim), and sums dS into per-warp boxes (bg.wdim: the
   // offsets of one warp's patch), added into the CTA's box at the end.
-  const int tab_n = OwnerIsKey ? bg.tvol : bg.vol, wbox = bg.wvol + 32;
+  const int tab_n = OwnerIsKey ? bg.tvol : bg.vol, wbox = (bg.wvol + 1) / 2 * 2;
   float* btab = reinterpret_cast<float*>(bdesc + kWarps * kNB);
-  float* bacc = btab + (tab_n + 1) / 2 * 2;           // kWarps boxes + 32 spare words each
+  float* bacc = btab + (tab_n + 1) / 2 * 2;           // kWarps boxes (8-byte aligned each)
   float* dstile = bacc + kWarps * wbox;               // kWarps x 16 x kTileStride
   int* own_as = reinterpret_cast<int*>(dstile + kWarps * 16 * kTileStride);  // kWarps x 16
   int* wshift = own_as + kWarps * 16;  // per warp, its box's origin minus the CTA box's (x 4)
@@ -494,11 +494,12 @@ __device__ __forceinline__ void bwd_pass(
         if (col0 == 0) {   // lane: gathered row `lane` of the step, owner rows in order
           __syncwarp();
           const unsigned m = wdesc[lane].mask;
-          const int ga = wbdesc[lane].a;
-#pragma unroll 4
+          float* const at = wacc + wbdesc[lane].a;
+          // Only where owner row r attends the row (elsewhere the entry may lie outside
+          // the box); the lanes' words differ within a row, the barrier orders the rows.
+#pragma unroll 8
           for (int r = 0; r < 16; ++r) {
-            float* slot = (m >> r) & 1u ? wacc + (ga - wown[r]) : wacc + bg.wvol + lane;
-            *slot += wtile[r * kTileStride + lane];
+            if ((m >> r) & 1u) at[-wown[r]] += wtile[r * kTileStride + lane];
             __syncwarp();
           }
         }

@@ -621,10 +621,32 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
         const float pe = fast_exp2(fmaf(acc_s[i], sl, b) - ll[r]);
         acc_dp[i] = in ? pe * (acc_dp[i] - dd[r]) : 0.f;
       };
-      if (G.needs_mask(j * BN, BN))
+      if (G.needs_mask(j * BN, BN)) {
         walk_scores<BN, RANK>(j * BN, quad, G.rk, G.inner, wl, wn, visit);
-      else
+      } else if constexpr (RANK == 1) {
+        // Every score in reach: row g + 8's entry at a column is row g's eight columns
+        // before (its row term is 8 less), so the lane loads row g's entries and reuses
+        // them, and row g + 8's own for the tile's first 8 columns only. (Row g + 8 past the
+        // group: any finite entry serves, its dS is 0.)
+        const unsigned a0 = bias_row[0] + 4 * (j * BN + 2 * quad);
+        const unsigned a1 = bias_row[1] + 4 * (j * BN + 2 * quad);
+        float ent[BN / 8 + 1][2];
+        ent[0][0] = lds_f32(a1);
+        ent[0][1] = lds_f32(a1 + 4);
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          ent[i + 1][0] = lds_f32(a0 + 32 * i);
+          ent[i + 1][1] = lds_f32(a0 + 32 * i + 4);
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const int r = (i / 2) % 2, e = i % 2;
+          const float pe = fast_exp2(fmaf(acc_s[i], sl, ent[i / 4 + 1 - r][e]) - ll[r]);
+          acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+        }
+      } else {
         walk_flat<BN>(j * BN, quad, visit);
+      }
     } else {
       if (G.needs_mask(j * BN, BN))
         mask_scores<BN, RANK>(acc_s, j * BN, quad, G.rk, G.inner, wl, wn);
@@ -649,38 +671,54 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
       // nothing.
       const unsigned scr = scratch + (tid / 32 - 4) * SCR_WARP, terms = scr + 16 * SCR_ROW * 4;
       __syncwarp();  // the warp's walk of the last tile has read the scratch tile
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                       :: "r"(scr + ((lane / 4 + 8 * r) * SCR_ROW + 8 * i + 2 * quad) * 4),
-                          "f"(acc_dp[4 * i + 2 * r]), "f"(acc_dp[4 * i + 2 * r + 1]) : "memory");
-      if (quad == 0)
-        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n"
-                     :: "r"(terms + 8 * (lane / 4)), "r"(bias_row[0] + to_grad),
-                        "r"(bias_row[1] + to_grad) : "memory");
-      __syncwarp();
       const int lo = j * BN;
       if constexpr (RANK == 1) {
-        // Lane l sums diagonals d = l - 15, l + 17, ... (column d + row, rows 0..15) in
-        // registers and adds each once: along one the entry (row term + key place) is the
-        // same for every row inside the group (the row term falls by one per row, the key
-        // place rises by one per column), row 0's term plus lo + d.
+        // Row g + 8's score at column c lies on row g's diagonal at column c - 8, so the
+        // lane first adds those pairs: an 8-row tile, row g, column 8 J + 2 quad + e holding
+        // row g's score at column 8 (J - 1) + 2 quad + e plus row g + 8's at 8 J + 2 quad + e
+        // (diagonal d = column - 8 - g). Lane l then sums diagonals d + 8 = l - 7, l + 25,
+        // ... over the 8 rows in registers and adds each once: along one the entry (row term
+        // + key place) is the same for every row inside the group (the row term falls by one
+        // per row, the key place rises by one per column), row 0's term plus lo + d.
+#pragma unroll
+        for (int J = 0; J <= BN / 8; ++J) {
+          const float u0 =
+              (J > 0 ? acc_dp[4 * (J - 1)] : 0.f) + (J < BN / 8 ? acc_dp[4 * J + 2] : 0.f);
+          const float u1 =
+              (J > 0 ? acc_dp[4 * (J - 1) + 1] : 0.f) + (J < BN / 8 ? acc_dp[4 * J + 3] : 0.f);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                       :: "r"(scr + ((lane / 4) * SCR_ROW + 8 * J + 2 * quad) * 4), "f"(u0),
+                          "f"(u1) : "memory");
+        }
+        const unsigned row0_term = __shfl_sync(0xffffffffu, bias_row[0] + to_grad, 0);
+        __syncwarp();
 #pragma unroll 1
-        for (int d = lane - 15; d < BN; d += 32) {
+        for (int d8 = lane - 7; d8 < BN + 8; d8 += 32) {
           float sum = 0.f;
 #pragma unroll
-          for (int rr = 0; rr < 16; ++rr) {
-            const int c = d + rr;
-            if ((unsigned)c < (unsigned)BN) sum += lds_f32(scr + (rr * SCR_ROW + c) * 4);
+          for (int g = 0; g < 8; ++g) {
+            const int c = d8 + g;
+            if ((unsigned)c < (unsigned)(BN + 8)) sum += lds_f32(scr + (g * SCR_ROW + c) * 4);
           }
-          if (sum != 0.f) red_add_f32(lds_u32(terms) + 4 * (lo + d), sum);
+          if (sum != 0.f) red_add_f32(row0_term + 4 * (lo + d8 - 8), sum);
         }
       } else {
-        // Lane l adds columns l, l + 32, ... row by row: one row's keys have distinct
-        // offsets, so the lanes' words differ. (Diagonal runs as in 1-D break at every key
-        // row of the region here and measured slower: NOTES-hopper-bwd.md, bias section.)
+        // The warp's 16 x BN dS to its scratch tile with the rows' box terms; lane l then
+        // adds columns l, l + 32, ... row by row: one row's keys have distinct offsets, so
+        // the lanes' words differ. (Diagonal runs as in 1-D break at every key row of the
+        // region here and measured slower: NOTES-hopper-bwd.md, bias section.)
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                         :: "r"(scr + ((lane / 4 + 8 * r) * SCR_ROW + 8 * i + 2 * quad) * 4),
+                            "f"(acc_dp[4 * i + 2 * r]), "f"(acc_dp[4 * i + 2 * r + 1]) : "memory");
+        if (quad == 0)
+          asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n"
+                       :: "r"(terms + 8 * (lane / 4)), "r"(bias_row[0] + to_grad),
+                          "r"(bias_row[1] + to_grad) : "memory");
+        __syncwarp();
         int place[BN / 32];
 #pragma unroll
         for (int m = 0; m < BN / 32; ++m) {

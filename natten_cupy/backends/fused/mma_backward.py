@@ -101,11 +101,13 @@ def _bias_table_dims(problem):
 def _bias_smem(problem):
     """Shared memory of the bias parts per pass: {owners are keys: bytes}. The dK/dV pass
     holds a head's table, the dQ pass the CTA's box of it and per warp a box of its patch's
-    offsets (+ 32 spare words), a 16 x 40 dS tile, 16 owner-row parts and its box's shift."""
+    offsets (an even count of words), a 16 x 40 dS tile, 16 owner-row parts and its box's
+    shift."""
     def padded(n):   # (the boxes start 8-aligned)
         return 4 * (n + n % 2) + KWARPS * KNB * 8
     table = padded(math.prod(_bias_table_dims(problem)))
-    boxes = KWARPS * 4 * (math.prod(_bias_box(problem, 1)) + 32 + 16 * (KNB + 8) + 16 + 4)
+    wvol = math.prod(_bias_box(problem, 1))
+    boxes = KWARPS * 4 * (wvol + wvol % 2 + 16 * (KNB + 8) + 16 + 4)
     return {True: table, False: padded(math.prod(_bias_box(problem))) + boxes}
 
 
