@@ -614,12 +614,15 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     fence_regs(acc_dp);
     const int* const places = reinterpret_cast<const int*>(smem_raw + (kidx - smem_u32(smem_raw)));
     if constexpr (BIAS) {
-      // dS = P (dP - delta) inside each query's window (P with the bias), else exactly 0.
+      // dS = P (dP - delta) of score i (row r) with bias entry b (log2 units).
+      auto ds = [&](int i, int r, float b) {
+        return fast_exp2(fmaf(acc_s[i], sl, b) - ll[r]) * (acc_dp[i] - dd[r]);
+      };
+      // ... inside each query's window, else exactly 0.
       auto visit = [&](int i, int r, bool in, int f) {
         const unsigned at = bias_row[r] + 4 * (RANK == 1 ? f : (in ? places[f] : 0));
         const float b = in ? lds_f32(at) : negative_infinity<float>();
-        const float pe = fast_exp2(fmaf(acc_s[i], sl, b) - ll[r]);
-        acc_dp[i] = in ? pe * (acc_dp[i] - dd[r]) : 0.f;
+        acc_dp[i] = in ? ds(i, r, b) : 0.f;
       };
       if (G.needs_mask(j * BN, BN)) {
         walk_scores<BN, RANK>(j * BN, quad, G.rk, G.inner, wl, wn, visit);
@@ -640,9 +643,8 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
         }
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
-          const int r = (i / 2) % 2, e = i % 2;
-          const float pe = fast_exp2(fmaf(acc_s[i], sl, ent[i / 4 + 1 - r][e]) - ll[r]);
-          acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+          const int r = (i / 2) % 2;
+          acc_dp[i] = ds(i, r, ent[i / 4 + 1 - r][i % 2]);
         }
       } else {
         walk_flat<BN>(j * BN, quad, visit);
