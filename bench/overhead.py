@@ -85,6 +85,31 @@ def main(argv=None):
     def autograd_baseline():
         (x_base * 2).backward(tdo.float())
 
+    # The floor of the layer's forward + backward in torch alone: a Function of the same
+    # three leaves that allocates what the fast path allocates (out and lse; dq, dk, dv and a
+    # workspace) and launches as many kernels (empty ones: one forward, two backward).
+    lse_shape = SHAPE[:-1]
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = q.new_empty(SHAPE), q.new_empty(lse_shape, dtype=torch.float32)
+            nop((1,), (32,), ())
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, d_out, d_lse):
+            q = ctx.saved_tensors[0]
+            grads = [q.new_empty(SHAPE) for _ in range(3)]
+            q.new_empty(lse_shape, dtype=torch.float32)
+            nop((1,), (32,), ())
+            nop((1,), (32,), ())
+            return tuple(grads)
+
+    def floor_fwd_bwd():
+        Floor.apply(*tl)[0].backward(tdo)
+
     rows = [
         ("array API, CuPy: forward", lambda: natten_cupy.na2d(cq, ck, cv, KERNEL)),
         ("array API, CuPy: backward",
@@ -115,6 +140,8 @@ def main(argv=None):
                                                     [False, False], None, "auto", False,
                                                     False)),
         ("torch alone: (x * 2).backward(), for scale", autograd_baseline),
+        ("torch alone: the layer's Function with empty kernels, forward + backward",
+         floor_fwd_bwd),
         # The frameworks' own floor on this machine: what one launch and one output cost
         # without natten_cupy (a warm forward makes two outputs and one launch; a backward
         # three outputs, one workspace and two launches).
