@@ -309,7 +309,7 @@ def parse_groups(text):
             ok = False
         (pairs if ok else bad).append(item if not ok else (wid, dt))
     if bad:
-        known = ", ".join([*wl.WORKLOADS, *wl.MODEL_VARIANTS])
+        known = ", ".join([*wl.WORKLOADS, *wl.MODEL_VARIANTS, *wl.GENERAL_WORKLOADS])
         raise ValueError(f"--groups: bad entries {bad} (workload:dtype; workloads {known}; "
                          f"dtypes {', '.join(wl.DTYPES)})")
     return pairs

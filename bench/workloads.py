@@ -18,7 +18,8 @@ from natten_cupy.profiler import (BACKWARD_FLOP_FACTOR, CEILINGS, COPY_BANDWIDTH
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYPES",
            "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "MODEL_VARIANTS",
-           "model_workload", "PROBE_WORKLOADS", "CHECK_WORKLOADS", "probe_workload", "CEILINGS",
+           "model_workload", "GENERAL_WORKLOADS", "GENERAL_GROUPS", "PROBE_WORKLOADS",
+           "CHECK_WORKLOADS", "probe_workload", "CEILINGS",
            "COPY_BANDWIDTH", "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
 
 
@@ -179,9 +180,35 @@ MODEL_VARIANTS = {w.id: w for w in (
 )}
 
 
+# Layers of other published models, outside the M set: a check that the M set's results
+# carry over to shapes nothing was tuned on (``bench/models.py --groups G1:fp16,...``).
+GENERAL_WORKLOADS = {w.id: w for w in (
+    Workload("G1", (56, 56), (7, 7), 2, 32, "NAT-Tiny stage 1", batch=64),
+    Workload("G2", (56, 56), (7, 7), 3, 32, "DiNAT-Tiny stage 1, dilation 8", batch=32,
+             dilation=(8, 8)),
+    Workload("G3", (64, 64), (13, 13), 8, 64, "2-D, head dim 64, a mid-sized window", batch=8),
+    Workload("G4", (32, 32), (31, 31), 8, 64, "2-D, a window nearly the map", batch=16),
+    Workload("G5", (8192,), (511,), 12, 64, "1-D speech/text encoder layer", batch=4),
+    Workload("G6", (4096,), (1024,), 16, 128, "1-D causal sliding window, short context",
+             batch=4, causal=(True,)),
+    Workload("G7", (8, 32, 32), (3, 7, 7), 16, 64, "3-D video, small clip", batch=2),
+    Workload("G8", (16, 16, 16), (7, 7, 7), 8, 128, "3-D volume, head dim 128"),
+    Workload("G9", (128, 128), (9, 9), 4, 32, "2-D high resolution, NAT stage 1", batch=16),
+    Workload("G10", (64, 64), (11, 11), 8, 96, "2-D at head dim 96", batch=4),
+    Workload("G11", (2048,), (127,), 16, 64, "1-D, many short sequences", batch=32),
+    Workload("G12", (24, 48, 48), (3, 11, 11), 12, 64, "3-D, causal in time", batch=1,
+             causal=(True, False, False)),
+)}
+GENERAL_GROUPS = tuple((w, "bf16") for w in GENERAL_WORKLOADS)
+
+
 def model_workload(wid):
-    """A workload of WORKLOADS or MODEL_VARIANTS by id (KeyError if neither has it)."""
-    return WORKLOADS[wid] if wid in WORKLOADS else MODEL_VARIANTS[wid]
+    """A workload of WORKLOADS, MODEL_VARIANTS or GENERAL_WORKLOADS by id (KeyError if none
+    has it)."""
+    for table in (WORKLOADS, MODEL_VARIANTS, GENERAL_WORKLOADS):
+        if wid in table:
+            return table[wid]
+    raise KeyError(wid)
 
 
 # Shapes the Hopper (wgmma) probes, bench/probes/hopper_probe.py and hopper_bwd_probe.py, time
