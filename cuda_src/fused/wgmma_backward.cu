@@ -705,6 +705,29 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
           if (sum != 0.f) red_add_f32(row0_term + 4 * (lo + d8 - 8), sum);
         }
       } else {
+        if constexpr (RANK == 2 && T1 == 16) {
+          // The warp's rows are 16 queries along axis 1: row g + 8's term is row g's minus 8,
+          // so its score at column f has row g's gradient entry at column f - 8 wherever
+          // their places differ by 8 (both in one region row, or rows whose places run on).
+          // The lane holds both: it moves the first onto the second, and the column walk
+          // below skips the zeros left (half its shared-memory adds in a region's interior).
+          int pl[BN / 8][2];
+#pragma unroll
+          for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int f = lo + 8 * i + 2 * quad + e;
+              pl[i][e] = f < G.total ? places[f] : -(1 << 20);
+            }
+#pragma unroll
+          for (int i = 1; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (pl[i][e] - pl[i - 1][e] == 8) {
+                acc_dp[4 * (i - 1) + e] += acc_dp[4 * i + 2 + e];
+                acc_dp[4 * i + 2 + e] = 0.f;
+              }
+        }
         // The warp's 16 x BN dS to its scratch tile with the rows' box terms; lane l then
         // adds columns l, l + 32, ... row by row: one row's keys have distinct offsets, so
         // the lanes' words differ. (Diagonal runs as in 1-D break at every key row of the

@@ -324,6 +324,8 @@ BIAS_CASES = [
     ((30, 29), 13, 1, False, 1, 128, BF16),
     ((45, 50), (45, 50), 1, False, 1, 64, F16),  # 2-D self-attention
     ((7, 70), (3, 33), 1, (True, True), 2, 128, F16),
+    ((64, 48), 21, 1, False, 1, 128, BF16),      # M5-like: whole interior tiles
+    ((40, 70), (9, 13), (1, 2), False, 2, 128, F16),   # dilation along the tile's long axis
     ((9, 17, 13), (3, 5, 4), (1, 2, 1), (False, False, True), 2, 64, F16),
     ((6, 10, 11), (3, 5, 5), 1, (True, False, False), 1, 64, BF16),
     ((5, 6, 7), (5, 6, 7), 1, False, 1, 128, F16),   # 3-D self-attention
