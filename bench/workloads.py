@@ -222,6 +222,8 @@ PROBE_WORKLOADS = {w.id: w for w in (
     Workload("2D-D64-7", (56, 56), (7, 7), 4, 64, "2-D, a small window at head dim 64", batch=8),
     Workload("3D-D128", (16, 32, 32), (5, 7, 7), 8, 128, "3-D at head dim 128"),
     Workload("1D-D64-small", (4096,), (255,), 8, 64, "1-D, many short sequences", batch=16),
+    Workload("1D-D64-1023", (8192,), (1023,), 12, 64, "1-D, window 1023 at head dim 64",
+             batch=4),
 )}
 
 
@@ -271,9 +273,9 @@ CHECK_WORKLOADS = {w.id: w for w in (
 
 
 def probe_workload(wid):
-    """A workload of WORKLOADS, PROBE_WORKLOADS or CHECK_WORKLOADS by id (KeyError if none
-    has it)."""
-    for table in (WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS):
+    """A workload of WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS or GENERAL_WORKLOADS by id
+    (KeyError if none has it)."""
+    for table in (WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS, GENERAL_WORKLOADS):
         if wid in table:
             return table[wid]
     raise KeyError(wid)
