@@ -1,11 +1,13 @@
-"""README tables of what users see per call: host overhead (bench/overhead.py) and the
-model-shaped workloads as users call them (bench/models.py).
+"""README tables of what users see per call: host overhead (bench/overhead.py), the
+model-shaped workloads as users call them (bench/models.py) and the same for the layers of
+other models (the G set, bench/models.py --groups G1:bf16,...).
 
-The blocks lie between ``<!-- overhead-table:start -->`` / ``end -->`` and
-``<!-- models-table:start -->`` / ``end -->``.
+The blocks lie between ``<!-- overhead-table:start -->`` / ``end -->``,
+``<!-- models-table:start -->`` / ``end -->`` and ``<!-- general-table:start -->`` / ``end -->``.
 
     python bench/calls_report.py [--overhead bench/results/overhead.json]
-        [--models bench/results/models.json] [--readme README.md] [--check]
+        [--models bench/results/models.json] [--general bench/results/general.json]
+        [--readme README.md] [--check]
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import workloads  # noqa: E402
 from report import update_blocks  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 DEFAULT_README = os.path.join(os.path.dirname(HERE), "README.md")
 BLOCKS = {"overhead": ("<!-- overhead-table:start -->", "<!-- overhead-table:end -->"),
-          "models": ("<!-- models-table:start -->", "<!-- models-table:end -->")}
+          "models": ("<!-- models-table:start -->", "<!-- models-table:end -->"),
+          "general": ("<!-- general-table:start -->", "<!-- general-table:end -->")}
 
 
 def _ms(x):
@@ -52,6 +56,31 @@ def overhead_table(data):
         lines.append(f"| FlexAttention forward, eager (compiled `flex_attention`), same problem "
                      f"| {flex:.1f} us | |")
     return "\n".join(lines)
+
+
+def _shape(r):
+    """A record's layer in words: batch, map, window, heads and head dim (its q shape), and
+    its workload's dilation and causal axes where it has them."""
+    b, *spatial, h, d = r["shape"]
+    text = (f"B{b} {'x'.join(map(str, spatial))}, window {'x'.join(map(str, r['kernel']))}, "
+            f"H{h} D{d}")
+    try:
+        w = workloads.model_workload(r["workload"])
+    except KeyError:
+        return text
+    if any(x != 1 for x in w.dilation):
+        text += f", dilation {'x'.join(map(str, w.dilation))}"
+    if any(w.causal):
+        text += ", causal in " + "/".join("THW"[3 - w.rank + a] if w.rank > 1 else "sequence"
+                                          for a, c in enumerate(w.causal) if c)
+    return text
+
+
+def general_table(data):
+    """models_table with each layer's shape after its id."""
+    rows = [dict(r, workload=f"{r['workload']} ({_shape(r)})") if "shape" in r else r
+            for r in data["results"]]
+    return models_table(dict(data, results=rows))
 
 
 def models_table(data):
@@ -106,19 +135,24 @@ def main(argv=None):
                     help="bench/overhead.py's JSON (default: bench/results/overhead.json)")
     ap.add_argument("--models", default=os.path.join(RESULTS, "models.json"),
                     help="bench/models.py's JSON (default: bench/results/models.json)")
+    ap.add_argument("--general", default=os.path.join(RESULTS, "general.json"),
+                    help="bench/models.py's JSON of the G set (default: "
+                         "bench/results/general.json)")
     ap.add_argument("--readme", default=DEFAULT_README, help="README to update (default: ours)")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 if the README's blocks differ from the JSON (change nothing)")
     args = ap.parse_args(argv)
     blocks = {}
     for name, path, render in (("overhead", args.overhead, overhead_table),
-                               ("models", args.models, models_table)):
+                               ("models", args.models, models_table),
+                               ("general", args.general, general_table)):
         if os.path.exists(path):
             with open(path) as f:
                 blocks[name] = render(json.load(f))
     ok = update_readme(blocks, args.readme, check=args.check)
     if args.check and not ok:
-        print("README's overhead/models tables are out of date: run bench/calls_report.py")
+        print("README's overhead/models/general tables are out of date: run "
+              "bench/calls_report.py")
         sys.exit(1)
 
 
