@@ -44,7 +44,7 @@ def overhead_table(data):
              f"CUDA graph; host microseconds per call, {data.get('calls', 500)} calls then one "
              "synchronize, median of 5 runs (every row warmed up first, the garbage "
              "collector off). \"general\" is the same call with the fast path switched off "
-             "(`NATTEN_CUPY_FAST_PATH=0`). Host times of such tiny calls differ by up to 1.5x "
+             "(`NATTEN_CUPY_FAST_PATH=0`). Host times of such tiny calls differ by up to 2.5x "
              "from one machine to another: compare the rows of one run.",
              "",
              "| call | warm call (fast path) | general path |",

@@ -206,7 +206,7 @@ def main(argv=None):
     except Exception as e:  # FlexAttention is optional context, not a result
         print(f"FlexAttention not timed: {e}")
 
-    report = dict(problem=dict(shape=SHAPE, kernel=KERNEL, dtype="float16"),
+    report = dict(problem=dict(shape=SHAPE, kernel=KERNEL, dtype="float16"), calls=args.calls,
                   device=torch.cuda.get_device_name(), torch=torch.__version__,
                   cupy=cupy.__version__, commit=os.environ.get("NATTEN_CUPY_COMMIT", ""),
                   rows=results, kernel_only_us=dict(forward=kernel_fwd, forward_backward=kernel_fb),
