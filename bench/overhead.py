@@ -10,7 +10,8 @@ process. Also: the kernels alone (CUDA-graph replay), a cProfile count of the Py
 one warm call, a warm ``tile="autotune"`` call, FlexAttention's eager call on the same
 problem for scale, the frameworks' own floor (an empty CuPy kernel launch, one output
 array, one torch kernel launch), and the CuPy warm calls with their outputs in one
-allocation against one allocation per array (``allocation_ab``).
+allocation against one allocation per array (``allocation_ab``), and the torch layer's
+forward + backward against its eager-torch floor, interleaved (``torch_floor_ab``).
 
     python bench/overhead.py --out overhead.json
 """
@@ -185,6 +186,16 @@ def main(argv=None):
         _fast.share_allocation = True
         alloc_ab.append(dict(call=name, one_block_us=min(pair[True]),
                              per_array_us=min(pair[False])))
+    # The torch layer's forward + backward against its eager-torch floor (the Function with
+    # empty kernels), interleaved, two rounds each (host speed drifts between rows): best median
+    # of each, and what the layer costs above the floor.
+    floor_ab = {"layer": [], "floor": []}
+    for _ in range(2):
+        for label, fn in (("layer", layer_fwd_bwd), ("floor", floor_fwd_bwd)):
+            floor_ab[label].append(timing.wall_us(fn, calls=args.calls))
+    floor_ab = dict(layer_us=min(floor_ab["layer"]), floor_us=min(floor_ab["floor"]),
+                    rounds=floor_ab)
+    floor_ab["above_floor_us"] = floor_ab["layer_us"] - floor_ab["floor_us"]
     kernel_fwd = timing.graph_ms(lambda: nt.na2d(tq, tk, tv, KERNEL)) * 1e3
     kernel_fb = timing.graph_ms(layer_fwd_bwd) * 1e3
     calls = {}
@@ -213,7 +224,8 @@ def main(argv=None):
                   python_calls_per_warm_forward=dict(
                       fast=dict(calls=calls["fast"][0], functions=calls["fast"][1]),
                       general=dict(calls=calls["general"][0], functions=calls["general"][1])),
-                  flex_eager_forward_us=flex_us, profiles=profiles, allocation_ab=alloc_ab)
+                  flex_eager_forward_us=flex_us, profiles=profiles, allocation_ab=alloc_ab,
+                  torch_floor_ab=floor_ab)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -231,6 +243,9 @@ def main(argv=None):
     for r in results:
         print(f"{r['call']:55s} {r['fast_us']:6.1f} / {r['fast_host_us']:5.1f} "
               f"{r['general_us']:7.1f} / {r['general_host_us']:6.1f}")
+    print(f"torch layer forward + backward {floor_ab['layer_us']:.1f} us against its eager "
+          f"floor {floor_ab['floor_us']:.1f} us (interleaved, best of two medians each): "
+          f"{floor_ab['above_floor_us']:+.1f} us")
     for r in alloc_ab:
         print(f"{r['call']}: outputs in one block {r['one_block_us']:.1f} us, one allocation "
               f"per array {r['per_array_us']:.1f} us")
