@@ -9,7 +9,8 @@
 # the float64 reference; $SWEEP_CASES a stream, subset $SWEEP_SUBSET, $SWEEP_BUDGET_S) and
 # --sanitize bench/sanitize.py (compute-sanitizer memcheck, racecheck, initcheck over every
 # kernel family, $SANITIZE_BUDGET_S), both last; with --tests-only or --bench-only they run
-# after that part only.
+# after that part only. --general runs bench/models.py on the G set (layers of other models,
+# as users call them, next to FlexAttention; $GENERAL_BUDGET_S) into general.json, after those.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/natten_cupy_out}
@@ -18,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/natten_cupy_kernel_cache}
 PY=${PYTHON:-python3}
 
-mode=all; quick=""; probe=""; sweep=""; sanitize=""; pytest_extra=()
+mode=all; quick=""; probe=""; sweep=""; sanitize=""; general=""; pytest_extra=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
@@ -27,6 +28,7 @@ for a in "$@"; do
     --probe) probe=1 ;;
     --sweep) sweep=1 ;;
     --sanitize) sanitize=1 ;;
+    --general) general=1 ;;
     *) pytest_extra+=("$a") ;;
   esac
 done
@@ -93,5 +95,15 @@ if [ -n "$sanitize" ]; then
       > "$OUT/sanitize.log" 2>&1 || { echo "   sanitizers found errors (or could not run):"; status=1; }
   cat "$OUT/sanitize.log"
   echo "   sanitizers done in $(( $(date +%s) - t0 )) s"
+fi
+if [ -n "$general" ]; then
+  echo "== the G set (layers of other models) as users call them"
+  t0=$(date +%s)
+  groups=$("$PY" -c "import sys; sys.path.insert(0, 'bench'); import workloads as w; print(','.join(f'{a}:{b}' for a, b in w.GENERAL_GROUPS))")
+  "$PY" bench/models.py --groups "$groups" --no-compiled --budget-s ${GENERAL_BUDGET_S:-240} \
+      --out "$OUT/general.json" > "$OUT/general.log" 2>&1 \
+      || { echo "   G set failed:"; tail -n 25 "$OUT/general.log"; status=1; }
+  grep -E "^\| G" "$OUT/general.log"
+  echo "   G set done in $(( $(date +%s) - t0 )) s"
 fi
 exit $status
