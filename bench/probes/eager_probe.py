@@ -1,0 +1,90 @@
+"""Where an eager torch-layer call spends its host time, for one workload: warm forward (with
+grad recorded) and forward + backward wall times per call, whether the fast path served them
+(its entry count), and a cProfile of the slowest of the two.
+
+    python bench/probes/eager_probe.py --workload G8 --dtype bf16 [--calls 50] [--out p.json]
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+import models  # noqa: E402
+import workloads as wl  # noqa: E402
+
+
+def per_call_ms(fn, calls):
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="G8")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(wl.DTYPES))
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    from natten_cupy import _fast
+
+    w = wl.model_workload(args.workload)
+    spec = wl.dtype_spec(args.dtype)
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float32": torch.float32}[spec["name"]]
+    leaves, do = models.make_inputs(w, dt, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    ours = models.make_ours(w, spec["tf32"])
+
+    def fwd():
+        return ours(*leaves)
+
+    def fwd_bwd():
+        torch.autograd.grad(ours(*leaves), leaves, do)
+
+    t0 = time.perf_counter()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    rows = {}
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+        for _ in range(5):
+            fn()
+        rounds = [per_call_ms(fn, args.calls) for _ in range(3)]
+        rows[name] = dict(ms_rounds=rounds, entries=len(_fast._entries))
+    slow = max(rows, key=lambda k: min(rows[k]["ms_rounds"]))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        (fwd if slow == "forward" else fwd_bwd)()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    report = dict(workload=w.id, dtype=args.dtype, first_call_s=first_s, rows=rows,
+                  profiled=slow, profile=text.getvalue()[-4000:],
+                  device=torch.cuda.get_device_name())
+    print(f"{w.id}:{args.dtype} first call {first_s:.2f} s")
+    for name, r in rows.items():
+        print(f"  {name:17s} ms per call {[round(x, 3) for x in r['ms_rounds']]}  "
+              f"fast-path entries {r['entries']}")
+    print(f"-- cProfile of 20 {slow} calls\n{report['profile']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
