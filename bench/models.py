@@ -228,8 +228,7 @@ def rel_errors(mine, ref):
 def run_group(w, dtype_key, compiled=True):
     import torch
     spec = wl.dtype_spec(dtype_key)
-    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float32": torch.float32}[spec["name"]]
+    dt = wl.torch_dtype(spec)
     tf32 = spec["tf32"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     leaves, do = make_inputs(w, dt, "cuda", gen)

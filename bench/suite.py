@@ -364,8 +364,7 @@ def _spread(times):
 
 def make_inputs(w, spec, seed, copies):
     import torch
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16,
-             "float32": torch.float32}[spec["name"]]
+    dtype = wl.torch_dtype(spec)
     dev = DEVICE["name"]
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
@@ -391,7 +390,7 @@ def plan_group(w, spec, args):
     peer_list = []
     if args.peers:
         import peers
-        dt = _torch_dtype(spec)
+        dt = wl.torch_dtype(spec)
         published = wl.PUBLISHED_PEERS.get((w.id, spec["key"]), {})
         order = sorted(peers.peers_for(w),
                        key=lambda p: published.get(p[0], (math.inf, math.inf))[1])
@@ -402,12 +401,6 @@ def plan_group(w, spec, args):
     for name, backend, path in (ours[1:] if w.id in args.others_on else []):
         items.append((name, "ours", lambda n=name, b=backend, p=path: Ours(n, b, p, w, spec)))
     return items
-
-
-def _torch_dtype(spec):
-    import torch
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16,
-            "float32": torch.float32}[spec["name"]]
 
 
 def list_plan(args):

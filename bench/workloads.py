@@ -20,7 +20,8 @@ __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "DTYPES", "DEFAULT_DTYP
            "PUBLISHED_PEERS", "PUBLISHED_FLOORS", "MODEL_WORKLOADS", "MODEL_VARIANTS",
            "model_workload", "GENERAL_WORKLOADS", "GENERAL_GROUPS", "PROBE_WORKLOADS",
            "CHECK_WORKLOADS", "probe_workload", "CEILINGS",
-           "COPY_BANDWIDTH", "BACKWARD_FLOP_FACTOR", "dtype_spec", "dtype_key", "best_published"]
+           "COPY_BANDWIDTH", "BACKWARD_FLOP_FACTOR", "dtype_spec", "torch_dtype", "dtype_key",
+           "best_published"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +321,13 @@ DEFAULT_DTYPES = ("fp16", "fp32")
 def dtype_spec(dtype):
     spec = DTYPES[dtype]
     return dict(spec, key=dtype)
+
+
+def torch_dtype(spec):
+    """The torch dtype of a ``dtype_spec`` (imports torch)."""
+    import torch
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+            "float64": torch.float64}[spec["name"]]
 
 
 def dtype_key(name, tf32=False):

@@ -18,17 +18,8 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 import models  # noqa: E402
+import timing  # noqa: E402
 import workloads as wl  # noqa: E402
-
-
-def per_call_ms(fn, calls):
-    import torch
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def main(argv=None):
@@ -43,9 +34,8 @@ def main(argv=None):
 
     w = wl.model_workload(args.workload)
     spec = wl.dtype_spec(args.dtype)
-    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float32": torch.float32}[spec["name"]]
-    leaves, do = models.make_inputs(w, dt, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    leaves, do = models.make_inputs(w, wl.torch_dtype(spec), "cuda",
+                                    torch.Generator(device="cuda").manual_seed(0))
     ours = models.make_ours(w, spec["tf32"])
 
     def fwd():
@@ -60,9 +50,8 @@ def main(argv=None):
     first_s = time.perf_counter() - t0
     rows = {}
     for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
-        for _ in range(5):
-            fn()
-        rounds = [per_call_ms(fn, args.calls) for _ in range(3)]
+        rounds = [us / 1e3 for us in timing.wall_us(fn, calls=args.calls, reps=3, warmup=5,
+                                                    per_run=True)]
         rows[name] = dict(ms_rounds=rounds, entries=len(_fast._entries))
     slow = max(rows, key=lambda k: min(rows[k]["ms_rounds"]))
     prof = cProfile.Profile()

@@ -342,18 +342,19 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                     delta=delta, rpb=rpb, d_rpb=d_rpb)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
     no_ws = numpy.uint64(0)  # a null pointer
+    # The float32 dQ workspace (dq_atomic, never with a bias), else a null pointer.
     if problem.has_rpb:
         RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
+        ws = no_ws
     else:
-        RPB, PART = no_ws, no_ws
-        DELTA, DQ_WS = Operand(9), Operand(10)
+        RPB, PART, DELTA = no_ws, no_ws, Operand(9)
+        ws = Operand(10) if t.dq_atomic else no_ws
     fn_delta, fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in t.names)
     smem_kv, smem_dq = t.smem
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
     # dQ: a CTA per query head.
     kv_grid = (t.ctas, problem.kv_heads, problem.batch)
     grid = (t.ctas, problem.heads, problem.batch)
-    ws = DQ_WS if t.dq_atomic else no_ws
     kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
     want = (USE_TMA and _bucket(problem.head_dim) in TMA_HEAD_DIMS) if tma is None else tma
     maps = kv_tma_maps(problem, t, d_out, q) if want else ()
@@ -370,7 +371,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     ]
     if t.dq_atomic:
         calls.append(KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
-                                (DQ_WS, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
+                                (ws, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
     else:
         calls.append(KernelCall(fn_dq, grid, (THREADS, 1, 1),
                                 (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
