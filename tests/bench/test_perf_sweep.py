@@ -1,0 +1,38 @@
+"""bench/perf_sweep.py without a GPU: its draws are reproducible, valid problems within the
+FLOP bound, and cover every rank, causal and dilated axes."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import perf_sweep  # noqa: E402
+
+
+
+def test_draws_reproduce_alone():
+    assert perf_sweep.draw(3, 17) == perf_sweep.draw(3, 17)
+    assert perf_sweep.draw(3, 17) != perf_sweep.draw(3, 18)
+    assert perf_sweep.draw(3, 17) != perf_sweep.draw(4, 17)
+
+
+def test_draws_are_valid_and_bounded():
+    draws = [perf_sweep.draw(1, i) for i in range(200)]
+    ranks, causal, dilated = set(), False, False
+    for w, dtype in draws:
+        assert dtype in ("bf16", "fp16")
+        assert w.batch >= 1 and w.heads >= 1 and w.dim % 8 == 0
+        # every axis's window (dilated) fits its extent, as the library requires
+        for n, k, d in zip(w.spatial, w.kernel, w.dilation):
+            assert 1 <= k and k * d <= n, (w.id, w.spatial, w.kernel, w.dilation)
+        assert w.flops() <= perf_sweep.MAX_FLOPS or w.batch == 1, w.id
+        ranks.add(w.rank)
+        causal |= any(w.causal)
+        dilated |= any(d > 1 for d in w.dilation)
+    assert ranks == {1, 2, 3} and causal and dilated
+
+
+def test_summary_ratio_is_flex_over_ours():
+    rec = dict(ours_eager=dict(fwd=1.0, fwd_bwd=4.0), flex_eager=dict(fwd=2.0, fwd_bwd=2.0))
+    got = perf_sweep.summarize(rec)
+    assert got["fwd"] == 2.0 and got["fwd_bwd"] == 0.5 and got["fwd_kernels"] is None
