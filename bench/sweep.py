@@ -6,7 +6,10 @@ For each backend and dtype (a *stream*, e.g. ``naive/float16``; ``tf32`` is floa
 * op kinds: fused forward + backward (naive, fused; with rpb and d_rpb on a quarter of the
   cases of stride 1), unfused qk (with or without rpb), av,
   qk_backward (d_rpb when rpb is drawn), av_backward (naive, tiled); the reference backend
-  (``--backends reference``) runs all of them;
+  (``--backends reference``) runs all of them; ``hopper`` is the fused backend held to its
+  Hopper (wgmma, sm_90a) parts, forward and backward, on every case (float16/bfloat16, head
+  dims 40-128), whatever the dispatch would pick for so small a problem: the random shapes
+  the wgmma kernels' fixed GPU tests do not reach (a part's refusal counts as refused);
 * geometry: rank 1-3; extents odd, prime, smaller than a tile or plain, and now and then one
   axis longer than 2**16 with tiny other axes; kernel sizes odd and even up to the extent
   (sometimes equal to it), dilation, stride (fused ops), causal per axis; batch, heads, head
@@ -44,6 +47,7 @@ Exit status 1 when any case failed or a stream aborted (a CUDA error), else 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -69,14 +73,18 @@ KINDS = {
     "naive": ("fused", "qk", "av", "qk_backward", "av_backward"),
     "fused": ("fused",),
     "tiled": ("qk", "av", "qk_backward", "av_backward"),
+    "hopper": ("fused",),
 }
 STREAM_DTYPES = {
     "reference": ("float64", "float32", "float16", "bfloat16"),
     "naive": ("float64", "float32", "float16", "bfloat16"),
     "fused": ("float32", "tf32", "float16", "bfloat16"),
     "tiled": ("float32", "tf32", "float16", "bfloat16"),
+    "hopper": ("float16", "bfloat16"),
 }
-TENSOR_CORE = ("fused", "tiled")
+TENSOR_CORE = ("fused", "tiled", "hopper")
+# Streams that run another backend's kernels held to one of its parts: (backend, tile).
+HELD = {"hopper": ("fused", "wgmma")}
 NP_DTYPES = {"float64": FLOAT64, "float32": FLOAT32, "tf32": FLOAT32, "float16": FLOAT16,
              "bfloat16": BFLOAT16}
 # Absolute floor relative to max(1, max |truth|); float64 is exact up to rounding order.
@@ -120,6 +128,8 @@ def _axis(rng, extent, fused, kmax):
 
 
 def _head_dim(rng, backend):
+    if backend == "hopper":   # the Hopper parts take head dims above 32
+        return int(rng.choice([40, 48, 64, 72, 96, 128], p=[.1, .1, .3, .1, .1, .3]))
     if backend in TENSOR_CORE:
         return int(rng.choice([8, 16, 24, 32, 40, 48, 64, 72, 96, 128, 256],
                               p=[.14, .14, .1, .14, .07, .07, .14, .05, .05, .07, .03]))
@@ -141,13 +151,16 @@ def draw_config(seed, backend, dtype, index):
             spatial[big] = LONG_AXIS + int(rng.integers(1, 3000))
         else:
             spatial = [_extent(rng, rank) for _ in range(rank)]
-        kmax = {1: 33, 2: 11, 3: 5}[rank] if not long_axis else 5
+        kmax = ({1: 200, 2: 24, 3: 8} if backend == "hopper" else {1: 33, 2: 11, 3: 5})[rank]
+        kmax = kmax if not long_axis else 5
         axes = [_axis(rng, L, fused, kmax) for L in spatial]
         kernel, stride, dilation, causal = (list(t) for t in zip(*axes))
         batch, heads = int(rng.integers(1, 4)), int(rng.integers(1, 5))
         head_dim = _head_dim(rng, backend)
         if long_axis:
-            batch, heads, head_dim = 1, 1, 8 if backend in TENSOR_CORE else int(rng.integers(1, 9))
+            head_dim = (40 if backend == "hopper" else 8 if backend in TENSOR_CORE
+                        else int(rng.integers(1, 9)))
+            batch, heads = 1, 1
         n, k = math.prod(spatial), math.prod(kernel)
         cap = MAX_WORK_LONG if long_axis else MAX_WORK
         while batch * heads * n * k * head_dim > cap and (batch > 1 or heads > 1):
@@ -277,6 +290,9 @@ def problems(cfg, x, backend_name):
         p = _args.check_fused(r, x["q"], x["k"], x["v"], ks, cfg["stride"], dl, ca,
                               cfg["scale"], backend_name, allow_tf32=tf32,
                               tile=cfg.get("tile"), rpb=x.get("rpb"))
+        held = HELD.get(cfg["backend"])
+        if held is not None:   # the backend's kernels held to one part (an internal tile)
+            p = dataclasses.replace(p, tile=held[1])
         return {"fused_forward": p, "fused_backward": p}
     if kind == "qk":
         return {"qk": _args.check_qk(r, x["q"], x["k"], ks, dl, ca, x.get("rpb"), backend_name,
@@ -445,7 +461,7 @@ def run_stream(task):
     digest = hashlib.sha256()
     try:
         dev = Device(device)
-        backend = get_backend(backend_name)
+        backend = get_backend(HELD.get(backend_name, (backend_name,))[0])
         if device == "cuda":
             import cupy
             cupy.cuda.Device(0).use()
@@ -493,12 +509,12 @@ def parse_args(argv):
     ap.add_argument("--time-budget-s", type=float, default=300.0)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--backends", default=None,
-                    help="comma-separated (default: naive,fused,tiled; cpu: reference)")
+                    help="comma-separated (default: naive,fused,tiled,hopper; cpu: reference)")
     ap.add_argument("--dtypes", default=None, help="comma-separated subset of each backend's")
     ap.add_argument("--jobs", type=int, default=0, help="worker processes (0: one a stream)")
     ap.add_argument("--out", default=None, help="summary JSON")
     a = ap.parse_args(argv)
-    default = "reference" if a.device == "cpu" else "naive,fused,tiled"
+    default = "reference" if a.device == "cpu" else "naive,fused,tiled,hopper"
     a.backends = [b for b in (a.backends or default).split(",") if b]
     for b in a.backends:
         if b not in KINDS:
