@@ -10,7 +10,9 @@
 # --sanitize bench/sanitize.py (compute-sanitizer memcheck, racecheck, initcheck over every
 # kernel family, $SANITIZE_BUDGET_S), both last; with --tests-only or --bench-only they run
 # after that part only. --general runs bench/models.py on the G set (layers of other models,
-# as users call them, next to FlexAttention; $GENERAL_BUDGET_S) into general.json, after those.
+# as users call them, next to FlexAttention; $GENERAL_BUDGET_S) into general.json, after those;
+# --perf-sweep bench/perf_sweep.py (seeded random model-shaped problems next to FlexAttention,
+# seed $PERF_SEED, $PERF_BUDGET_S) into perf_sweep.json, last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/natten_cupy_out}
@@ -19,7 +21,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/natten_cupy_kernel_cache}
 PY=${PYTHON:-python3}
 
-mode=all; quick=""; probe=""; sweep=""; sanitize=""; general=""; pytest_extra=()
+mode=all; quick=""; probe=""; sweep=""; sanitize=""; general=""; perf=""; pytest_extra=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
@@ -29,6 +31,7 @@ for a in "$@"; do
     --sweep) sweep=1 ;;
     --sanitize) sanitize=1 ;;
     --general) general=1 ;;
+    --perf-sweep) perf=1 ;;
     *) pytest_extra+=("$a") ;;
   esac
 done
@@ -105,5 +108,14 @@ if [ -n "$general" ]; then
       || { echo "   G set failed:"; tail -n 25 "$OUT/general.log"; status=1; }
   grep -E "^\| G" "$OUT/general.log"
   echo "   G set done in $(( $(date +%s) - t0 )) s"
+fi
+if [ -n "$perf" ]; then
+  echo "== random model-shaped problems next to FlexAttention (seed ${PERF_SEED:-1})"
+  t0=$(date +%s)
+  "$PY" bench/perf_sweep.py --seed ${PERF_SEED:-1} --count 60 --budget-s ${PERF_BUDGET_S:-240} \
+      --out "$OUT/perf_sweep.json" > "$OUT/perf_sweep.log" 2>&1 \
+      || { echo "   perf sweep failed:"; tail -n 25 "$OUT/perf_sweep.log"; status=1; }
+  grep -E "problems, |LOSS" "$OUT/perf_sweep.log"
+  echo "   perf sweep done in $(( $(date +%s) - t0 )) s"
 fi
 exit $status
