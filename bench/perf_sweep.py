@@ -144,8 +144,7 @@ def main(argv=None):
               + "  ".join(f"{k} {v:.2f}x" if v else f"{k} -" for k, v in r.items()),
               flush=True)
         torch.cuda.empty_cache()
-    losses = [dict(workload=r["workload"], **{k: v for k, v in r["flex_over_ours"].items()})
-              for r in results
+    losses = [dict(workload=r["workload"], **r["flex_over_ours"]) for r in results
               if any(v is not None and v < 1 for v in r["flex_over_ours"].values())]
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   commit=os.environ.get("NATTEN_CUPY_COMMIT", ""), seed=args.seed,

@@ -203,13 +203,18 @@ GENERAL_WORKLOADS = {w.id: w for w in (
 GENERAL_GROUPS = tuple((w, "bf16") for w in GENERAL_WORKLOADS)
 
 
-def model_workload(wid):
-    """A workload of WORKLOADS, MODEL_VARIANTS or GENERAL_WORKLOADS by id (KeyError if none
-    has it)."""
-    for table in (WORKLOADS, MODEL_VARIANTS, GENERAL_WORKLOADS):
+def _lookup(wid, *tables):
+    """The workload ``wid`` of the first of ``tables`` that has it (KeyError if none)."""
+    for table in tables:
         if wid in table:
             return table[wid]
     raise KeyError(wid)
+
+
+def model_workload(wid):
+    """A workload of WORKLOADS, MODEL_VARIANTS or GENERAL_WORKLOADS by id (KeyError if none
+    has it)."""
+    return _lookup(wid, WORKLOADS, MODEL_VARIANTS, GENERAL_WORKLOADS)
 
 
 # Shapes the Hopper (wgmma) probes, bench/probes/hopper_probe.py and hopper_bwd_probe.py, time
@@ -276,10 +281,7 @@ CHECK_WORKLOADS = {w.id: w for w in (
 def probe_workload(wid):
     """A workload of WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS or GENERAL_WORKLOADS by id
     (KeyError if none has it)."""
-    for table in (WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS, GENERAL_WORKLOADS):
-        if wid in table:
-            return table[wid]
-    raise KeyError(wid)
+    return _lookup(wid, WORKLOADS, PROBE_WORKLOADS, CHECK_WORKLOADS, GENERAL_WORKLOADS)
 
 
 # The shapes bench/probes/hopper_dispatch.py times both fused-forward parts on, to place the
