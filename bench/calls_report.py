@@ -1,13 +1,15 @@
 """README tables of what users see per call: host overhead (bench/overhead.py), the
-model-shaped workloads as users call them (bench/models.py) and the same for the layers of
-other models (the G set, bench/models.py --groups G1:bf16,...).
+model-shaped workloads as users call them (bench/models.py), the same for the layers of
+other models (the G set, bench/models.py --groups G1:bf16,...) and for seeded random
+model-shaped problems (bench/perf_sweep.py).
 
 The blocks lie between ``<!-- overhead-table:start -->`` / ``end -->``,
-``<!-- models-table:start -->`` / ``end -->`` and ``<!-- general-table:start -->`` / ``end -->``.
+``<!-- models-table:start -->`` / ``end -->``, ``<!-- general-table:start -->`` / ``end -->``
+and ``<!-- perf-sweep:start -->`` / ``end -->``.
 
     python bench/calls_report.py [--overhead bench/results/overhead.json]
         [--models bench/results/models.json] [--general bench/results/general.json]
-        [--readme README.md] [--check]
+        [--perf-sweep bench/results/perf_sweep.json] [--readme README.md] [--check]
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ RESULTS = os.path.join(HERE, "results")
 DEFAULT_README = os.path.join(os.path.dirname(HERE), "README.md")
 BLOCKS = {"overhead": ("<!-- overhead-table:start -->", "<!-- overhead-table:end -->"),
           "models": ("<!-- models-table:start -->", "<!-- models-table:end -->"),
-          "general": ("<!-- general-table:start -->", "<!-- general-table:end -->")}
+          "general": ("<!-- general-table:start -->", "<!-- general-table:end -->"),
+          "perf-sweep": ("<!-- perf-sweep:start -->", "<!-- perf-sweep:end -->")}
 
 
 def _ms(x):
@@ -123,6 +126,54 @@ def models_table(data):
     return "\n".join(lines)
 
 
+PERF_MEASURES = (("fwd", "forward, eager"), ("fwd_bwd", "forward + backward, eager"),
+                 ("fwd_kernels", "forward, kernels"), ("fwd_bwd_kernels",
+                                                       "forward + backward, kernels"))
+
+
+def _quantile(xs, f):
+    """The ``f`` quantile of sorted ``xs`` (nearest rank)."""
+    return xs[min(len(xs) - 1, max(0, round(f * (len(xs) - 1))))]
+
+
+def perf_sweep_summary(data):
+    """bench/perf_sweep.py's run in words and one table: per measure, FlexAttention's time
+    over ours across the problems (least, 10th percentile, median), and the closest
+    problems."""
+    res = [r for r in data["results"] if r.get("flex_over_ours")]
+    both = [r for r in res if all(r["flex_over_ours"].get(m) for m, _ in PERF_MEASURES)]
+    lines = [f"Measured on {data['device']} (torch {data['torch']}, commit "
+             f"{data.get('commit') or '?'}, {data.get('date', '')}) by `bench/perf_sweep.py "
+             f"--seed {data['seed']}`: {len(res)} random model-shaped problems (1-D/2-D/3-D "
+             "maps, windows, batch, heads, head dims 32-128, causal and dilated axes, "
+             "float16/bfloat16), each timed as above next to FlexAttention. "
+             f"{len(data.get('losses', []))} of them had a measure slower than "
+             f"FlexAttention's; FlexAttention ran {len(both)} of them (the rest ran out of "
+             "memory or failed to compile)"
+             + (f"; {len(data['not_run'])} drawn were not reached in the time budget."
+                if data.get("not_run") else "."),
+             "",
+             "| FlexAttention's time / ours | least (problem) | 10th percentile | median |",
+             "|---|---|---|---|"]
+    for m, text in PERF_MEASURES:
+        xs = sorted((r["flex_over_ours"][m], r["workload"]) for r in both)
+        if not xs:
+            continue
+        lo, at = xs[0]
+        lines.append(f"| {text} | {lo:.2f}x ({at}) | {_quantile(xs, 0.1)[0]:.2f}x | "
+                     f"{_quantile(xs, 0.5)[0]:.2f}x |")
+    closest = sorted(both, key=lambda r: min(r["flex_over_ours"].values()))[:3]
+    if closest:
+        lines.append("")
+        lines.append("Closest: " + "; ".join(
+            f"{r['workload']} ({r['dtype']}, {_shape(r)}"
+            + (", causal" if any(r["problem"].get("causal", ())) else "")
+            + (f", dilation {'x'.join(map(str, r['problem']['dilation']))}"
+               if any(d != 1 for d in r["problem"].get("dilation", ())) else "")
+            + f"): {min(r['flex_over_ours'].values()):.2f}x" for r in closest) + ".")
+    return "\n".join(lines)
+
+
 def update_readme(blocks, readme, check=False):
     """Replace each block's text in ``readme``; with ``check``, True if already current."""
     return update_blocks(readme, [(*BLOCKS[name], body) for name, body in blocks.items()],
@@ -138,6 +189,8 @@ def main(argv=None):
     ap.add_argument("--general", default=os.path.join(RESULTS, "general.json"),
                     help="bench/models.py's JSON of the G set (default: "
                          "bench/results/general.json)")
+    ap.add_argument("--perf-sweep", default=os.path.join(RESULTS, "perf_sweep.json"),
+                    help="bench/perf_sweep.py's JSON (default: bench/results/perf_sweep.json)")
     ap.add_argument("--readme", default=DEFAULT_README, help="README to update (default: ours)")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 if the README's blocks differ from the JSON (change nothing)")
@@ -145,13 +198,14 @@ def main(argv=None):
     blocks = {}
     for name, path, render in (("overhead", args.overhead, overhead_table),
                                ("models", args.models, models_table),
-                               ("general", args.general, general_table)):
+                               ("general", args.general, general_table),
+                               ("perf-sweep", args.perf_sweep, perf_sweep_summary)):
         if os.path.exists(path):
             with open(path) as f:
                 blocks[name] = render(json.load(f))
     ok = update_readme(blocks, args.readme, check=args.check)
     if args.check and not ok:
-        print("README's overhead/models/general tables are out of date: run "
+        print("README's overhead/models/general/perf-sweep blocks are out of date: run "
               "bench/calls_report.py")
         sys.exit(1)
 

@@ -58,6 +58,7 @@ CASES = [
     ((129,), 2, 2, 1, False),
     ((333,), 65, 5, 2, True),
     ((64,), 64, 64, 1, False),
+    ((89,), 2, 1, 40, False),     # groups of 2 and 3 (the sweep's fused/float16 #587)
     ((260,), 10, 10, 1, False),
     ((700,), 127, 1, 1, False),   # windows of 127 and 63: tiles that end one past the
     ((700,), 63, 1, 1, False),    # rows every owner reaches
