@@ -21,7 +21,9 @@ For each backend and dtype (a *stream*, e.g. ``naive/float16``; ``tf32`` is floa
   float64 on the same (rounded) inputs, the yardstick the reference in the case's own dtype
   (float16 for tf32). Outputs start NaN-poisoned and must be fully written; qk's empty
   causal slots must be -inf and av_backward's d_attn 0 there; attn/d_attn inputs carry NaN
-  in empty slots, which every backend must ignore. The *ratio* of a case is error / bound
+  in empty slots, which every backend must ignore. A quarter of the fused cases draw q and k
+  so that every score lies near -25 or +25 (``SCORE_STYLES``): very negative or very
+  positive log-sum-exps, where anything computed outside the neighborhood overflows. The *ratio* of a case is error / bound
   (<= 1 passes); the summary keeps the worst per (backend, dtype, op).
 
 Reproducibility and subsets. Case ``i`` of a stream is drawn from its own generator seeded
@@ -206,6 +208,16 @@ def empty_slots(cfg):
     return ~valid
 
 
+# How a fused case's q and k are drawn, by its input seed (no draw of the case's own, so the
+# geometry of every case stays as it was): standard normal, or q near a random vector a per
+# head and k near -a ("negative": every score about -25, each lse too, so whatever is
+# computed past a window or a group from exp(-lse) overflows 16 bits unless it is masked) or
+# near +a ("positive": scores about +25, exp(score) past float16's range before the max
+# is taken off).
+SCORE_STYLES = ("normal", "normal", "negative", "normal", "normal", "normal", "positive",
+                "normal")
+
+
 def make_inputs(cfg):
     """Host inputs of the case in its dtype (dict name -> NumPy array)."""
     rng = numpy.random.default_rng(cfg["input_seed"])
@@ -225,6 +237,13 @@ def make_inputs(cfg):
     x = {}
     if kind == "fused":
         x["q"], x["k"], x["v"], x["d_out"] = (normal(full) for _ in range(4))
+        style = SCORE_STYLES[(cfg["input_seed"] // 4) % len(SCORE_STYLES)]
+        if style != "normal":   # scores near -/+25 (after the scale) for every pair
+            scale = cfg["scale"] or cfg["head_dim"] ** -0.5
+            a = rng.standard_normal(full[-2:]) * (25 / (scale * cfg["head_dim"])) ** 0.5
+            sign = -1.0 if style == "negative" else 1.0
+            x["q"] = (a + 0.1 * rng.standard_normal(full)).astype(dt)
+            x["k"] = (sign * a + 0.1 * rng.standard_normal(full)).astype(dt)
     elif kind == "qk":
         x["q"], x["k"] = normal(full), normal(full)
     elif kind == "av":
