@@ -131,6 +131,9 @@ PERF_MEASURES = (("fwd", "forward, eager"), ("fwd_bwd", "forward + backward, eag
                                                        "forward + backward, kernels"))
 
 
+DTYPE_WORDS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "tf32": "TF32"}
+
+
 def _quantile(xs, f):
     """The ``f`` quantile of sorted ``xs`` (nearest rank)."""
     return xs[min(len(xs) - 1, max(0, round(f * (len(xs) - 1))))]
@@ -145,8 +148,9 @@ def perf_sweep_summary(data):
     lines = [f"Measured on {data['device']} (torch {data['torch']}, commit "
              f"{data.get('commit') or '?'}, {data.get('date', '')}) by `bench/perf_sweep.py "
              f"--seed {data['seed']}`: {len(res)} random model-shaped problems (1-D/2-D/3-D "
-             "maps, windows, batch, heads, head dims 32-128, causal and dilated axes, "
-             "float16/bfloat16), each timed as above next to FlexAttention. "
+             "maps, windows, batch, heads, head dims 32-128, causal and dilated axes; "
+             + "/".join(DTYPE_WORDS[d] for d in data.get("dtypes", ("fp16", "bf16")))
+             + "), each timed as above next to FlexAttention. "
              f"{len(data.get('losses', []))} of them had a measure slower than "
              f"FlexAttention's; FlexAttention ran {len(both)} of them (the rest ran out of "
              "memory or failed to compile)"

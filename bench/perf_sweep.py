@@ -44,11 +44,15 @@ def _odd_up_to(rng, lo, hi):
     return int(rng.choice(choices, p=weights / weights.sum()))
 
 
-def draw(seed, i):
-    """Problem ``i`` of ``seed``: (Workload, dtype key)."""
+DTYPES = ("bf16", "fp16")
+
+
+def draw(seed, i, dtypes=DTYPES):
+    """Problem ``i`` of ``seed``: (Workload, dtype key), the dtype one of ``dtypes`` (keys of
+    ``workloads``: bf16, fp16, fp32, tf32); the other draws do not depend on them."""
     rng = np.random.default_rng([seed, i])
     rank = int(rng.choice([1, 2, 3], p=[0.3, 0.4, 0.3]))
-    dtype = str(rng.choice(["bf16", "fp16"]))
+    dtype = str(rng.choice(list(dtypes)))
     dilation = causal = None
     if rank == 1:
         n = int(rng.choice([1024, 2048, 4096, 8192, 16384]))
@@ -85,7 +89,8 @@ def draw(seed, i):
     rows = 2 ** rng.uniform(math.log2(ROWS[0]), math.log2(ROWS[1]))
     batch = max(1, round(rows / (tokens * heads)))
     per_batch = 4 * tokens * heads * math.prod(kernel) * dim
-    batch = max(1, min(batch, int(MAX_FLOPS // per_batch)))
+    most = MAX_FLOPS if dtype in ("bf16", "fp16") else MAX_FLOPS / 8   # fp32 runs ~8x slower
+    batch = max(1, min(batch, int(most // per_batch)))
     w = wl.Workload(f"R{seed}-{i}", spatial, kernel, heads, dim, "random model-shaped draw",
                     batch=batch, dilation=dilation, causal=causal)
     return w, dtype
@@ -109,10 +114,17 @@ def main(argv=None):
     ap.add_argument("--count", type=int, default=40)
     ap.add_argument("--budget-s", type=float, default=400,
                     help="stop starting new problems after this many seconds")
+    ap.add_argument("--dtypes", default=",".join(DTYPES),
+                    help="comma-separated dtypes drawn from (bf16, fp16, fp32, tf32; default "
+                         "bf16,fp16)")
     ap.add_argument("--list", action="store_true", help="print the draws and exit (no GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    draws = [draw(args.seed, i) for i in range(args.first, args.first + args.count)]
+    dtypes = tuple(args.dtypes.split(","))
+    bad = [d for d in dtypes if d not in ("bf16", "fp16", "fp32", "tf32")]
+    if bad:
+        ap.error(f"--dtypes: unknown {bad} (bf16, fp16, fp32, tf32)")
+    draws = [draw(args.seed, i, dtypes) for i in range(args.first, args.first + args.count)]
     if args.list:
         for w, dt in draws:
             print(f"{w.id:8s} {dt} B{w.batch} {w.describe()} dil {w.dilation} causal "
@@ -148,7 +160,7 @@ def main(argv=None):
               if any(v is not None and v < 1 for v in r["flex_over_ours"].values())]
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   commit=os.environ.get("NATTEN_CUPY_COMMIT", ""), seed=args.seed,
-                  first=args.first, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  dtypes=list(dtypes), first=args.first, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                   results=results, not_run=not_run, losses=losses)
     print(f"{len(results)} problems, {len(losses)} with a measure slower than Flex's; "
           f"not run: {len(not_run)}")

@@ -36,3 +36,16 @@ def test_summary_ratio_is_flex_over_ours():
     rec = dict(ours_eager=dict(fwd=1.0, fwd_bwd=4.0), flex_eager=dict(fwd=2.0, fwd_bwd=2.0))
     got = perf_sweep.summarize(rec)
     assert got["fwd"] == 2.0 and got["fwd_bwd"] == 0.5 and got["fwd_kernels"] is None
+
+
+def test_dtypes_choose_only_the_dtype():
+    """--dtypes changes each problem's dtype and nothing else of the layer but the batch of an
+    fp32/tf32 draw, held to an eighth of the FLOP bound."""
+    for i in range(60):
+        (w, dt), (w32, dt32) = perf_sweep.draw(2, i), perf_sweep.draw(2, i, ("fp32", "tf32"))
+        assert dt in ("bf16", "fp16") and dt32 in ("fp32", "tf32")
+        assert (w.spatial, w.kernel, w.heads, w.dim, w.dilation, w.causal) == \
+            (w32.spatial, w32.kernel, w32.heads, w32.dim, w32.dilation, w32.causal)
+        assert w32.batch <= w.batch
+        assert w32.flops() <= perf_sweep.MAX_FLOPS / 8 or w32.batch == 1
+    assert perf_sweep.draw(1, 5, perf_sweep.DTYPES) == perf_sweep.draw(1, 5)
