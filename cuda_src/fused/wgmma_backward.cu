@@ -291,6 +291,15 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   int wl[2][3], wn[2][3];
   G.row_reach(p, row0, wl[0], wn[0]);
   G.row_reach(p, row0 + 8, wl[1], wn[1]);
+  // ATOMIC: whether the two key rows lie in the group. A row past it has a zero K row and the
+  // last row's reach, so its P^T is exp2(-lse log2 e), which a very negative lse takes past
+  // the 16-bit range: its dS^T row is stored as zeros, else Inf x 0 in the dQ GEMM is NaN.
+  bool own_ok[2] = {true, true};
+  if constexpr (ATOMIC) {
+    int c[3];
+    G.own_row(row0, c, own_ok[0]);
+    G.own_row(row0 + 8, c, own_ok[1]);
+  }
   const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e)
   const unsigned k_wg = sm.own0 + wg * 64 * 128, v_wg = sm.own1 + wg * 64 * 128;
 
@@ -402,7 +411,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
         for (int x = 0; x < 4; ++x)
           asm volatile("st.shared.b32 [%0], %1;\n"
                        :: "r"(ds_wg + swz128(wrow + 8 * (x % 2), 2 * s + x / 2) + 4 * quad),
-                          "r"(da[s][x]) : "memory");
+                          "r"(own_ok[x % 2] ? da[s][x] : 0u) : "memory");
       fence_proxy_async();
       // The staging tile is free once the previous step's bulk adds have read it (warps 0
       // and 1 issued them); the barrier says so, and publishes the dS^T tiles.
