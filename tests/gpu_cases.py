@@ -13,7 +13,10 @@ cases with ``tf32`` measure the yardstick in float16, whose 10-bit mantissa is T
 
 Every backend output is poisoned with NaN before the run and must hold no NaN after it, and
 empty causal slots must be exactly -inf (qk) or 0 (d_attn of av_backward). Inputs of the
-unfused ops hold NaN at empty slots (attn, d_attn), which every backend must ignore.
+unfused ops hold NaN at empty slots (attn, d_attn), which every backend must ignore. Some
+fused cases draw q and k so that every score lies near -25 or +25 (``Case.scores``): very
+negative or very positive log-sum-exps, where anything a kernel computes outside a window
+and does not mask overflows.
 
 ``NATTEN_CUPY_GPU_QUICK=1`` keeps about one case in four.
 """
@@ -65,6 +68,8 @@ GEOMETRIES = {
         ((3, 5, 5), (3, 5, 5), (1, 1, 1), (1, 1, 1), (False, False, False))],
 }
 HEAD_DIMS = (32, 16, 64, 33, 8, 40)  # 33: not a multiple of 8 (naive only)
+SCORE_STYLES = ("negative", "positive")   # Case.scores other than "normal"
+SCORE_HEAD_DIMS = (32, 64, 40)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,10 @@ class Case:
     extra_tokens: int = 5
     extra_heads: int | None = None   # None: heads
     deterministic: bool = False      # the fused ops' deterministic=True
+    # fused cases: "normal" q, k; or every score near -25 ("negative": each lse too, so
+    # whatever is computed outside a window from exp(-lse) overflows 16 bits unless masked)
+    # or near +25 ("positive": exp(score) past float16's range before the max comes off)
+    scores: str = "normal"
 
     @property
     def id(self):
@@ -100,7 +109,8 @@ class Case:
                 f"{'' if self.kv_heads is None else f'kv{self.kv_heads}'}"
                 f"{'' if self.v_dim is None else f'-Dv{self.v_dim}'}"
                 f"{f'-T{self.extra_tokens}x{self.h_x}' if self.extra else ''}"
-                f"{'-perm' if self.permuted else ''}{'-det' if self.deterministic else ''}")
+                f"{'-perm' if self.permuted else ''}{'-det' if self.deterministic else ''}"
+                f"{'' if self.scores == 'normal' else f'-scores{self.scores}'}")
 
     @property
     def dv(self):
@@ -161,6 +171,13 @@ def make_cases():
                 stride = (1,) * rank
             cases.append(Case(kind, rank, "float32", spatial, kernel, stride, dilation, causal,
                               32, tf32=True, **_extra_of(kind, rank)))
+            if kind == "fused":   # scores far from zero, every dtype, both signs
+                for di, dtype in enumerate(DTYPES):
+                    for si, scores in enumerate(SCORE_STYLES):
+                        geom = geoms[(2 * di + si + 1) % len(geoms)]
+                        cases.append(Case(kind, rank, dtype, *geom,
+                                          SCORE_HEAD_DIMS[(di + si) % len(SCORE_HEAD_DIMS)],
+                                          permuted=si == 1, scores=scores))
     if QUICK:
         cases = cases[::4]
     return cases
@@ -272,6 +289,13 @@ def make_inputs(case):
     x = {}
     if case.fused:
         x["q"], x["k"], x["v"], x["d_out"] = (normal(s) for s in (full, kv, vf, of))
+        if case.scores != "normal":
+            # q near a, k near -a or +a (a per kv head): scores near -/+ |a|^2 / sqrt(D) = 25
+            a = rng.standard_normal((case.h_kv, case.head_dim)) * (25 / case.head_dim ** 0.5) ** 0.5
+            sign = -1.0 if case.scores == "negative" else 1.0
+            x["q"] = (numpy.repeat(a, case.heads // case.h_kv, axis=0)
+                      + 0.5 * rng.standard_normal(full)).astype(dt)
+            x["k"] = (sign * a + 0.5 * rng.standard_normal(kv)).astype(dt)
     elif case.kind.startswith("qk_backward"):
         x["d_attn"] = with_empty_nan(normal(weights))
         x["q"], x["k"] = normal(full), normal(kv)
