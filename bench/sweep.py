@@ -242,8 +242,8 @@ def make_inputs(cfg):
             scale = cfg["scale"] or cfg["head_dim"] ** -0.5
             a = rng.standard_normal(full[-2:]) * (25 / (scale * cfg["head_dim"])) ** 0.5
             sign = -1.0 if style == "negative" else 1.0
-            x["q"] = (a + 0.1 * rng.standard_normal(full)).astype(dt)
-            x["k"] = (sign * a + 0.1 * rng.standard_normal(full)).astype(dt)
+            x["q"] = (a + 0.5 * rng.standard_normal(full)).astype(dt)
+            x["k"] = (sign * a + 0.5 * rng.standard_normal(full)).astype(dt)
     elif kind == "qk":
         x["q"], x["k"] = normal(full), normal(full)
     elif kind == "av":
