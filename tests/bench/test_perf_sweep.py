@@ -49,3 +49,31 @@ def test_dtypes_choose_only_the_dtype():
         assert w32.batch <= w.batch
         assert w32.flops() <= perf_sweep.MAX_FLOPS / 8 or w32.batch == 1
     assert perf_sweep.draw(1, 5, perf_sweep.DTYPES) == perf_sweep.draw(1, 5)
+
+
+def test_readme_block_names_the_least_ratio_and_the_closest(tmp_path):
+    """calls_report's perf-sweep block: per measure the least Flex/ours ratio and its problem,
+    problems Flex did not run left out of the ratios, and the closest problems named."""
+    import calls_report
+
+    def rec(i, ratios, **over):
+        w, dt = perf_sweep.draw(9, i)
+        r = {"workload": w.id, "dtype": dt, "shape": [w.batch, *w.spatial, w.heads, w.dim],
+             "kernel": list(w.kernel),
+             "problem": {"causal": list(w.causal), "dilation": list(w.dilation)},
+             "flex_over_ours": dict(zip(("fwd", "fwd_bwd", "fwd_kernels", "fwd_bwd_kernels"),
+                                        ratios))}
+        r.update(over)
+        return r
+
+    data = {"device": "GPU", "torch": "t", "commit": "abc", "date": "d", "seed": 9,
+            "dtypes": ["fp16"], "not_run": [], "losses": [],
+            "results": [rec(0, (2.0, 3.0, 4.0, 5.0)), rec(1, (1.5, 0.9, 3.0, 2.0)),
+                        rec(2, (None,) * 4)]}
+    text = calls_report.perf_sweep_summary(data)
+    ids = [r["workload"] for r in data["results"]]
+    assert f"| forward + backward, eager | 0.90x ({ids[1]})" in text
+    assert f"| forward, kernels | 3.00x ({ids[1]})" in text
+    assert "FlexAttention ran 2 of them" in text
+    assert text.index(ids[1]) < text.rindex(ids[0])   # the closest first
+    assert "float16" in text and "bfloat16" not in text
