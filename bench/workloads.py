@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -204,10 +205,16 @@ GENERAL_GROUPS = tuple((w, "bf16") for w in GENERAL_WORKLOADS)
 
 
 def _lookup(wid, *tables):
-    """The workload ``wid`` of the first of ``tables`` that has it (KeyError if none)."""
+    """The workload ``wid`` of the first of ``tables`` that has it, or the perf sweep's
+    problem ``R<seed>-<i>`` (``perf_sweep.draw``: its layer, whatever dtype it was drawn
+    with); KeyError if none."""
     for table in tables:
         if wid in table:
             return table[wid]
+    m = re.fullmatch(r"R(\d+)-(\d+)", wid)
+    if m:
+        import perf_sweep   # (it imports this module)
+        return perf_sweep.draw(int(m.group(1)), int(m.group(2)))[0]
     raise KeyError(wid)
 
 

@@ -132,3 +132,16 @@ def test_fused_fwd_probe_cases_resolve():
     assert probe.case_of("chk2-layout:fp16:strided_last")[1:] == (
         ((21, 18), (5, 7), (1, 1), (2, 1), (False, False), 3, 64, F16, None), "strided_last")
     assert probe.case_of("chk2-k9:bf16")[1][7] == tests.BF16
+
+
+def test_perf_sweep_problems_resolve_by_id():
+    """``R<seed>-<i>`` names the perf sweep's problem i of that seed in every lookup (so a
+    probe can time any problem the sweep drew); other ids that look alike do not resolve."""
+    import perf_sweep
+    w, _ = perf_sweep.draw(1, 22)
+    assert wl.probe_workload("R1-22") == w == wl.model_workload("R1-22")
+    for bad in ("R1-", "R-3", "R1-2x", "r1-2"):
+        with pytest.raises(KeyError):
+            wl.probe_workload(bad)
+    assert not any(wid.startswith("R") and wid[1:2].isdigit()
+                   for table in TABLES.values() for wid in table)
