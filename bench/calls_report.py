@@ -170,11 +170,8 @@ def perf_sweep_summary(data):
     if closest:
         lines.append("")
         lines.append("Closest: " + "; ".join(
-            f"{r['workload']} ({r['dtype']}, {_shape(r)}"
-            + (", causal" if any(r["problem"].get("causal", ())) else "")
-            + (f", dilation {'x'.join(map(str, r['problem']['dilation']))}"
-               if any(d != 1 for d in r["problem"].get("dilation", ())) else "")
-            + f"): {min(r['flex_over_ours'].values()):.2f}x" for r in closest) + ".")
+            f"{r['workload']} ({r['dtype']}, {_shape(r)}): "
+            f"{min(r['flex_over_ours'].values()):.2f}x" for r in closest) + ".")
     return "\n".join(lines)
 
 
