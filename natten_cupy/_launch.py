@@ -104,8 +104,11 @@ def region(name, backend):
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """A kernel argument that is the device pointer of the call's ``index``-th array (the
-    operands first, in the order the op names them, then the plan's workspaces)."""
+    operands first, in the order the op names them, then the plan's workspaces), plus
+    ``offset`` bytes where that pointer is not null (e.g. the first element of a batch chunk
+    that a launch of its own covers)."""
     index: int
+    offset: int = 0
 
 
 def _arg_bytes(a):
@@ -178,6 +181,13 @@ class KernelCall:
             ctypes.memmove(base + at, data, len(data))
         self._slots = tuple(slots)
         self._gather = _getter(self._slots)
+        offsets_of = tuple(a.offset for a in args if isinstance(a, Operand))
+        if any(offsets_of):
+            if maps:
+                raise ValueError("tensor-map operands take no pointer offsets")
+            whole = self._gather
+            self._gather = lambda seq: tuple(p + o if p else 0
+                                             for p, o in zip(whole(seq), offsets_of))
         self._pack = struct.Struct(f"<{len(slots)}Q").pack_into
         self._head = start + head
         self._map_at = tuple((i, base + offsets[k]) for i, k in maps)

@@ -102,6 +102,25 @@ def test_zero_batch_or_heads(backend, B, H):
             assert (result[2] == 0).all(), "d_rpb of an empty batch must be zero"
 
 
+# Batches past grid z's 65535 (every fused backend folds or chunks the batch): fused cases
+# with tiny maps and 65535 + 2 batches, plain and causal with stride.
+LARGE_BATCH_CASES = [
+    Case("fused", 1, "float16", (5,), (3,), (1,), (1,), (False,), 8, batch=65535 + 2, heads=1),
+    Case("fused", 2, "bfloat16", (2, 3), (2, 2), (1, 2), (1, 1), (True, False), 16,
+         batch=65535 + 2, heads=1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LARGE_BATCH_CASES, ids=[c.id for c in LARGE_BATCH_CASES])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batches_past_the_grid_limit(backend, case):
+    """More batches than one launch's grid z holds: every backend that runs fused ops runs
+    them (or refuses with the capability table's reason), every element written and right
+    (the mma.sync forward runs such a batch in chunks of 65535)."""
+    gpu_cases.check_backend(case, backend)
+
+
 def _stream_case(backend):
     """A fused case for backends that run fused ops, an unfused one otherwise (the first the
     capability table says the backend runs; then a refusal fails the test)."""

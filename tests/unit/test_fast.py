@@ -331,3 +331,49 @@ def test_block_puts_outputs_and_small_workspaces_in_one_allocation():
     assert _fast._Block((4096, 64), ()).bytes == 0
     assert _fast._Block((4096,), (64,)).bytes == 0
     assert _fast._Block((0, 0, 0), ()).bytes == 0
+
+
+def test_operand_offsets_move_non_null_pointers_only(monkeypatch):
+    """Operand(i, offset): the pointer plus offset bytes; a null pointer (an absent optional
+    array) stays null."""
+    calls = _launched(monkeypatch)
+    call = KernelCall(_FakeKernel(), (1, 1, 1), (32, 1, 1),
+                      (Operand(0, 4096), Operand(1), Operand(2, 64))).prepare()
+    call([0x10000, 0x20000, 0], stream=0)
+    p = calls[0]["params"]
+    assert [ctypes.c_uint64.from_buffer_copy(_arg(p, i, 8)).value for i in range(3)] == [
+        0x10000 + 4096, 0x20000, 0]
+
+
+def test_mma_forward_runs_a_large_batch_in_chunks(monkeypatch):
+    """Batches past grid z's 65535 run as several launches, each chunk's batch-indexed
+    operands (q, k, v, out, lse and the additional tokens, not the bias) starting at the
+    chunk's first element; every batch covered once."""
+    from types import SimpleNamespace
+    from natten_cupy import _args
+    from natten_cupy.backends.fused import mma_forward as mf
+    monkeypatch.setattr(mf, "get_kernel", lambda *a, **k: _FakeKernel())
+    monkeypatch.setattr(mf, "device_limits", lambda dev: SimpleNamespace(smem_per_block=1 << 20))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: SimpleNamespace(id=0))
+    batch = 2 * 65535 + 7
+    x = numpy.zeros((batch, 6, 1, 8), numpy.float16)
+    lse = numpy.zeros((batch, 6, 1), numpy.float32)
+    problem = _args.check_fused(1, x, x, x, 3, 1, 1, False, None, "fused")
+    lay = Layout(x.shape, x.strides, x.dtype)
+    plan = mf.plan_forward(problem, lay, lay, lay, lay, Layout(lse.shape, lse.strides,
+                                                                 lse.dtype))
+    assert [c.grid[2] for c in plan.calls] == [65535, 65535, 7]
+    for n, c in enumerate(plan.calls):
+        ops = [a for a in c.args if isinstance(a, Operand)]
+        assert [a.index for a in ops] == [0, 1, 2, 3, 4]
+        b0 = n * 65535
+        assert [a.offset for a in ops] == [b0 * x.strides[0]] * 4 + [b0 * lse.strides[0]]
+    rpb = numpy.zeros((1, 5), numpy.float16)   # per head: the same table for every chunk
+    problem = _args.check_fused(1, x, x, x, 3, 1, 1, False, None, "fused", rpb=rpb)
+    plan = mf.plan_forward(problem, lay, lay, lay, lay, Layout(lse.shape, lse.strides,
+                                                                 lse.dtype),
+                           Layout(rpb.shape, rpb.strides, rpb.dtype))
+    assert len(plan.calls) == 3
+    for c in plan.calls:
+        (bias,) = [a for a in c.args if isinstance(a, Operand) and a.index == 5]
+        assert bias.offset == 0

@@ -219,6 +219,7 @@ def _tiling(problem, cfg):
 
 
 # fused_fwd::HaloChunks of the .cu: how a CTA stages its key halo.
+MAX_GRID_Z = 65535   # batches a launch covers (grid z)
 HALO_CHUNKS = numpy.dtype([("chunk_keys", numpy.int32), ("stages", numpy.int32)], align=True)
 
 
@@ -243,19 +244,26 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     if t.smem > limit:
         raise RuntimeError(f"fused forward needs {t.smem} bytes of shared memory per block, "
                            f"the device allows {limit}")
-    if t.ctas >= 2 ** 31 or problem.batch > 65535:
-        raise ValueError(f"problem too large for one fused-forward launch ({t.ctas} CTAs, "
-                         f"batch {problem.batch})")
+    if t.ctas >= 2 ** 31:
+        raise ValueError(f"problem too large for one fused-forward launch ({t.ctas} CTAs)")
     params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb, xk=xk, xv=xv)
     null = numpy.uint64(0)
-    bias = Operand(5) if problem.has_rpb else null
-    extra = (Operand(6), Operand(7)) if problem.has_extra else (null, null)
-    call = KernelCall(get_kernel(SOURCE, t.name), (t.ctas, 1, problem.batch),
-                      (32 * t.cfg.num_warps, 1, 1),
-                      (*map(Operand, range(5)), bias, *extra, params, _halo_chunks(t)),
-                      shared_mem=t.smem, name="na_fwd_fused", backend="fused",
-                      tile=t.cfg.box[:problem.rank])
-    return Plan((call,))
+    fn = get_kernel(SOURCE, t.name)
+    # The batch rides on grid z (at most MAX_GRID_Z): a larger batch runs in chunks, each
+    # launch's batch-indexed operands starting at its chunk's first element (the kernel reads
+    # the batch only as blockIdx.z, through the strides).
+    calls = []
+    for b0 in range(0, problem.batch, MAX_GRID_Z):
+        at = [Operand(i, b0 * lay.strides[0]) for i, lay in enumerate((q, k, v, out, lse))]
+        bias = Operand(5) if problem.has_rpb else null   # (per head, not per batch)
+        extra = ((Operand(6, b0 * xk.strides[0]), Operand(7, b0 * xv.strides[0]))
+                 if problem.has_extra else (null, null))
+        calls.append(KernelCall(fn, (t.ctas, 1, min(MAX_GRID_Z, problem.batch - b0)),
+                                (32 * t.cfg.num_warps, 1, 1),
+                                (*at, bias, *extra, params, _halo_chunks(t)),
+                                shared_mem=t.smem, name="na_fwd_fused", backend="fused",
+                                tile=t.cfg.box[:problem.rank]))
+    return Plan(tuple(calls))
 
 
 def forward(problem, q, k, v, out, lse, rpb=None, extra=None):
