@@ -24,7 +24,8 @@ import numpy
 
 __all__ = ["Layout", "layout_of", "is_aligned", "rows_ready", "ready_inputs", "writable_outputs",
            "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from",
-           "head_dim_bucket", "DeviceLimits", "device_limits", "SM90_SMEM_PER_BLOCK"]
+           "head_dim_bucket", "DeviceLimits", "device_limits", "smem_refusal",
+           "SM90_SMEM_PER_BLOCK"]
 
 
 def contiguous_strides(shape, itemsize):
@@ -197,6 +198,21 @@ class DeviceLimits:
     smem_per_block: int   # opt-in dynamic shared memory of one block, bytes
     smem_per_sm: int      # shared memory of one multiprocessor, bytes
     sm_count: int         # multiprocessors
+
+
+def smem_refusal(needed, what):
+    """Why a kernel needing ``needed`` bytes of dynamic shared memory per block cannot run on
+    the current device (``what`` names it), or None: it fits, or there is no usable GPU to
+    ask (the plan checks again). GPUs below the data-centre parts allow ~99 KB a block."""
+    from ._device import gpu_unavailable_reason
+    if gpu_unavailable_reason() is not None:
+        return None
+    import cupy
+    limit = device_limits(cupy.cuda.Device().id).smem_per_block
+    if needed <= limit:
+        return None
+    return (f"{what} needs {needed} bytes of shared memory per block; this device allows "
+            f"{limit}")
 
 
 @functools.lru_cache(maxsize=None)

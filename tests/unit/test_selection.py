@@ -150,3 +150,38 @@ def test_the_hopper_backward_takes_what_it_was_measured_faster_on(monkeypatch):
     assert part(1, (31,), 128) == "wgmma_backward"
     assert part(2, (21, 21), 64) == "mma_backward"
     assert part(2, (7, 7), 128) == "wgmma_backward"
+
+
+def test_a_device_with_less_shared_memory_sends_the_mma_parts_elsewhere(monkeypatch):
+    """On a GPU that allows less shared memory per block than an mma.sync part needs (e.g.
+    ~99 KB on the consumer parts, against 128 KB for a TF32 forward at head dim 160), the
+    fused backend refuses with the sizes and auto falls to naive; a device with room keeps
+    it. (The device is stood in for: limits read through ``device_limits``.)"""
+    from types import SimpleNamespace
+    import cupy
+    from natten_cupy import _device, _operands
+    from natten_cupy.backends.fused import mma_backward, mma_forward
+    q = _x((1, 64, 2, 160), numpy.float32)
+    problem = _args.check_fused(1, q, q, q, 9, 1, 1, False, None, "auto", allow_tf32=True)
+    fwd_smem = mma_forward.configure(problem).smem
+    assert fwd_smem > 99 * 1024
+    monkeypatch.setattr(_device, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: SimpleNamespace(id=0))
+    for allowed, runs in ((99 * 1024, "naive"), (227 * 1024, "fused")):
+        monkeypatch.setattr(_operands, "device_limits", lambda dev, n=allowed: SimpleNamespace(
+            smem_per_block=n, smem_per_sm=n, sm_count=132))
+        sel = select_backend("fused_forward", problem, GPU)
+        assert sel.name == runs
+        if runs == "naive":
+            (why,) = sel.refused
+            assert why.startswith(f"fused: the mma.sync fused forward needs {fwd_smem} bytes "
+                                  "of shared memory per block")
+            assert why.endswith(f"allows {allowed}")
+    t = mma_backward.configure(problem)
+    need = max(t.q.smem, t.kv.smem)
+    monkeypatch.setattr(_operands, "device_limits", lambda dev: SimpleNamespace(
+        smem_per_block=need - 1, smem_per_sm=need, sm_count=132))
+    assert "shared memory" in mma_backward.refuse(problem)
+    monkeypatch.setattr(_operands, "device_limits", lambda dev: SimpleNamespace(
+        smem_per_block=need, smem_per_sm=need, sm_count=132))
+    assert mma_backward.refuse(problem) is None

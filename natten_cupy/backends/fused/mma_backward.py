@@ -48,7 +48,8 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import Layout, device_limits, head_dim_bucket, rows_ready, run_backward
+from ..._operands import (Layout, device_limits, head_dim_bucket, rows_ready, run_backward,
+                           smem_refusal)
 from ..._params import make_params
 from ..._window import group_size, inverse_bounds, window_bounds
 
@@ -148,8 +149,12 @@ def _configure(problem, tiles):
 
 
 def refuse(problem):
+    """None if this part runs ``problem`` on the current device, else the reason: the
+    problem's own (``configure``) or the device's shared memory per block (both passes)."""
     t = configure(problem)
-    return t if isinstance(t, str) else None
+    if isinstance(t, str):
+        return t
+    return smem_refusal(max(t.q.smem, t.kv.smem), "the mma.sync fused backward")
 
 
 def _bucket(head_dim):

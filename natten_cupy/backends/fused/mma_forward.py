@@ -27,7 +27,8 @@ from ... import _window
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import device_limits, head_dim_bucket, rows_ready, run_forward
+from ..._operands import (device_limits, head_dim_bucket, rows_ready, run_forward,
+                           smem_refusal)
 from ..._params import make_params
 
 SOURCE = "fused/mma_forward.cu"
@@ -144,8 +145,12 @@ def configure(problem):
 
 
 def refuse(problem):
+    """None if this part runs ``problem`` on the current device, else the reason: the
+    problem's own (``configure``) or the device's shared memory per block."""
     t = configure(problem)
-    return t if isinstance(t, str) else None
+    if isinstance(t, str):
+        return t
+    return smem_refusal(t.smem, "the mma.sync fused forward")
 
 
 @functools.lru_cache(maxsize=512)
