@@ -24,7 +24,7 @@ import numpy
 
 __all__ = ["Layout", "layout_of", "is_aligned", "rows_ready", "ready_inputs", "writable_outputs",
            "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from",
-           "head_dim_bucket", "DeviceLimits", "device_limits", "smem_refusal",
+           "head_dim_bucket", "DeviceLimits", "device_limits", "smem_refusal", "arch_refusal",
            "SM90_SMEM_PER_BLOCK"]
 
 
@@ -198,6 +198,28 @@ class DeviceLimits:
     smem_per_block: int   # opt-in dynamic shared memory of one block, bytes
     smem_per_sm: int      # shared memory of one multiprocessor, bytes
     sm_count: int         # multiprocessors
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_id):
+    import cupy
+    cc = cupy.cuda.Device(device_id).compute_capability
+    return int(cc[:-1]), int(cc[-1])
+
+
+def arch_refusal(what):
+    """Why ``what`` (tensor-core kernels: mma.sync m16n8k16, cp.async, bfloat16 tiles) cannot
+    run on the current device, or None: compute capability 8.0 or newer (Ampere on), or no
+    usable GPU to ask."""
+    from ._device import gpu_unavailable_reason
+    if gpu_unavailable_reason() is not None:
+        return None
+    import cupy
+    cc = _capability(cupy.cuda.Device().id)
+    if cc >= (8, 0):
+        return None
+    return (f"{what} needs compute capability 8.0 or newer (Ampere on); this device has "
+            f"{cc[0]}.{cc[1]}")
 
 
 def smem_refusal(needed, what):

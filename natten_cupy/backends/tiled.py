@@ -32,7 +32,8 @@ import numpy
 from .._compile import get_kernel
 from .._dtypes import FLOAT32, HALF_TYPES, c_type
 from .._launch import KernelCall, Operand, Plan, launch, run_plan_on
-from .._operands import copy_back, layout_of, ready_inputs, rows_ready, writable_outputs
+from .._operands import (arch_refusal, copy_back, layout_of, ready_inputs, rows_ready,
+                         writable_outputs)
 from .._params import make_params
 from . import OPS
 
@@ -87,7 +88,7 @@ def refuse(op, problem):
         return "extents of 2**31 or more do not fit the kernels' int32 coordinates"
     if op == "qk_backward" and problem.heads > 65535:
         return f"{problem.heads} heads exceed the rpb-gradient grid (65535)"
-    return None
+    return arch_refusal("the tiled backend")
 
 
 # ---- configuration -----------------------------------------------------------------------

@@ -167,6 +167,7 @@ def test_a_device_with_less_shared_memory_sends_the_mma_parts_elsewhere(monkeypa
     assert fwd_smem > 99 * 1024
     monkeypatch.setattr(_device, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: SimpleNamespace(id=0))
+    monkeypatch.setattr(_operands, "_capability", lambda dev: (8, 6))
     for allowed, runs in ((99 * 1024, "naive"), (227 * 1024, "fused")):
         monkeypatch.setattr(_operands, "device_limits", lambda dev, n=allowed: SimpleNamespace(
             smem_per_block=n, smem_per_sm=n, sm_count=132))
@@ -185,3 +186,28 @@ def test_a_device_with_less_shared_memory_sends_the_mma_parts_elsewhere(monkeypa
     monkeypatch.setattr(_operands, "device_limits", lambda dev: SimpleNamespace(
         smem_per_block=need, smem_per_sm=need, sm_count=132))
     assert mma_backward.refuse(problem) is None
+
+
+@pytest.mark.parametrize("cc", ["75", "70", "86"])
+def test_gpus_before_ampere_run_the_naive_kernels(monkeypatch, cc):
+    """The tensor-core backends (fused, tiled: mma.sync m16n8k16, cp.async, bfloat16 tiles)
+    refuse a GPU below compute capability 8.0 with its capability, and auto runs naive there;
+    from 8.0 they run. (The device is stood in for.)"""
+    from types import SimpleNamespace
+    import cupy
+    from natten_cupy import _device, _operands
+    monkeypatch.setattr(_device, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cupy.cuda, "Device",
+                        lambda *a: SimpleNamespace(id=0, compute_capability=cc))
+    monkeypatch.setattr(_operands, "_capability", lambda dev: (int(cc[0]), int(cc[1])))
+    monkeypatch.setattr(_operands, "device_limits", lambda dev: SimpleNamespace(
+        smem_per_block=99 * 1024, smem_per_sm=100 * 1024, sm_count=80))
+    fused_sel = select_backend("fused_forward", _fused(numpy.float16), GPU)
+    qk_sel = select_backend("qk", _qk(), GPU)
+    if cc == "86":
+        assert (fused_sel.name, qk_sel.name) == ("fused", "tiled")
+        return
+    assert (fused_sel.name, qk_sel.name) == ("naive", "naive")
+    why = f"needs compute capability 8.0 or newer (Ampere on); this device has {cc[0]}.{cc[1]}"
+    assert fused_sel.refused == (f"fused: the fused backend {why}",)
+    assert qk_sel.refused == (f"tiled: the tiled backend {why}",)

@@ -36,6 +36,7 @@ import os
 import pathlib
 
 from ..._dtypes import FLOAT32, HALF_TYPES
+from ..._operands import arch_refusal
 
 NAME = "fused"
 DTYPES = HALF_TYPES + (FLOAT32,)
@@ -130,6 +131,9 @@ def refuse(op, problem):
         return (f"the fused kernels need the value head dim equal to the query/key head dim, "
                 f"got head dim {problem.head_dim} and value head dim {problem.v_dim} "
                 "(naive and reference run it)")
+    arch = arch_refusal("the fused backend")
+    if arch is not None:
+        return arch
     if problem.tile == "autotune":  # accepted where the default choice is
         problem = dataclasses.replace(problem, tile=None)
     name = _parts_for(op, problem)
