@@ -86,6 +86,18 @@ def test_compiles_without_spills(source, arch, capsys):
     assert not spilled, "register spills: " + "; ".join(spilled)
 
 
+# GPUs before Ampere (sm_75, Turing; CUDA 13's NVRTC no longer builds sm_70) run the naive
+# kernels and the softmax only: the tensor-core backends refuse them (arch_refusal).
+BEFORE_AMPERE = ("na_naive.cu", "na_softmax.cu")
+
+
+@pytest.mark.skipif(NO_NVRTC is not None, reason=f"kernel compile checks need NVRTC: {NO_NVRTC}")
+@pytest.mark.parametrize("source", BEFORE_AMPERE)
+def test_the_naive_kernels_compile_for_turing(source):
+    reports = _compile.nvrtc_check_many(source, GROUPS[source], "sm_75")
+    assert len(reports) == len(GROUPS[source])
+
+
 def test_source_hash_follows_headers(tmp_path, monkeypatch):
     """Editing a header changes the compile options (and so CuPy's disk-cache key)."""
     copy = tmp_path / "cuda_src"
