@@ -24,8 +24,8 @@ import numpy
 
 __all__ = ["Layout", "layout_of", "is_aligned", "rows_ready", "ready_inputs", "writable_outputs",
            "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from",
-           "head_dim_bucket", "DeviceLimits", "device_limits", "smem_refusal", "arch_refusal",
-           "SM90_SMEM_PER_BLOCK"]
+           "head_dim_bucket", "DeviceLimits", "device_limits", "compute_capability",
+           "smem_refusal", "arch_refusal", "SM90_SMEM_PER_BLOCK"]
 
 
 def contiguous_strides(shape, itemsize):
@@ -200,6 +200,15 @@ class DeviceLimits:
     sm_count: int         # multiprocessors
 
 
+def _current_device():
+    """The current CUDA device's id, or None without a usable GPU."""
+    from ._device import gpu_unavailable_reason
+    if gpu_unavailable_reason() is not None:
+        return None
+    import cupy
+    return cupy.cuda.Device().id
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(device_id):
     import cupy
@@ -207,16 +216,18 @@ def _capability(device_id):
     return int(cc[:-1]), int(cc[-1])
 
 
+def compute_capability():
+    """(major, minor) of the current device, or None without a usable GPU."""
+    dev = _current_device()
+    return None if dev is None else _capability(dev)
+
+
 def arch_refusal(what):
     """Why ``what`` (tensor-core kernels: mma.sync m16n8k16, cp.async, bfloat16 tiles) cannot
     run on the current device, or None: compute capability 8.0 or newer (Ampere on), or no
     usable GPU to ask."""
-    from ._device import gpu_unavailable_reason
-    if gpu_unavailable_reason() is not None:
-        return None
-    import cupy
-    cc = _capability(cupy.cuda.Device().id)
-    if cc >= (8, 0):
+    cc = compute_capability()
+    if cc is None or cc >= (8, 0):
         return None
     return (f"{what} needs compute capability 8.0 or newer (Ampere on); this device has "
             f"{cc[0]}.{cc[1]}")
@@ -225,12 +236,11 @@ def arch_refusal(what):
 def smem_refusal(needed, what):
     """Why a kernel needing ``needed`` bytes of dynamic shared memory per block cannot run on
     the current device (``what`` names it), or None: it fits, or there is no usable GPU to
-    ask (the plan checks again). GPUs below the data-centre parts allow ~99 KB a block."""
-    from ._device import gpu_unavailable_reason
-    if gpu_unavailable_reason() is not None:
+    ask. GPUs below the data-centre parts allow ~99 KB a block."""
+    dev = _current_device()
+    if dev is None:
         return None
-    import cupy
-    limit = device_limits(cupy.cuda.Device().id).smem_per_block
+    limit = device_limits(dev).smem_per_block
     if needed <= limit:
         return None
     return (f"{what} needs {needed} bytes of shared memory per block; this device allows "

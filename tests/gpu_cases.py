@@ -269,6 +269,16 @@ def empty_slots(case):
     return ~valid
 
 
+def far_scores(rng, q_shape, k_shape, sign, noise):
+    """float64 q, k ([..., H, D] and [..., H_kv, D]) with every score (scale 1 / sqrt(D)) near
+    sign * 25: q near a, k near sign * a for one random vector a per kv head (|a|^2 / sqrt(D)
+    about 25), plus ``noise`` times standard normal."""
+    a = rng.standard_normal(k_shape[-2:]) * (25 / k_shape[-1] ** 0.5) ** 0.5
+    q = numpy.repeat(a, q_shape[-2] // k_shape[-2], axis=0) + noise * rng.standard_normal(q_shape)
+    k = sign * a + noise * rng.standard_normal(k_shape)
+    return q, k
+
+
 def make_inputs(case):
     """Low-precision inputs of the case (dict name -> NumPy array in the case's dtype)."""
     rng = _rng(case)
@@ -290,12 +300,8 @@ def make_inputs(case):
     if case.fused:
         x["q"], x["k"], x["v"], x["d_out"] = (normal(s) for s in (full, kv, vf, of))
         if case.scores != "normal":
-            # q near a, k near -a or +a (a per kv head): scores near -/+ |a|^2 / sqrt(D) = 25
-            a = rng.standard_normal((case.h_kv, case.head_dim)) * (25 / case.head_dim ** 0.5) ** 0.5
-            sign = -1.0 if case.scores == "negative" else 1.0
-            x["q"] = (numpy.repeat(a, case.heads // case.h_kv, axis=0)
-                      + 0.5 * rng.standard_normal(full)).astype(dt)
-            x["k"] = (sign * a + 0.5 * rng.standard_normal(kv)).astype(dt)
+            q, k = far_scores(rng, full, kv, -1.0 if case.scores == "negative" else 1.0, 0.5)
+            x["q"], x["k"] = q.astype(dt), k.astype(dt)
     elif case.kind.startswith("qk_backward"):
         x["d_attn"] = with_empty_nan(normal(weights))
         x["q"], x["k"] = normal(full), normal(kv)

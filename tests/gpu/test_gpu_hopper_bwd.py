@@ -18,7 +18,7 @@ from natten_cupy._dtypes import BFLOAT16
 from natten_cupy.backends.fused import wgmma_backward as H
 from natten_cupy.backends import get_backend
 from natten_cupy.ops import run_fused_backward, run_fused_forward
-from gpu_cases import to_host, upload
+from gpu_cases import far_scores, to_host, upload
 
 pytestmark = pytest.mark.gpu
 
@@ -148,11 +148,9 @@ def test_hopper_backward_atomic_dq_matches_reference(case, rng):
 
 
 def _anticorrelated(rng, shape):
-    """q near a and k near -a for one random vector a per head: every score (scale 1 /
-    sqrt(D)) is near -|a|^2 / sqrt(D), about -25, and so is each query's lse."""
-    a = rng.standard_normal(shape[-2:]) * (25 / shape[-1] ** 0.5) ** 0.5
-    q = a + 0.1 * rng.standard_normal(shape)
-    k = -a + 0.1 * rng.standard_normal(shape)
+    """q near a and k near -a (``gpu_cases.far_scores``): every score near -25, and so is
+    each query's lse."""
+    q, k = far_scores(rng, shape, shape, -1.0, 0.1)
     return q, k, rng.standard_normal(shape), rng.standard_normal(shape)
 
 

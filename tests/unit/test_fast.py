@@ -352,9 +352,11 @@ def test_mma_forward_runs_a_large_batch_in_chunks(monkeypatch):
     from types import SimpleNamespace
     from natten_cupy import _args
     from natten_cupy.backends.fused import mma_forward as mf
+    from natten_cupy import _operands
     monkeypatch.setattr(mf, "get_kernel", lambda *a, **k: _FakeKernel())
-    monkeypatch.setattr(mf, "device_limits", lambda dev: SimpleNamespace(smem_per_block=1 << 20))
-    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: SimpleNamespace(id=0))
+    monkeypatch.setattr(_operands, "_current_device", lambda: 0)
+    monkeypatch.setattr(_operands, "device_limits",
+                        lambda dev: SimpleNamespace(smem_per_block=1 << 20))
     batch = 2 * 65535 + 7
     x = numpy.zeros((batch, 6, 1, 8), numpy.float16)
     lse = numpy.zeros((batch, 6, 1), numpy.float32)

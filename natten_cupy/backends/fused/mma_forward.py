@@ -27,8 +27,7 @@ from ... import _window
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import (device_limits, head_dim_bucket, rows_ready, run_forward,
-                           smem_refusal)
+from ..._operands import head_dim_bucket, rows_ready, run_forward, smem_refusal
 from ..._params import make_params
 
 SOURCE = "fused/mma_forward.cu"
@@ -239,16 +238,14 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     [, rpb: with ``problem.has_rpb``, read element by element at any strides] [, xk, xv:
     the additional tokens, with ``problem.has_extra``]), or None if one of q, k, v, out, xk,
     xv cannot be read as it is (``rows_ready``)."""
-    import cupy
     if not all(rows_ready(x) for x in (q, k, v, out, xk, xv) if x is not None):
         return None
     t = configure(problem)
     if isinstance(t, str):
         raise ValueError(t)
-    limit = device_limits(cupy.cuda.Device().id).smem_per_block
-    if t.smem > limit:
-        raise RuntimeError(f"fused forward needs {t.smem} bytes of shared memory per block, "
-                           f"the device allows {limit}")
+    too_big = smem_refusal(t.smem, "the mma.sync fused forward")
+    if too_big is not None:   # (refuse says so first, where the dispatch asks)
+        raise RuntimeError(too_big)
     if t.ctas >= 2 ** 31:
         raise ValueError(f"problem too large for one fused-forward launch ({t.ctas} CTAs)")
     params = make_params(problem, q=q, k=k, v=v, o=out, lse=lse, rpb=rpb, xk=xk, xv=xv)
@@ -257,10 +254,10 @@ def plan_forward(problem, q, k, v, out, lse, rpb=None, xk=None, xv=None):
     # The batch rides on grid z (at most MAX_GRID_Z): a larger batch runs in chunks, each
     # launch's batch-indexed operands starting at its chunk's first element (the kernel reads
     # the batch only as blockIdx.z, through the strides).
+    bias = Operand(5) if problem.has_rpb else null   # (per head, not per batch)
     calls = []
     for b0 in range(0, problem.batch, MAX_GRID_Z):
         at = [Operand(i, b0 * lay.strides[0]) for i, lay in enumerate((q, k, v, out, lse))]
-        bias = Operand(5) if problem.has_rpb else null   # (per head, not per batch)
         extra = ((Operand(6, b0 * xk.strides[0]), Operand(7, b0 * xv.strides[0]))
                  if problem.has_extra else (null, null))
         calls.append(KernelCall(fn, (t.ctas, 1, min(MAX_GRID_Z, problem.batch - b0)),

@@ -28,7 +28,8 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT16, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import SM90_SMEM_PER_BLOCK, head_dim_bucket, rows_ready, run_forward
+from ..._operands import (SM90_SMEM_PER_BLOCK, compute_capability, head_dim_bucket, rows_ready,
+                           run_forward)
 from ..._params import make_params
 from ..._tma import maps_of
 
@@ -103,12 +104,7 @@ def _bucket(head_dim):
 @functools.lru_cache(maxsize=None)
 def _compute_capability():
     """(major, minor) of the current device, or None without a usable GPU."""
-    from ..._device import gpu_unavailable_reason
-    if gpu_unavailable_reason() is not None:
-        return None
-    import cupy
-    cc = cupy.cuda.Device().compute_capability
-    return int(cc[:-1]), int(cc[-1])
+    return compute_capability()
 
 
 def refuse(problem):
