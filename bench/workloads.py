@@ -237,6 +237,9 @@ PROBE_WORKLOADS = {w.id: w for w in (
     Workload("1D-D64-small", (4096,), (255,), 8, 64, "1-D, many short sequences", batch=16),
     Workload("1D-D64-1023", (8192,), (1023,), 12, 64, "1-D, window 1023 at head dim 64",
              batch=4),
+    Workload("1D-D128-511", (8192,), (511,), 12, 128, "1-D, window 511 at head dim 128",
+             batch=4),
+    Workload("1D-D128-2047", (16384,), (2047,), 16, 128, "1-D, window 2047 at head dim 128"),
 )}
 
 
@@ -299,6 +302,14 @@ DISPATCH_GRID = [
     ((64, 64), [(3, 3), (5, 5), (7, 7), (9, 9), (11, 11), (13, 13)], 4, 8),
     ((56, 56), [(7, 7)], 8, 4),
     ((8, 32, 32), [(3, 3, 3), (3, 5, 5), (3, 7, 7), (5, 7, 7)], 2, 8),
+]
+# The same at head dim 32 (``--grid d32``), where the mma.sync forward is tuned and the Hopper
+# one pads to 64 columns: only large windows can pay (fused.HOPPER_FWD_FROM_D32).
+DISPATCH_GRID_D32 = [
+    ((8192,), [(255,), (511,), (1023,), (2047,)], 4, 8),
+    ((96, 96), [(13, 13), (17, 17), (21, 21), (25, 25), (29, 29), (33, 33)], 2, 8),
+    ((48, 48), [(23, 23), (31, 31)], 8, 6),
+    ((8, 32, 32), [(3, 7, 7), (5, 9, 9), (7, 11, 11)], 2, 8),
 ]
 
 

@@ -1,8 +1,9 @@
 """Where the Hopper fused forward beats the mma.sync one: kernel times over a grid of shapes.
 
-    python bench/probes/hopper_dispatch.py [--reps 15] [--out dispatch.json]
+    python bench/probes/hopper_dispatch.py [--reps 15] [--out dispatch.json] [--grid d32]
 
-Per shape (1-D, 2-D and 3-D; windows from small to large; head dims 64 and 128; float16) and
+Per shape (1-D, 2-D and 3-D; windows from small to large; head dims 64 and 128, or with
+``--grid d32`` large windows at head dim 32; float16) and
 with and without a relative positional bias, both forward parts are called directly on the
 same inputs and timed kernels alone (CUDA events around each launch through the library's
 profiler hook, ``timing.kernel_ms``: host time between calls does not count; median
@@ -24,7 +25,7 @@ import cupy  # noqa: E402
 from natten_cupy import _args  # noqa: E402
 from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import kernel_ms  # noqa: E402
-from workloads import DISPATCH_GRID  # noqa: E402
+from workloads import DISPATCH_GRID, DISPATCH_GRID_D32  # noqa: E402
 
 
 def run(spatial, kernel, batch, heads, dim, bias, reps):
@@ -62,14 +63,18 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--ranks", default="1,2,3", help="ranks of the grid to time")
     ap.add_argument("--no-bias", action="store_true", help="skip the rows with a bias")
+    ap.add_argument("--grid", choices=("default", "d32"), default="default",
+                    help="d32: the large windows of DISPATCH_GRID_D32 at head dim 32")
     args = ap.parse_args(argv)
     ranks = {int(r) for r in args.ranks.split(",")}
+    grid, dims = (DISPATCH_GRID, (64, 128)) if args.grid == "default" else \
+        (DISPATCH_GRID_D32, (32,))
     rows = []
-    for spatial, kernels, batch, heads in DISPATCH_GRID:
+    for spatial, kernels, batch, heads in grid:
         if len(spatial) not in ranks:
             continue
         for kernel in kernels:
-            for dim in (64, 128):
+            for dim in dims:
                 for bias in ((False,) if args.no_bias else (False, True)):
                     row = run(spatial, kernel, batch, heads, dim, bias, args.reps)
                     rows.append(row)
