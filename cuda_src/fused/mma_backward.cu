@@ -136,7 +136,11 @@ __device__ __forceinline__ void stage_slab(unsigned char* smem, const T* src0, c
 // their slots do (no atomics, a fixed order, the same bits every run).
 // EXTRA (dQ pass, no bias): after the window, the owners also attend to the p.extra_tokens
 // additional tokens xk, xv of their head's extra head, gathered slab_rows at a time.
-template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped, bool BIAS, bool EXTRA>
+// ONE (owners are keys): the gathered rows' delta is summed here from o and d_o instead of
+// read from the dQ pass's, so that both passes can run in one launch (na_bwd_fused_one).
+// block_x: the CTA's index among the pass's CTAs (blockIdx.x but in na_bwd_fused_one).
+template <typename T, int Dp, int DC, bool OwnerIsKey, bool Grouped, bool BIAS, bool EXTRA,
+          bool ONE = false>
 __device__ __forceinline__ void bwd_pass(
     const T* __restrict__ own0, const T* __restrict__ own1, const T* __restrict__ gat0,
     const T* __restrict__ gat1, const T* __restrict__ o, const float* __restrict__ lse,
@@ -145,8 +149,10 @@ __device__ __forceinline__ void bwd_pass(
     const int4* __restrict__ tab, const int (&tab_off)[3], const int (&tile)[3],
     const int (&patch)[3], const int (&lpatch)[3], const int (&ntile)[3], const int slab_rows,
     const int bh0, const T* __restrict__ rpb, float* __restrict__ bias_part,
-    const bwd::BiasGeom& bg, const T* __restrict__ xk, const T* __restrict__ xv) {
+    const bwd::BiasGeom& bg, const T* __restrict__ xk, const T* __restrict__ xv,
+    const unsigned block_x) {
   static_assert(!EXTRA || (!OwnerIsKey && !BIAS), "additional tokens: dQ pass, no bias");
+  static_assert(!ONE || (OwnerIsKey && !Grouped && !BIAS), "ONE: the plain dK/dV pass");
   typedef bwd::Step<T> St;
   constexpr int RS = Dp + 8;       // smem row stride (elements): conflict-free ldmatrix
   constexpr int EPP = 16 / (int)sizeof(T);  // elements per 16-byte piece
@@ -159,7 +165,7 @@ __device__ __forceinline__ void bwd_pass(
   // ---- which tile, dilation group, head-dim chunk, batch and head ----
   bwd::AxisTable ax[3];
   int glen[3], grp[3], tix[3], org[3], last[3];
-  unsigned bx = blockIdx.x;  // 32-bit index arithmetic: a 64-bit division is a ~70-instruction call
+  unsigned bx = block_x;  // 32-bit index arithmetic: a 64-bit division is a ~70-instruction call
 #pragma unroll
   for (int a = 2; a >= 0; --a) {
     tix[a] = (int)(bx % (unsigned)ntile[a]);
@@ -526,6 +532,7 @@ __device__ __forceinline__ void bwd_pass(
     const T* gat1_bh = gat1 + (b * sg1[0] + hg * sg1[4]);
     const float* lse_bh = lse + (b * p.lse[0] + hg * p.lse[4]);
     const float* dlt_bh = delta + (b * p.delta[0] + hg * p.delta[4]);
+    const T* o_bh = ONE ? o + (b * p.o[0] + hg * p.o[4]) : nullptr;
     // The bias table of this query head (the gathered one when owners are keys); the slab
     // loop's first barrier orders the copy before its use, and (next head) its last reads
     // before the copy is overwritten.
@@ -554,8 +561,26 @@ __device__ __forceinline__ void bwd_pass(
           off1 = x0 * sg1[1] + x1 * sg1[2] + x2 * sg1[3];
           if (OwnerIsKey) {
             bwd::cp_async4(lse_a + r * 4, lse_bh + (x0 * p.lse[1] + x1 * p.lse[2] + x2 * p.lse[3]));
-            bwd::cp_async4(dlt_a + r * 4,
-                           dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
+            if constexpr (ONE) {   // delta = rowsum(d_o * o), this lane's row alone
+              const T* orow = o_bh + (x0 * p.o[1] + x1 * p.o[2] + x2 * p.o[3]);
+              const T* drow = gat1_bh + off1;
+              float dl = 0.f;
+#pragma unroll
+              for (int piece = 0; piece < CH; ++piece) {
+                if (piece * EPP < D) {
+                  const uint4 ov = __ldg(reinterpret_cast<const uint4*>(orow + piece * EPP));
+                  const uint4 dv = __ldg(reinterpret_cast<const uint4*>(drow + piece * EPP));
+                  const T* oe = reinterpret_cast<const T*>(&ov);
+                  const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+                  for (int t = 0; t < EPP; ++t) dl += to_float(oe[t]) * to_float(de[t]);
+                }
+              }
+              dlt_s[r] = dl;   // (visible after stage_slab's barrier)
+            } else {
+              bwd::cp_async4(dlt_a + r * 4,
+                             dlt_bh + (x0 * p.delta[1] + x1 * p.delta[2] + x2 * p.delta[3]));
+            }
           }
         }
         return [=](int j, i64& o0, i64& o1) {
@@ -606,7 +631,7 @@ __device__ __forceinline__ void bwd_pass(
   if constexpr (BIAS && !OwnerIsKey) {
     __syncthreads();
     if (col0 == 0) {
-      float* dst = bias_part + ((i64)bh * bg.ctas + blockIdx.x) * bg.vol;
+      float* dst = bias_part + ((i64)bh * bg.ctas + block_x) * bg.vol;
       for (int i = threadIdx.x; i < bg.vol; i += kWarps * 32) {
         const int u0 = i / bg.bst[0], r = i - u0 * bg.bst[0], u1 = r / bg.bst[1],
                   u2 = r - u1 * bg.bst[1];
@@ -686,7 +711,8 @@ na_bwd_fused_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
   bwd_pass<T, Dp, DC, true, Grouped, BIAS, false>(k, v, q, d_o, nullptr, lse, delta, dk, dv, p,
                                                   p.k, p.v, p.q, p.d_o, p.dk, p.dv, tab, g.tab_off,
                                                   g.tile, g.patch, g.lpatch, g.ntile, g.slab_rows,
-                                                  g.bh0, rpb, nullptr, bg, nullptr, nullptr);
+                                                  g.bh0, rpb, nullptr, bg, nullptr, nullptr,
+                                                  blockIdx.x);
 }
 
 // dQ and delta: owners are queries. Same grid and arguments as na_bwd_fused_kv, plus o and
@@ -702,7 +728,36 @@ na_bwd_fused_q(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   bwd_pass<T, Dp, DC, false, false, BIAS, EXTRA>(q, d_o, k, v, o, lse, delta, dq, dq, p, p.q,
                                                  p.d_o, p.k, p.v, p.dq, p.dq, tab, g.tab_off,
                                                  g.tile, g.patch, g.lpatch, g.ntile, g.slab_rows,
-                                                 g.bh0, rpb, bias_part, bg, xk, xv);
+                                                 g.bh0, rpb, bias_part, bg, xk, xv, blockIdx.x);
+}
+
+// Both passes in one launch, for problems whose CTAs of both passes are all resident at once
+// (the launcher's one_launch; no bias, no additional tokens, no grouped-query heads): CTAs [0, nq) of grid x run the dQ pass
+// (geometry gq, head-dim chunks of DCQ), the rest the dK/dV pass (gkv, DCKV), which sums its
+// gathered rows' delta itself (ONE) instead of waiting for the dQ pass's. Same grid y (batch *
+// heads) and threads; dynamic shared memory the larger pass's.
+// Two CTAs an SM: both passes' code in one kernel needs the larger register budget (at
+// head dim 32 the dK/dV pass's three-CTA budget spills here).
+template <typename T, int Dp, int DCQ, int DCKV>
+__global__ void __launch_bounds__(kWarps * 32, 2)
+na_bwd_fused_one(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 const T* __restrict__ d_o, const T* __restrict__ o,
+                 const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
+                 T* __restrict__ dk, T* __restrict__ dv, const int4* __restrict__ tab,
+                 const NAParams p, const bwd::PassGeom gq, const bwd::PassGeom gkv,
+                 const unsigned nq) {
+  const bwd::BiasGeom bg{};
+  if (blockIdx.x < nq) {
+    bwd_pass<T, Dp, DCQ, false, false, false, false>(
+        q, d_o, k, v, o, lse, delta, dq, dq, p, p.q, p.d_o, p.k, p.v, p.dq, p.dq, tab,
+        gq.tab_off, gq.tile, gq.patch, gq.lpatch, gq.ntile, gq.slab_rows, gq.bh0, nullptr,
+        nullptr, bg, nullptr, nullptr, blockIdx.x);
+  } else {
+    bwd_pass<T, Dp, DCKV, true, false, false, false, true>(
+        k, v, q, d_o, o, lse, delta, dk, dv, p, p.k, p.v, p.q, p.d_o, p.dk, p.dv, tab,
+        gkv.tab_off, gkv.tile, gkv.patch, gkv.lpatch, gkv.ntile, gkv.slab_rows, gkv.bh0,
+        nullptr, nullptr, bg, nullptr, nullptr, blockIdx.x - nq);
+  }
 }
 
 // d_rpb from the dQ pass's CTA boxes (bias_part, [batch * heads, bg.ctas, bg.vol]): one CTA

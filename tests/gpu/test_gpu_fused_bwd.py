@@ -125,8 +125,17 @@ def _case_id(c):
     return f"{len(c[0])}d-{c[0]}-k{c[1]}-D{c[6]}-{numpy.dtype(c[7]).name}"
 
 
+@pytest.fixture(params=[False, True], ids=["two_launches", "one_launch"])
+def one_launch(request, monkeypatch):
+    """The mma.sync backward's passes one by one, or in one launch wherever its kernel takes
+    the problem (``mma_backward.ONE_LAUNCH``; by default only small problems run so)."""
+    from natten_cupy.backends.fused import mma_backward
+    monkeypatch.setattr(mma_backward, "ONE_LAUNCH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_fused_backward_matches_reference(case, rng):
+def test_fused_backward_matches_reference(case, rng, one_launch):
     check_case(case, rng)
 
 
@@ -144,7 +153,7 @@ def test_fused_backward_strided_outputs(layout, dtype, rng):
                grad_layout=layout)
 
 
-def test_fused_backward_deterministic_is_bitwise_reproducible(rng):
+def test_fused_backward_deterministic_is_bitwise_reproducible(rng, one_launch):
     import cupy as cp
     case = ((30, 29), (7, 5), 1, (1, 2), (False, True), 2, 64, BF16)
     q, k, v, d_out, out, lse, _ = _inputs(case, rng)

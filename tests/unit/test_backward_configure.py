@@ -17,7 +17,7 @@ import numpy
 import pytest
 
 from natten_cupy import _args
-from natten_cupy._operands import Layout
+from natten_cupy._operands import DeviceLimits, Layout
 from natten_cupy.backends.fused import exact_fp32 as E
 from natten_cupy.backends.fused import mma_backward as M
 from natten_cupy.backends.fused import wgmma_backward as H
@@ -59,6 +59,10 @@ def fake_device(monkeypatch):
     for part in (M, H, E):
         monkeypatch.setattr(part, "get_kernel", lambda src, expr, **kw: _FakeKernel(expr))
     monkeypatch.setattr(M, "_geometry", lambda p, tile: (numpy.uint64(0), (0, 0, 0), {}))
+    monkeypatch.setattr(M, "_limits", lambda: H100)
+
+
+H100 = DeviceLimits(227 * 1024, 228 * 1024, 132)
 
 
 def _same_struct(a, b):
@@ -78,7 +82,7 @@ MMA_CASES = [
 
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{len(c['spatial'])}d-{c['spatial']}")
-def test_mma_backward_plan_binds_the_decision(case, fake_device):
+def test_mma_backward_plan_binds_the_decision(case, fake_device, monkeypatch):
     p = _problem(**case)
     t = M.configure(p)
     assert isinstance(t, M.Tiling) and M.refuse(p) is None
@@ -102,7 +106,8 @@ def test_mma_backward_plan_binds_the_decision(case, fake_device):
     assert t.kv.launches[0][0] == (ctas * (dp // min(dp, M.KV_CHUNK)), p.kv_heads, 1)
     if p.has_rpb:
         assert _same_struct(t.bias, M.bias_geometry(p, offsets, per_axis))
-    # plan_backward launches exactly that.
+    # plan_backward launches exactly that (the passes one by one, ONE_LAUNCH False).
+    monkeypatch.setattr(M, "ONE_LAUNCH", False)
     plan = M.plan_backward(p, *_layouts(p))
     calls = plan.calls
     assert [c.fn.name for c in calls[:2]] == [t.q.name, t.kv.name]
@@ -116,6 +121,55 @@ def test_mma_backward_plan_binds_the_decision(case, fake_device):
         assert plan.workspaces[1] == ((t.bias_boxes,), numpy.dtype(numpy.float32))
     else:
         assert len(calls) == 2 and len(plan.workspaces) == 1
+
+
+def test_mma_backward_one_launch(fake_device, monkeypatch):
+    """Both passes in one launch where the kernel takes the problem (no bias, additional
+    tokens or grouped heads; head dims up to 128) and every CTA of both is resident at once
+    (2 an SM, or fewer by shared memory); the launch is the two passes' grids end to end."""
+    small = _problem((40, 48), (7, 7), heads=4)
+    t = M.configure(small)
+    (gq, q_geo), (gkv, kv_geo) = t.q.launches[0], t.kv.launches[0]
+    (grid, (a, b, nq)), = t.one.launches
+    assert grid == (gq[0] + gkv[0], gq[1], 1) == (gq[0] + gkv[0], gkv[1], 1)
+    assert a is q_geo and b is kv_geo and nq == gq[0] and nq.dtype == numpy.uint32
+    assert t.one.smem == max(t.q.smem, t.kv.smem)
+    assert t.one.name == "na_bwd_fused_one<__half, 64, 64, 64>"
+    ctas = grid[0] * grid[1]
+    assert M.one_launch(t, H100) == (ctas <= 132 * 2)
+    assert M.one_launch(t, DeviceLimits(227 * 1024, 228 * 1024, -(-ctas // 2)))
+    assert not M.one_launch(t, DeviceLimits(227 * 1024, 228 * 1024, -(-ctas // 2) - 1))
+    # one CTA an SM where shared memory holds only one
+    one_cta = DeviceLimits(227 * 1024, 2 * t.one.smem + 2047, ctas)
+    assert M.one_launch(t, one_cta) and not M.one_launch(
+        t, DeviceLimits(227 * 1024, 2 * t.one.smem + 2047, ctas - 1))
+    # the plan: one call with both passes' geometry and the dQ CTAs, or the two passes
+    for forced, want in ((None, M.one_launch(t, H100)), (True, True), (False, False)):
+        monkeypatch.setattr(M, "ONE_LAUNCH", forced)
+        calls = M.plan_backward(small, *_layouts(small)).calls
+        if want:
+            (c,), = [calls]
+            assert c.fn.name == t.one.name and c.grid == grid and c.shared_mem == t.one.smem
+            assert c.args[-3] is q_geo and c.args[-2] is kv_geo and c.args[-1] == nq
+        else:
+            assert [c.fn.name for c in calls] == [t.q.name, t.kv.name]
+    monkeypatch.setattr(M, "ONE_LAUNCH", None)
+    tiny = _problem((8, 8), (3, 3), head_dim=32, heads=1)
+    assert M.one_launch(M.configure(tiny), H100)
+    assert len(M.plan_backward(tiny, *_layouts(tiny)).calls) == 1
+    large = _problem((128, 128), (7, 7), heads=8)
+    assert M.configure(large).one is not None and not M.one_launch(M.configure(large), H100)
+    # where the kernel does not run: bias, grouped heads, head dim 256, tokens
+    monkeypatch.setattr(M, "ONE_LAUNCH", True)
+    for p in (_problem((40, 48), (7, 7), rpb=True), _problem((40, 48), (7, 7), kv_heads=1),
+              _problem((40, 48), (7, 7), head_dim=256)):
+        assert M.configure(p).one is None and not M.one_launch(M.configure(p), H100)
+        assert len(M.plan_backward(p, *_layouts(p)).calls) >= 2
+    x = numpy.zeros((1, 10, 2, 64), numpy.float16)
+    q = numpy.zeros((1, 40, 2, 64), numpy.float16)
+    tokens = _args.check_fused(1, q, q, q, 7, 1, 1, False, None, "fused", additional_keys=x,
+                               additional_values=x)
+    assert M.configure(tokens).one is None
 
 
 def test_mma_backward_refusals_are_the_decision():

@@ -1,7 +1,10 @@
 """Fused backward on tensor cores (float16, bfloat16; float32 as TF32 when the caller allows
 it): launcher of ``cuda_src/fused/mma_backward.cu``.
 
-Two launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not):
+Two launches, no atomics (so every run is bitwise reproducible, ``deterministic`` or not),
+or on problems small enough that every CTA of both is resident at once one launch of both
+(``na_bwd_fused_one``, ``one_launch``: the dK/dV CTAs sum their gathered rows' delta
+themselves, so they need not wait for the dQ pass):
 
 1. ``na_bwd_fused_q``: dQ, and delta = rowsum(dO * O) in float32 [B, *spatial, H]. A CTA
    owns a tile of queries of one dilation group; each warp owns 16 queries forming a compact
@@ -60,6 +63,12 @@ Q_CHUNK = 128
 SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
 MAX_GRID_Y = 65535
 EXTRA_MAX_DIM = 128   # additional tokens in the kernels up to this head dim (as the forward)
+ONE_MAX_DIM = 128     # both passes in one launch up to this head dim (small problems)
+ONE_RESIDENT = 2      # CTAs an SM of that launch (__launch_bounds__ of na_bwd_fused_one)
+# Whether plans run both passes in one launch: None where ``one_launch`` says so, True
+# wherever the kernel may (``Tiling.one``), False never. False until na_bwd_fused_one has run
+# on a GPU (the GPU tests run it either way: tests/gpu/test_gpu_fused_bwd.py).
+ONE_LAUNCH = False
 
 # (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes. Every tile
 # holds exactly 4 patches of 16 rows (kWarps in fused/mma_backward.cu); all extents are powers of
@@ -197,6 +206,7 @@ def instantiations():
             out.append((SOURCE, _extra_names(ct, dp)[0]))
         out.append((SOURCE, _extra_names(ct, 32)[1]))
         out.append((SOURCE, f"na_bwd_fused_rpb<{ct}>"))
+        out += [(SOURCE, _one_name(ct, dp)) for dp in D_BUCKETS if dp <= ONE_MAX_DIM]
     return out
 
 
@@ -356,6 +366,8 @@ class Tiling:
     bias: numpy.void   # BiasGeom (all zero without a bias)
     bias_boxes: int    # floats of the dQ CTAs' bias-gradient boxes (0 without a bias)
     entries: int       # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
+    one: Pass = None   # both passes in one launch (na_bwd_fused_one), where it may run:
+    #                    its launch's geometry is (dQ PassGeom, dK/dV PassGeom, dQ CTAs)
 
 
 def _tiling(problem, tiles, bias_smem):
@@ -400,7 +412,42 @@ def _tiling(problem, tiles, bias_smem):
         bg = bias_geometry(problem, tab_off, per_axis)
         boxes = problem.batch * problem.heads * int(bg["ctas"]) * int(bg["vol"])
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
-    return Tiling(tile, dp, 32 * nwarps, passes[0], passes[1], grid_x, bg, boxes, entries)
+    return Tiling(tile, dp, 32 * nwarps, passes[0], passes[1], grid_x, bg, boxes, entries,
+                  _one_launch(problem, dp, passes))
+
+
+def _one_name(ctype, dp):
+    return f"na_bwd_fused_one<{ctype}, {dp}, {_q_chunk(dp)}, {min(dp, KV_CHUNK)}>"
+
+
+def _one_launch(problem, dp, passes):
+    """The Pass of both passes in one launch, or None where that kernel does not run the
+    problem: a bias, additional tokens, grouped-query heads, head dims above ONE_MAX_DIM,
+    more than one launch a pass, or 2**31 CTAs and more."""
+    q, kv = passes
+    if (problem.has_rpb or problem.has_extra or problem.heads_per_kv > 1
+            or dp > ONE_MAX_DIM or len(q.launches) != 1 or len(kv.launches) != 1):
+        return None
+    (gq_grid, gq), (gkv_grid, gkv) = q.launches[0], kv.launches[0]
+    grid = (gq_grid[0] + gkv_grid[0], gq_grid[1], 1)
+    if grid[0] >= 2 ** 31:
+        return None
+    return Pass(_one_name(c_type(problem.dtype), dp), max(q.smem, kv.smem),
+                ((grid, (gq, gkv, numpy.uint32(gq_grid[0]))),))
+
+
+def one_launch(t, limits):
+    """Whether Tiling ``t`` runs as one launch on a device of ``limits`` (``DeviceLimits``):
+    where its kernel may (``Tiling.one``) and every CTA of both passes is resident at once
+    (the kernel's register budget and shared memory per SM). Then the dQ pass's launch and
+    the dK/dV pass's wait for its last CTA (for the delta it writes) are saved; on larger
+    problems the dK/dV pass's own sums of delta (o read again for every row it gathers)
+    would cost more than that."""
+    if t.one is None:
+        return False
+    (grid, _), = t.one.launches
+    resident = min(ONE_RESIDENT, limits.smem_per_sm // (t.one.smem + 1024))  # (1 KB a CTA)
+    return grid[0] * grid[1] <= limits.sm_count * resident
 
 
 def _extra_splits(problem, dp, sms):
@@ -495,6 +542,14 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
         RPB, DELTA, PART = null, Operand(9), null
     tab = _geometry(problem, t.tile)[0]
     calls = []
+    one = one_launch(t, _limits()) if ONE_LAUNCH is None else ONE_LAUNCH and t.one is not None
+    if one:
+        (grid, (gq, gkv, nq)), = t.one.launches
+        call = KernelCall(get_kernel(SOURCE, t.one.name), grid, (t.threads, 1, 1),
+                          (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, DK, DV, tab, p, gq, gkv, nq),
+                          shared_mem=t.one.smem, name=t.one.label, backend="fused",
+                          tile=t.tile)
+        return Plan((call,), workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
     for ps, ptrs in ((t.q, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, RPB, PART, t.bias, XK, XV)),
                      (t.kv, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, RPB, t.bias))):
         fn = get_kernel(SOURCE, ps.name)
@@ -509,12 +564,16 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
             name="na_bwd_fused_rpb", backend="fused"))
         workspaces.append(((t.bias_boxes,), numpy.dtype(numpy.float32)))
     if tokens:
-        import cupy
-        x = _extra_tiling(problem, device_limits(cupy.cuda.Device().id).sm_count)
+        x = _extra_tiling(problem, _limits().sm_count)
         more, space = _extra_calls(x, p, (Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART))
         calls += more
         workspaces.append(space)
     return Plan(tuple(calls), workspaces=tuple(workspaces))
+
+
+def _limits():
+    import cupy
+    return device_limits(cupy.cuda.Device().id)
 
 
 def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None, extra=None,
