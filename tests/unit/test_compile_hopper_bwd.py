@@ -257,9 +257,19 @@ def test_hopper_bwd_default_plan_follows_determinism(case, monkeypatch):
 
 
 def test_hopper_bwd_atomic_dq_where_it_measured_faster():
-    """``atomic_pays``: never with deterministic=True; by default at head dim 128 only."""
+    """``atomic_pays``: never with deterministic=True; by default at head dim 128 only, on
+    1-D windows from ATOMIC_1D_FROM."""
     import dataclasses
-    for D, want in ((64, False), (40, False), (72, True), (128, True)):
-        prob = _problem((1, 300, 2, D), 1, 65)
-        assert H.atomic_pays(prob) is want, D
+    big = H.ATOMIC_1D_FROM
+    for shape, rank, ks, want in (((1, 3000, 2, 64), 1, big, False),
+                                  ((1, 3000, 2, 40), 1, big, False),
+                                  ((1, 3000, 2, 72), 1, big, True),
+                                  ((1, 3000, 2, 128), 1, big, True),
+                                  ((1, 3000, 2, 128), 1, big - 1, False),
+                                  ((1, 300, 2, 128), 1, 65, False),
+                                  ((1, 30, 20, 2, 128), 2, 7, True),
+                                  ((1, 30, 20, 2, 72), 2, 3, True),
+                                  ((1, 6, 30, 20, 2, 128), 3, 3, True)):
+        prob = _problem(shape, rank, ks)
+        assert H.atomic_pays(prob) is want, (shape, ks)
         assert H.atomic_pays(dataclasses.replace(prob, deterministic=True)) is False

@@ -304,15 +304,22 @@ def kv_tma_maps(problem, t, d_out, q):
                    _bucket(problem.head_dim))
 
 
+# 1-D windows from which the atomic dQ variant pays at head dim 128 (below, the dQ pass).
+ATOMIC_1D_FROM = 1024
+
+
 def atomic_pays(problem):
     """Whether a backward that need not be reproducible (``deterministic=False``, the
     default) adds dQ in the dK/dV pass (``dq_atomic``) instead of running the dQ pass: at
     head dim 128, where it measured faster (H200, bench/probes/hopper_bwd_dq.py: 2-D 21x21
-    1.54 vs 1.84 ms, dense 16K 13.6 vs 14.1, 1-D 16K window 4096 6.59 vs 6.65); at 64 it
-    measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window 2047 3.38 vs 2.83, 3-D 5x9x9 8.20
-    vs 7.80)."""
+    1.54 vs 1.84 ms, dense 16K 13.6 vs 14.1, 1-D 16K window 4096 6.59 vs 6.65), but not on
+    1-D windows under ATOMIC_1D_FROM, where the dQ pass measured as fast or faster (H100,
+    bench/results/dispatch_r1_1d_d128.json, causal windows: 63 2.77 vs 3.01 ms, 119 1.50 vs
+    1.49, 327 3.64 vs 3.75); at 64 it measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window
+    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80)."""
     return (not problem.deterministic and not problem.has_rpb
-            and _bucket(problem.head_dim) == 128)
+            and _bucket(problem.head_dim) == 128
+            and (problem.rank > 1 or problem.kernel_size[0] >= ATOMIC_1D_FROM))
 
 
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
