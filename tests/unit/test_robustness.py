@@ -669,15 +669,16 @@ def test_sweep_checks_catch_a_wrong_backend(how, message):
 
 
 def test_sweep_hopper_stream_holds_the_fused_backend_to_its_wgmma_parts():
-    """The ``hopper`` stream draws fused cases at head dims above 32 (larger windows than the
-    fused stream's) and runs them on the fused backend with the internal tile that routes
+    """The ``hopper`` stream draws fused cases at head dims 16-128, some of them 32 and under
+    (padded to 64; larger windows than the fused stream's) and runs them on the fused backend with the internal tile that routes
     both ops to the Hopper parts, whatever the dispatch would pick; without a compute
     capability 9.0 GPU the parts refuse them (counted as refused, not run)."""
     from natten_cupy.backends import fused
     sweep = _sweep_module()
     cfgs = [sweep.draw_config(13, "hopper", "bfloat16", i) for i in range(200)]
     assert {c["kind"] for c in cfgs} == {"fused"}
-    assert all(c["head_dim"] > 32 and c["head_dim"] % 8 == 0 for c in cfgs)
+    assert all(16 <= c["head_dim"] <= 128 and c["head_dim"] % 8 == 0 for c in cfgs)
+    assert any(c["head_dim"] <= 32 for c in cfgs) and any(c["head_dim"] > 64 for c in cfgs)
     assert max(c["kernel"][0] for c in cfgs if c["rank"] == 1) > 33
     assert any(c["rpb"] for c in cfgs) and any(any(c["causal"]) for c in cfgs)
     for cfg in cfgs[:5]:
