@@ -24,7 +24,8 @@ import numpy
 
 __all__ = ["Layout", "layout_of", "is_aligned", "rows_ready", "ready_inputs", "writable_outputs",
            "copy_back", "contiguous_strides", "run_forward", "run_backward", "workspaces_from",
-           "head_dim_bucket", "DeviceLimits", "device_limits", "compute_capability",
+           "head_dim_bucket", "DeviceLimits", "device_limits", "current_limits",
+           "compute_capability",
            "smem_refusal", "arch_refusal", "SM90_SMEM_PER_BLOCK"]
 
 
@@ -233,14 +234,20 @@ def arch_refusal(what):
             f"{cc[0]}.{cc[1]}")
 
 
+def current_limits():
+    """The ``DeviceLimits`` of the current device, or None without a usable GPU."""
+    dev = _current_device()
+    return None if dev is None else device_limits(dev)
+
+
 def smem_refusal(needed, what):
     """Why a kernel needing ``needed`` bytes of dynamic shared memory per block cannot run on
     the current device (``what`` names it), or None: it fits, or there is no usable GPU to
     ask. GPUs below the data-centre parts allow ~99 KB a block."""
-    dev = _current_device()
-    if dev is None:
+    limits = current_limits()
+    if limits is None:
         return None
-    limit = device_limits(dev).smem_per_block
+    limit = limits.smem_per_block
     if needed <= limit:
         return None
     return (f"{what} needs {needed} bytes of shared memory per block; this device allows "

@@ -51,7 +51,7 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import FLOAT32, HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import (Layout, device_limits, head_dim_bucket, rows_ready, run_backward,
+from ..._operands import (Layout, current_limits, head_dim_bucket, rows_ready, run_backward,
                            smem_refusal)
 from ..._params import make_params
 from ..._window import group_size, inverse_bounds, window_bounds
@@ -528,6 +528,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
         raise ValueError(f"problem too large for one fused-backward launch ({t.grid_x} CTAs)")
     bias, tokens = problem.has_rpb, problem.has_extra
     delta = Layout.contiguous(lse.shape, numpy.float32)
+    workspaces = [(delta.shape, delta.dtype)]   # delta (written by the dQ pass)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta, rpb=rpb, d_rpb=d_rpb, xk=xk, xv=xv, dxk=dxk, dxv=dxv)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
@@ -549,14 +550,13 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                           (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, DK, DV, tab, p, gq, gkv, nq),
                           shared_mem=t.one.smem, name=t.one.label, backend="fused",
                           tile=t.tile)
-        return Plan((call,), workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)),))
+        return Plan((call,), workspaces=tuple(workspaces))
     for ps, ptrs in ((t.q, (Q, K, V, D_OUT, OUT, LSE, DELTA, DQ, RPB, PART, t.bias, XK, XV)),
                      (t.kv, (Q, K, V, D_OUT, LSE, DELTA, DK, DV, RPB, t.bias))):
         fn = get_kernel(SOURCE, ps.name)
         calls += [KernelCall(fn, grid, (t.threads, 1, 1), (*ptrs, tab, p, geo),
                              shared_mem=ps.smem, name=ps.label, backend="fused", tile=t.tile)
                   for grid, geo in ps.launches]
-    workspaces = [(tuple(lse.shape), numpy.dtype(numpy.float32))]
     if bias:
         calls.append(KernelCall(
             get_kernel(SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
@@ -571,9 +571,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     return Plan(tuple(calls), workspaces=tuple(workspaces))
 
 
-def _limits():
-    import cupy
-    return device_limits(cupy.cuda.Device().id)
+_limits = current_limits   # (a module name: the CPU tests stand a device in for it)
 
 
 def backward(problem, q, k, v, out, lse, d_out, dq, dk, dv, rpb=None, d_rpb=None, extra=None,

@@ -101,9 +101,9 @@ def _bucket(head_dim):
     return head_dim_bucket(head_dim, BUCKETS)
 
 
-@functools.lru_cache(maxsize=None)
 def _compute_capability():
-    """(major, minor) of the current device, or None without a usable GPU."""
+    """(major, minor) of the current device, or None without a usable GPU (read once per
+    device by ``compute_capability``)."""
     return compute_capability()
 
 
