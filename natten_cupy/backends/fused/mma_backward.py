@@ -66,9 +66,12 @@ EXTRA_MAX_DIM = 128   # additional tokens in the kernels up to this head dim (as
 ONE_MAX_DIM = 128     # both passes in one launch up to this head dim (small problems)
 ONE_RESIDENT = 2      # CTAs an SM of that launch (__launch_bounds__ of na_bwd_fused_one)
 # Whether plans run both passes in one launch: None where ``one_launch`` says so, True
-# wherever the kernel may (``Tiling.one``), False never. False until na_bwd_fused_one has run
-# on a GPU (the GPU tests run it either way: tests/gpu/test_gpu_fused_bwd.py).
-ONE_LAUNCH = False
+# wherever the kernel may (``Tiling.one``), False never. Measured on an H100
+# (bench/results/one_launch.json, kernels alone from graph replay): 22.0 -> 17.8 us on a
+# 1-D 512-token window-63 D64 backward, 20.7 -> 18.7 us on 2x14x14 7x7 D32, equal on the
+# smallest problem (one CTA a pass) and within noise on the 512-CTA problems it leaves to two
+# launches; every fused-backward GPU test passes both ways (tests/gpu/test_gpu_fused_bwd.py).
+ONE_LAUNCH = None
 
 # (CTA tile, warp patch) per rank, in in-group coordinates over the padded axes. Every tile
 # holds exactly 4 patches of 16 rows (kWarps in fused/mma_backward.cu); all extents are powers of
