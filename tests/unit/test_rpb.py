@@ -236,10 +236,34 @@ def test_the_hopper_forward_runs_where_its_window_pays(monkeypatch):
     assert not pays((8, 32, 32), (3, 3, 7), 64, True) and pays((8, 32, 32), (3, 5, 5), 64, True)
     assert not pays((8, 32, 32), (3, 3, 2), 128) and pays((8, 32, 32), (3, 3, 3), 128)
     assert not pays((8, 32, 32), (3, 3, 5), 128, True) and pays((8, 32, 32), (3, 5, 5), 128, True)
+    # head dim 32 (padded to 64 there): large windows only, never in 3-D
+    assert not pays((8192,), (511,), 32, False) and pays((8192,), (1023,), 32, False)
+    assert not pays((8192,), (255,), 32, True) and pays((8192,), (511,), 32, True)
+    assert not pays((96, 96), (29, 29), 32, False) and pays((96, 96), (31, 31), 32, False)
+    assert not pays((96, 96), (29, 29), 32, True) and pays((96, 96), (31, 31), 32, True)
+    assert not pays((16, 32, 32), (15, 31, 31), 32, False)
+    assert not pays((16, 32, 32), (15, 31, 31), 32, True)
     assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (5, 5), 128, False)) == \
         "mma_forward"
     assert fused._parts_for("fused_forward", _hopper_problem((64, 64), (7, 7), 128, False)) == \
         "wgmma_forward"
+
+
+def test_the_hopper_parts_serve_head_dims_from_32_forward_and_above_32_backward(monkeypatch):
+    """fused._hopper_serves where the Hopper part accepts the problem (its own device checks
+    replaced): the forward from head dim 32 (padded to 64 columns), the backward above 32;
+    float32, a tile override and additional tokens stay off it."""
+    import types
+    from natten_cupy.backends import fused
+    monkeypatch.setattr(fused, "_part", lambda name: types.SimpleNamespace(refuse=lambda p: None))
+    for d, fwd, bwd in ((16, False, False), (31, False, False), (32, True, False),
+                        (40, True, True), (64, True, True), (128, True, True)):
+        p = _hopper_problem((8192,), (1023,), d, False)
+        assert fused._hopper_serves(p, "wgmma_forward") is fwd, d
+        assert fused._hopper_serves(p, "wgmma_backward") is bwd, d
+    q = numpy.zeros((1, 64, 2, 32), numpy.float32)
+    assert not fused._hopper_serves(_args.check_fused(1, q, q, q, (7,), 1, 1, False, None,
+                                                      "auto"))
 
 
 def test_bias_geometry_matches_the_c_struct():

@@ -58,12 +58,15 @@ def _part(name):
 
 
 def _hopper_serves(problem, name="wgmma_forward"):
-    """Whether the op goes to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16 with
-    a head dim above 32 (at 32 the mma.sync kernels, tuned for it, stay), no tile override,
-    no additional tokens (the mma.sync kernels attend to them themselves), and the part
-    accepts the problem on this device (the backward refuses a bias with deterministic=True:
-    its bias gradient sums with atomics)."""
-    if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim <= 32
+    """Whether the op may go to the Hopper part ``name`` (wgmma, sm_90): float16/bfloat16
+    with a head dim of at least 32 for the forward (32 pads to 64 columns; only large
+    windows pay there, ``HOPPER_FWD_FROM_D32``) and above 32 for the backward (the mma.sync
+    backward, tuned for 32, was measured faster everywhere at 32), no tile override, no
+    additional tokens (the mma.sync kernels attend to them themselves), and the part accepts
+    the problem on this device (the backward refuses a bias with deterministic=True: its bias
+    gradient sums with atomics)."""
+    least = 32 if name == "wgmma_forward" else 33
+    if (problem.tile is not None or problem.dtype not in HALF_TYPES or problem.head_dim < least
             or problem.has_extra):
         return False
     part = _part(name)
@@ -100,12 +103,25 @@ HOPPER_FWD_FROM = {
     (3, 64, False): 128, (3, 64, True): 75, (3, 128, False): 27, (3, 128, True): 64,
 }
 
+# The same at head dim 32 per (rank, bias), where the Hopper forward pads q and k to 64
+# columns and so pays only on large windows. Kernels alone on an H100
+# (bench/results/hopper_dispatch_d32.json, dispatch_r1_2d_d32.json): mma.sync / Hopper,
+# 1-D 1023: 1.05 (511: 0.94), with a bias 511: 1.03 (255: 0.84); 2-D 31x31 on 48x48: 1.23 and
+# 33x33 on 96x96: 1.21 (29x29: 0.90, 23x23: 0.83-1.04), with a bias 31x31: 1.13, 33x33: 1.28
+# (29x29: 0.98); 3-D never (5x9x9: 1.02, 7x11x11: 0.87).
+HOPPER_FWD_FROM_D32 = {(1, False): 1023, (1, True): 511, (2, False): 900, (2, True): 900,
+                       (3, False): None, (3, True): None}
+
 
 def _hopper_fwd_pays(problem):
     """Whether the forward goes to the Hopper part: where it accepts the problem and its
-    window is large enough (``HOPPER_FWD_FROM``) to beat the mma.sync forward."""
+    window is large enough (``HOPPER_FWD_FROM``, ``HOPPER_FWD_FROM_D32``) to beat the
+    mma.sync forward."""
     if not _hopper_serves(problem):
         return False
+    if problem.head_dim == 32:
+        least = HOPPER_FWD_FROM_D32[(problem.rank, problem.has_rpb)]
+        return least is not None and problem.num_neighbors >= least
     dp = _part("wgmma_forward")._bucket(problem.head_dim)
     return problem.num_neighbors >= HOPPER_FWD_FROM[(problem.rank, dp, problem.has_rpb)]
 
