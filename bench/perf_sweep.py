@@ -47,9 +47,12 @@ def _odd_up_to(rng, lo, hi):
 DTYPES = ("bf16", "fp16")
 
 
-def draw(seed, i, dtypes=DTYPES):
+def draw(seed, i, dtypes=DTYPES, head_dims=None):
     """Problem ``i`` of ``seed``: (Workload, dtype key), the dtype one of ``dtypes`` (keys of
-    ``workloads``: bf16, fp16, fp32, tf32); the other draws do not depend on them."""
+    ``workloads``: bf16, fp16, fp32, tf32); the other draws do not depend on them. With
+    ``head_dims`` the head dim is drawn from those instead (uniformly, by a generator of its
+    own, so the other draws stay the same): the head dims models use beyond 32-128's powers
+    of two (40, 80, 160 in diffusion U-Nets, 72 in DiT, 256)."""
     rng = np.random.default_rng([seed, i])
     rank = int(rng.choice([1, 2, 3], p=[0.3, 0.4, 0.3]))
     dtype = str(rng.choice(list(dtypes)))
@@ -85,6 +88,8 @@ def draw(seed, i, dtypes=DTYPES):
         causal = (bool(rng.random() < 0.4), False, False)
         dim = int(rng.choice([32, 64, 128], p=[0.2, 0.5, 0.3]))
         heads = int(rng.choice([4, 8, 12, 16]))
+    if head_dims:
+        dim = int(np.random.default_rng([seed, i, 1]).choice(list(head_dims)))
     tokens = math.prod(spatial)
     rows = 2 ** rng.uniform(math.log2(ROWS[0]), math.log2(ROWS[1]))
     batch = max(1, round(rows / (tokens * heads)))
@@ -117,6 +122,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES),
                     help="comma-separated dtypes drawn from (bf16, fp16, fp32, tf32; default "
                          "bf16,fp16)")
+    ap.add_argument("--head-dims", default=None,
+                    help="comma-separated head dims to draw from instead of the model-shaped "
+                         "choice per rank (e.g. 40,72,80,160,256)")
     ap.add_argument("--list", action="store_true", help="print the draws and exit (no GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -124,7 +132,14 @@ def main(argv=None):
     bad = [d for d in dtypes if d not in ("bf16", "fp16", "fp32", "tf32")]
     if bad:
         ap.error(f"--dtypes: unknown {bad} (bf16, fp16, fp32, tf32)")
-    draws = [draw(args.seed, i, dtypes) for i in range(args.first, args.first + args.count)]
+    try:
+        head_dims = tuple(int(d) for d in args.head_dims.split(",")) if args.head_dims else None
+    except ValueError:
+        ap.error(f"--head-dims: integers expected, got {args.head_dims!r}")
+    if head_dims and any(d < 1 for d in head_dims):
+        ap.error(f"--head-dims: positive head dims expected, got {args.head_dims!r}")
+    draws = [draw(args.seed, i, dtypes, head_dims)
+             for i in range(args.first, args.first + args.count)]
     if args.list:
         for w, dt in draws:
             print(f"{w.id:8s} {dt} B{w.batch} {w.describe()} dil {w.dilation} causal "
@@ -160,7 +175,8 @@ def main(argv=None):
               if any(v is not None and v < 1 for v in r["flex_over_ours"].values())]
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   commit=os.environ.get("NATTEN_CUPY_COMMIT", ""), seed=args.seed,
-                  dtypes=list(dtypes), first=args.first, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  dtypes=list(dtypes), head_dims=list(head_dims) if head_dims else None,
+                  first=args.first, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                   results=results, not_run=not_run, losses=losses)
     print(f"{len(results)} problems, {len(losses)} with a measure slower than Flex's; "
           f"not run: {len(not_run)}")

@@ -51,6 +51,23 @@ def test_dtypes_choose_only_the_dtype():
     assert perf_sweep.draw(1, 5, perf_sweep.DTYPES) == perf_sweep.draw(1, 5)
 
 
+def test_head_dims_choose_only_the_head_dim():
+    """--head-dims draws each problem's head dim from the given ones and leaves the rest of
+    the layer as drawn without it, but the batch (held to the FLOP bound)."""
+    dims = (40, 72, 80, 160, 256)
+    seen = set()
+    for i in range(80):
+        (w, dt), (wd, dtd) = perf_sweep.draw(4, i), perf_sweep.draw(4, i, head_dims=dims)
+        assert wd.dim in dims and dtd == dt
+        assert (w.spatial, w.kernel, w.heads, w.dilation, w.causal) == \
+            (wd.spatial, wd.kernel, wd.heads, wd.dilation, wd.causal)
+        assert wd.flops() <= perf_sweep.MAX_FLOPS or wd.batch == 1
+        seen.add(wd.dim)
+    assert seen == set(dims)
+    assert perf_sweep.draw(4, 3, head_dims=dims) == perf_sweep.draw(4, 3, head_dims=dims)
+    assert perf_sweep.draw(4, 3, head_dims=None) == perf_sweep.draw(4, 3)
+
+
 def test_readme_block_names_the_least_ratio_and_the_closest(tmp_path):
     """calls_report's perf-sweep block: per measure the least Flex/ours ratio and its problem,
     problems Flex did not run left out of the ratios, and the closest problems named."""
