@@ -12,7 +12,8 @@
 # after that part only. --general runs bench/models.py on the G set (layers of other models,
 # as users call them, next to FlexAttention; $GENERAL_BUDGET_S) into general.json, after those;
 # --perf-sweep bench/perf_sweep.py (seeded random model-shaped problems next to FlexAttention,
-# seed $PERF_SEED, dtypes $PERF_DTYPES, $PERF_BUDGET_S) into perf_sweep.json, last.
+# seed $PERF_SEED, dtypes $PERF_DTYPES, head dims $PERF_HEAD_DIMS if set, $PERF_BUDGET_S) into
+# perf_sweep.json, last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/natten_cupy_out}
@@ -113,7 +114,7 @@ if [ -n "$perf" ]; then
   echo "== random model-shaped problems next to FlexAttention (seed ${PERF_SEED:-1})"
   t0=$(date +%s)
   "$PY" bench/perf_sweep.py --seed ${PERF_SEED:-1} --count 60 --budget-s ${PERF_BUDGET_S:-240} \
-      --dtypes ${PERF_DTYPES:-bf16,fp16} \
+      --dtypes ${PERF_DTYPES:-bf16,fp16} ${PERF_HEAD_DIMS:+--head-dims $PERF_HEAD_DIMS} \
       --out "$OUT/perf_sweep.json" > "$OUT/perf_sweep.log" 2>&1 \
       || { echo "   perf sweep failed:"; tail -n 25 "$OUT/perf_sweep.log"; status=1; }
   grep -E "problems, |LOSS" "$OUT/perf_sweep.log"

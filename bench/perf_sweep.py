@@ -52,7 +52,8 @@ def draw(seed, i, dtypes=DTYPES, head_dims=None):
     ``workloads``: bf16, fp16, fp32, tf32); the other draws do not depend on them. With
     ``head_dims`` the head dim is drawn from those instead (uniformly, by a generator of its
     own, so the other draws stay the same): the head dims models use beyond 32-128's powers
-    of two (40, 80, 160 in diffusion U-Nets, 72 in DiT, 256)."""
+    of two (40, 80, 160 in diffusion U-Nets, 72 in DiT, 256). Such a draw is named
+    ``R<seed>-<i>-D<head dim>``, which ``workloads`` resolves back to it."""
     rng = np.random.default_rng([seed, i])
     rank = int(rng.choice([1, 2, 3], p=[0.3, 0.4, 0.3]))
     dtype = str(rng.choice(list(dtypes)))
@@ -96,7 +97,8 @@ def draw(seed, i, dtypes=DTYPES, head_dims=None):
     per_batch = 4 * tokens * heads * math.prod(kernel) * dim
     most = MAX_FLOPS if dtype in ("bf16", "fp16") else MAX_FLOPS / 8   # fp32 runs ~8x slower
     batch = max(1, min(batch, int(most // per_batch)))
-    w = wl.Workload(f"R{seed}-{i}", spatial, kernel, heads, dim, "random model-shaped draw",
+    name = f"R{seed}-{i}" + (f"-D{dim}" if head_dims else "")
+    w = wl.Workload(name, spatial, kernel, heads, dim, "random model-shaped draw",
                     batch=batch, dilation=dilation, causal=causal)
     return w, dtype
 

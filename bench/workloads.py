@@ -206,15 +206,16 @@ GENERAL_GROUPS = tuple((w, "bf16") for w in GENERAL_WORKLOADS)
 
 def _lookup(wid, *tables):
     """The workload ``wid`` of the first of ``tables`` that has it, or the perf sweep's
-    problem ``R<seed>-<i>`` (``perf_sweep.draw``: its layer, whatever dtype it was drawn
-    with); KeyError if none."""
+    problem ``R<seed>-<i>`` or ``R<seed>-<i>-D<head dim>`` (``perf_sweep.draw``: its layer,
+    whatever dtype it was drawn with); KeyError if none."""
     for table in tables:
         if wid in table:
             return table[wid]
-    m = re.fullmatch(r"R(\d+)-(\d+)", wid)
+    m = re.fullmatch(r"R(\d+)-(\d+)(?:-D(\d+))?", wid)
     if m:
         import perf_sweep   # (it imports this module)
-        return perf_sweep.draw(int(m.group(1)), int(m.group(2)))[0]
+        dims = (int(m.group(3)),) if m.group(3) else None
+        return perf_sweep.draw(int(m.group(1)), int(m.group(2)), head_dims=dims)[0]
     raise KeyError(wid)
 
 

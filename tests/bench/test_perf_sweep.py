@@ -66,6 +66,11 @@ def test_head_dims_choose_only_the_head_dim():
     assert seen == set(dims)
     assert perf_sweep.draw(4, 3, head_dims=dims) == perf_sweep.draw(4, 3, head_dims=dims)
     assert perf_sweep.draw(4, 3, head_dims=None) == perf_sweep.draw(4, 3)
+    # named with its head dim, which the probes' workload lookup resolves back to the draw
+    w, _ = perf_sweep.draw(4, 7, head_dims=dims)
+    assert w.id == f"R4-7-D{w.dim}"
+    assert perf_sweep.wl.model_workload(w.id) == w
+    assert perf_sweep.wl.model_workload("R4-7") == perf_sweep.draw(4, 7)[0]
 
 
 def test_readme_block_names_the_least_ratio_and_the_closest(tmp_path):
