@@ -21,6 +21,26 @@ class _FakeKernel:
         ptr = 0xDEAD
 
     max_dynamic_shared_size_bytes = 0
+    shared_size_bytes = 0   # static shared memory
+
+
+def test_prepare_opts_in_where_static_and_dynamic_shared_memory_pass_48_kib(monkeypatch):
+    """The 48 KiB a launch gets without opting in count static and dynamic shared memory
+    together: a plan's dynamic bytes under 48 KiB still need the limit raised when the
+    kernel declares enough static memory (the exact-fp32 weighted sums: 45.5 + 5 KiB)."""
+    class Static(_FakeKernel):
+        shared_size_bytes = 5 * 1024
+
+    for fn_type, dynamic, raised in ((Static, 46592, True), (Static, 43 * 1024, False),
+                                     (_FakeKernel, 46592, False),
+                                     (_FakeKernel, 48 * 1024 + 16, True), (Static, 0, False)):
+        call = KernelCall(fn_type(), (1, 1, 1), (128, 1, 1), (Operand(0),),
+                          shared_mem=dynamic).prepare()
+        assert call.fn.max_dynamic_shared_size_bytes == (dynamic if raised else 0), \
+            (fn_type.__name__, dynamic)
+    fn = Static()
+    _launch.allow_shared_memory(fn, 46592)   # the general path's launch does the same
+    assert fn.max_dynamic_shared_size_bytes == 46592
 
 
 def _launched(monkeypatch):
