@@ -30,7 +30,7 @@ template <typename T, int D, int ROWS, int NT, int UNROLL>
 __device__ __forceinline__ void load_tile(unsigned dst, const T* src, i64 stride, int row0,
                                           int rows, int head_dim, int tid) {
   constexpr int CPR = D / 8, STEP = NT / CPR;
-  static_assert(NT % CPR == 0 && STEP % 8 == 0, "rows per pass must be a multiple of 8");
+  static_assert(NT % CPR == 0 && (STEP % 8 == 0 || 8 % STEP == 0), "rows per pass");
   const int ch = tid % CPR;
   int r = tid / CPR;
   unsigned at = dst + (ch / 8) * (ROWS * 128) + swz128(r, ch % 8);
@@ -39,6 +39,8 @@ __device__ __forceinline__ void load_tile(unsigned dst, const T* src, i64 stride
 #pragma unroll UNROLL
   for (; r < ROWS; r += STEP) {
     const bool ok = col_ok && row0 + r < rows;
+    if constexpr (STEP % 8 != 0)   // (head dim 256: the swizzle term changes row to row)
+      at = dst + (ch / 8) * (ROWS * 128) + swz128(r, ch % 8);
     cp_async16(at, ok ? from : src, ok);
     at += STEP * 128;
     from += STEP * stride;
@@ -129,7 +131,7 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
                                           const Geom<RANK, T0, T1, T2>& G, const NAParams& p,
                                           int lo, int head_dim, int tid) {
   constexpr int CPR = D / 8, STEP = NT / CPR;
-  static_assert(NT % CPR == 0 && STEP % 8 == 0, "rows per pass must be a multiple of 8");
+  static_assert(NT % CPR == 0 && (STEP % 8 == 0 || 8 % STEP == 0), "rows per pass");
   int org[3] = {0, 0, 0};
   if (BOX && lo >= 0) G.box_origin(lo, org);
   // Tensor coordinates of tile row r (false: past the group or the region).
@@ -177,6 +179,7 @@ __device__ __forceinline__ void load_rows(unsigned dst0, const T* base0, const i
   for (; r < ROWS; r += STEP) {
     int c[3];
     const bool ok = row_coords(r, c) && col_ok;
+    if constexpr (STEP % 8 != 0) at = (ch / 8) * (ROWS * 128) + swz128(r, ch % 8);
     cp_async16(dst0 + at, ok ? base0 + G.offset(p, st0, c[0], c[1], c[2]) + ch * 8 : base0, ok);
     if (lo >= 0)
       cp_async16(dst1 + at, ok ? base1 + G.offset(p, st1, c[0], c[1], c[2]) + ch * 8 : base1,
@@ -217,8 +220,17 @@ struct RowBlock {
   // O += P V; v_tile: the BN x D value tile, read N-major (16 keys = 2048 bytes).
   __device__ __forceinline__ void issue_pv(unsigned v_tile) {
 #pragma unroll
-    for (int s = 0; s < BN / 16; ++s)
-      RS<D>::run(acc_o, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
+    for (int s = 0; s < BN / 16; ++s) {
+      if constexpr (D == 256) {   // two m64n128 halves: columns 0-127, then 128-255
+        float(&lo)[64] = *reinterpret_cast<float(*)[64]>(&acc_o[0]);
+        float(&hi)[64] = *reinterpret_cast<float(*)[64]>(&acc_o[64]);
+        RS<128>::run(lo, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
+        RS<128>::run(hi, pa[s], desc128(v_tile + s * 2048 + 2 * BN * 128, BN * 128, 1024),
+                     kind());
+      } else {
+        RS<D>::run(acc_o, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
+      }
+    }
   }
 
   // The score walks below visit each of the thread's BN / 2 scores of a key tile as

@@ -57,6 +57,19 @@ CASES = [
 ]
 
 
+# Head dims 136-256 in 1-D and 2-D (the head-dim-256 tile, switched on for these tests:
+# HEAD_DIM_256).
+WIDE_CASES = [
+    ((97,), 7, 1, 2, True, 2, 256, F16, None),
+    ((700,), 565, 1, 1, False, 2, 160, BF16, None),        # padded to 256
+    ((1500,), 512, 3, 1, True, 1, 256, BF16, None),        # even kernel, stride, causal
+    ((300,), 300, 1, 1, False, 1, 200, F16, None),         # self-attention, partial tile
+    ((33, 41), (7, 5), (2, 1), (2, 3), (True, False), 2, 256, F16, None),
+    ((30, 29), 13, 1, 1, False, 1, 160, BF16, None),
+    ((45, 50), (45, 50), 1, 1, False, 1, 136, BF16, None),   # 2-D self-attention
+]
+
+
 def _skip_unless_hopper():
     if wgmma_forward._compute_capability() != (9, 0):
         pytest.skip("needs a compute capability 9.0 GPU")
@@ -118,6 +131,17 @@ def check_case(case, rng, tile=None, layout="canonical", walk_boxes=None, bias=F
 def test_hopper_forward_matches_reference(case, rng):
     _skip_unless_hopper()
     check_case(case, rng)
+
+
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-"
+                         f"s{c[2]}-d{c[3]}-c{c[4]}-D{c[6]}-{numpy.dtype(c[7]).name}")
+@pytest.mark.parametrize("tma", [None, False], ids=("default", "cp.async"))
+def test_hopper_forward_head_dims_above_128(case, tma, rng, monkeypatch):
+    """The head-dim-256 tile (not yet dispatched: HEAD_DIM_256), both loaders in 1-D."""
+    _skip_unless_hopper()
+    monkeypatch.setattr(wgmma_forward, "HEAD_DIM_256", True)
+    wgmma_forward._plan.cache_clear()
+    check_case(case, rng, tma=tma)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if len(c[0]) > 1],

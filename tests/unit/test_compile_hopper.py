@@ -40,6 +40,35 @@ def _problem(x, rank, kernel, scale=None, rpb=None):
     return _args.check_fused(rank, x, x, x, kernel, 1, 1, False, scale, "fused", rpb=rpb)
 
 
+def test_head_dims_above_128_take_the_wide_tile_once_switched_on(monkeypatch):
+    """Head dims 136-256 pad to 256 and plan the head-dim-256 tile in 1-D and 2-D (two
+    warpgroups, 64-key tiles, two stages, the flat walk, 192 KiB of shared memory); refused
+    while HEAD_DIM_256 is off, and in 3-D or with a bias either way."""
+    from natten_cupy.backends.fused import _hopper_fwd_pays
+    for d in (136, 160, 256):
+        x = numpy.zeros((1, 40, 2, d), numpy.float16)
+        assert "up to 128" in wgmma_forward.refuse(_problem(x, 1, 7))
+    monkeypatch.setattr(wgmma_forward, "HEAD_DIM_256", True)
+    monkeypatch.setattr(wgmma_forward, "_compute_capability", lambda: (9, 0))
+    for shape, rank, kernel in (((1, 700, 2, 160), 1, 565), ((1, 30, 29, 1, 256), 2, 13)):
+        x = numpy.zeros(shape, numpy.float16)
+        p = _problem(x, rank, kernel)
+        assert wgmma_forward.refuse(p) is None
+        plan = wgmma_forward._plan(p)
+        assert plan.tile == wgmma_forward.WIDE and not plan.walk_boxes
+        assert plan.smem == 2 * 256 * (128 + 2 * 2 * 64) + 16 * 2
+        assert plan.name.startswith("natten::na_fwd_hopper<__half, 256, 2, 64, 2, true, true")
+        assert (wgmma_forward.SOURCE, plan.name) in wgmma_forward.instantiations()
+        assert _hopper_fwd_pays(p) in (True, False)   # the dispatch has thresholds for it
+    three = numpy.zeros((1, 9, 17, 13, 2, 200), numpy.float16)
+    assert "3-D" in wgmma_forward.refuse(_problem(three, 3, (3, 5, 4)))
+    bias = numpy.zeros((2, 13), numpy.float16)
+    x = numpy.zeros((1, 40, 2, 256), numpy.float16)
+    assert "bias" in wgmma_forward.refuse(_problem(x, 1, 7, rpb=bias))
+    wide = numpy.zeros((1, 16, 1, 264), numpy.float16)
+    assert "up to 256" in wgmma_forward.refuse(_problem(wide, 1, 3))
+
+
 def test_hopper_refusals():
     """Reasons that do not depend on the device (CI has none: the last reason is the GPU)."""
     f32 = numpy.zeros((1, 16, 1, 32), numpy.float32)

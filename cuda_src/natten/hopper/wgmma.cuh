@@ -91,6 +91,8 @@ __device__ __forceinline__ void copy_rows2(unsigned dst0, const T* base0, unsign
     const int src = RPW * i + lane / CPR;
     const long long o0 = __shfl_sync(0xffffffffu, m0, src), o1 = __shfl_sync(0xffffffffu, m1, src);
     const bool ok = __shfl_sync(0xffffffffu, mok, src) && col_ok;
+    if constexpr (STEP % 8 != 0)   // (head dim 256: the swizzle term changes row to row)
+      at = (ch / 8) * (ROWS * 128) + swz128(tid / CPR + STEP * i, ch % 8);
     cp_async16(dst0 + at, ok ? base0 + o0 + ch * 8 : base0, ok);
     cp_async16(dst1 + at, ok ? base1 + o1 + ch * 8 : base1, ok);
     at += STEP * 128;

@@ -35,7 +35,7 @@ from ..._tma import maps_of
 
 SOURCE = "fused/wgmma_forward.cu"
 OPTIONS = ("-arch=sm_90a",)
-BUCKETS = (64, 128)
+BUCKETS = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,17 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
 # 8 tiles in 2-D (M5), 1-2% at 12 in 3-D (M4), 6% at 14 (M7), 10% slower at 15 in 2-D (33 x 33).
 SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 3, True)}
 SMALL_BOX_UP_TO = {2: 8, 3: 14}
+# Head dims 136-256 (padded to 256): two compute warpgroups of 64 queries against 64-key
+# tiles, two stages (Q 64 KiB, a stage's K and V 64 KiB: 192 KiB), O += P V as two m64n128
+# halves, the flat key walk (key boxes take tiles of the query box's 128 keys), no bias, no
+# 64-query boxes, ranks 1 and 2 (the 3-D flat walk's index math spills 84 bytes there, 192
+# without the pipelined softmax). Compiles without spills (NVRTC 13.0, sm_90a), but has
+# not run on a GPU: HEAD_DIM_256 keeps the part refusing head dims above 128 (they run on
+# mma.sync) until tests/gpu/test_gpu_hopper.py's head-dim-256 cases pass and
+# bench/probes/hopper_dispatch.py places its thresholds.
+WIDE = T(2, 64, 2, True, True)
+DEFAULT[256] = WIDE
+HEAD_DIM_256 = False
 # The query box per (rank, compute warpgroups): 64 * wg queries (rank 1 takes any wg).
 QUERY_BOX = {(2, 2): (8, 16, 1), (3, 2): (2, 8, 8), (2, 1): (8, 8, 1), (3, 1): (2, 4, 8)}
 # With a relative positional bias (compile checks, NVRTC 13.0): at head dim 128 two stages,
@@ -113,8 +124,17 @@ def refuse(problem):
     if problem.v_dim != problem.head_dim:
         return (f"the Hopper fused forward takes one head dim for q, k and v, got "
                 f"{problem.head_dim} and {problem.v_dim}")
-    if problem.head_dim % 8 or problem.head_dim > 128:
-        return f"head dim {problem.head_dim} is not a multiple of 8 up to 128"
+    if problem.head_dim % 8 or problem.head_dim > 256:
+        return f"head dim {problem.head_dim} is not a multiple of 8 up to 256"
+    if problem.head_dim > 128 and not HEAD_DIM_256:
+        return (f"head dim {problem.head_dim}: the Hopper fused forward runs head dims up to "
+                "128 (above, the mma.sync kernels)")
+    if problem.head_dim > 128 and problem.rank == 3:
+        return (f"head dim {problem.head_dim} in 3-D: the Hopper fused forward takes 3-D up to "
+                "head dim 128")
+    if problem.head_dim > 128 and problem.has_rpb:
+        return (f"head dim {problem.head_dim} with a relative positional bias: the Hopper "
+                "fused forward takes a bias up to head dim 128")
     if not problem.scale > 0:
         return f"the Hopper fused forward needs a positive scale, got {problem.scale}"
     if problem.has_rpb and problem.scale < 2.0 ** -64:
@@ -153,6 +173,8 @@ def _bias_tile(rank, dp):
 
 def _default_tile(problem):
     dp = _bucket(problem.head_dim)
+    if dp == 256:
+        return WIDE
     tile = DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
     small = problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]
     if problem.has_rpb:   # (64-query boxes at head dim 64 only: BIAS_BOX_MARGIN)
@@ -168,7 +190,9 @@ def _bias_walks(rank, dp):
 def instantiations():
     out = []
     for dtype in HALF_TYPES:
-        for dp in BUCKETS:
+        out += [(SOURCE, _name(dtype, 256, WIDE, tma=tma)) for tma in (False, True)]
+        out.append((SOURCE, _name(dtype, 256, WIDE, 2)))
+        for dp in (64, 128):
             for tma in (False, True):   # (key boxes only with TMA at rank 2, 3)
                 out.append((SOURCE, _name(dtype, dp, DEFAULT[dp], tma=tma)))
                 out.append((SOURCE, _name(dtype, dp, _bias_tile(1, dp), bias=True, tma=tma)))
@@ -279,7 +303,7 @@ def _plan(problem, tile=None, walk_boxes=None):
     dp = _bucket(problem.head_dim)
     default = _default_tile(problem)
     tile = tile or default
-    small = problem.rank > 1 and tile == SMALL_BOX[dp]
+    small = problem.rank > 1 and tile == SMALL_BOX.get(dp)
     biased = _bias_tile(problem.rank, dp)
     if problem.has_rpb and tile != biased and not small:
         raise ValueError(f"a bias runs {biased} or (rank 2, 3) {SMALL_BOX[dp]} only, "
