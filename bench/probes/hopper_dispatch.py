@@ -1,9 +1,10 @@
 """Where the Hopper fused forward beats the mma.sync one: kernel times over a grid of shapes.
 
-    python bench/probes/hopper_dispatch.py [--reps 15] [--out dispatch.json] [--grid d32]
+    python bench/probes/hopper_dispatch.py [--reps 15] [--out dispatch.json] [--grid d32|d256]
 
 Per shape (1-D, 2-D and 3-D; windows from small to large; head dims 64 and 128, or with
-``--grid d32`` large windows at head dim 32; float16) and
+``--grid d32`` large windows at head dim 32, with ``--grid d256`` head dims 160 and 256 in
+1-D and 2-D, the Hopper part's head-dim-256 tile switched on; float16) and
 with and without a relative positional bias, both forward parts are called directly on the
 same inputs and timed kernels alone (CUDA events around each launch through the library's
 profiler hook, ``timing.kernel_ms``: host time between calls does not count; median
@@ -25,7 +26,11 @@ import cupy  # noqa: E402
 from natten_cupy import _args  # noqa: E402
 from natten_cupy.profile_cli import random_array  # noqa: E402
 from timing import kernel_ms  # noqa: E402
-from workloads import DISPATCH_GRID, DISPATCH_GRID_D32  # noqa: E402
+from workloads import DISPATCH_GRID, DISPATCH_GRID_D32, DISPATCH_GRID_D256  # noqa: E402
+
+# --grid: (shapes, head dims, bias rows too)
+GRIDS = {"default": (DISPATCH_GRID, (64, 128), True), "d32": (DISPATCH_GRID_D32, (32,), True),
+         "d256": (DISPATCH_GRID_D256, (160, 256), False)}
 
 
 def run(spatial, kernel, batch, heads, dim, bias, reps):
@@ -40,9 +45,9 @@ def run(spatial, kernel, batch, heads, dim, bias, reps):
                bias=bias)
     out, lse = cupy.empty_like(q), cupy.empty(shape[:-1], cupy.float32)
     kw = {} if rpb is None else {"rpb": rpb}
-    small = wgmma_forward.SMALL_BOX[wgmma_forward._bucket(dim)]
+    small = wgmma_forward.SMALL_BOX.get(wgmma_forward._bucket(dim))
     runs = [("wgmma", wgmma_forward, {}), ("mma.sync", mma_forward, {})]
-    if rank > 1 and not bias:
+    if rank > 1 and not bias and small is not None:
         runs.append(("wgmma+small", wgmma_forward, {"tile": small}))
     for name, part, tile in runs:
         why = part.refuse(problem)
@@ -63,19 +68,22 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--ranks", default="1,2,3", help="ranks of the grid to time")
     ap.add_argument("--no-bias", action="store_true", help="skip the rows with a bias")
-    ap.add_argument("--grid", choices=("default", "d32"), default="default",
-                    help="d32: the large windows of DISPATCH_GRID_D32 at head dim 32")
+    ap.add_argument("--grid", choices=tuple(GRIDS), default="default",
+                    help="d32: the large windows of DISPATCH_GRID_D32 at head dim 32; d256: "
+                         "DISPATCH_GRID_D256 at head dims 160 and 256")
     args = ap.parse_args(argv)
     ranks = {int(r) for r in args.ranks.split(",")}
-    grid, dims = (DISPATCH_GRID, (64, 128)) if args.grid == "default" else \
-        (DISPATCH_GRID_D32, (32,))
+    grid, dims, biased = GRIDS[args.grid]
+    if args.grid == "d256":
+        from natten_cupy.backends.fused import wgmma_forward
+        wgmma_forward.HEAD_DIM_256 = True
     rows = []
     for spatial, kernels, batch, heads in grid:
         if len(spatial) not in ranks:
             continue
         for kernel in kernels:
             for dim in dims:
-                for bias in ((False,) if args.no_bias else (False, True)):
+                for bias in ((False,) if args.no_bias or not biased else (False, True)):
                     row = run(spatial, kernel, batch, heads, dim, bias, args.reps)
                     rows.append(row)
                     print(f"{str(tuple(spatial)):>14} k{str(tuple(kernel)):<12} D{dim:<4} "
