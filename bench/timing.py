@@ -20,6 +20,7 @@
   natten_cupy), so host time between launches does not count: (name, ms) of every launch of
   one call (with its backend on request); per kernel name the median over calls of its
   launches' sum; the median of a call's summed kernel times.
+* ``save_rows(path, rows)``: a probe's rows as JSON, with the device and commit they came from.
 
 The events go on the stream the caller's work runs on: torch's current stream when the caller
 has imported torch (the suite, the torch layer, the peers), else CuPy's current stream (the
@@ -231,3 +232,16 @@ def kernel_ms(fn, reps):
     warm-up)."""
     fn()
     return statistics.median(sum(ms for _, ms in launch_times(fn)) for _ in range(reps))
+
+
+def save_rows(path, rows):
+    """Write a probe's ``rows`` to ``path`` as JSON under ``meta``: the device and the commit
+    (``$NATTEN_CUPY_COMMIT``) they were measured on."""
+    import json
+    import os
+
+    import cupy
+    meta = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                commit=os.environ.get("NATTEN_CUPY_COMMIT", ""))
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)

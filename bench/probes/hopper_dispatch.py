@@ -14,7 +14,6 @@ mma.sync / wgmma is printed per row (above 1: the Hopper kernel is faster).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ import cupy  # noqa: E402
 
 from natten_cupy import _args  # noqa: E402
 from natten_cupy.profile_cli import random_array  # noqa: E402
-from timing import kernel_ms  # noqa: E402
+from timing import kernel_ms, save_rows  # noqa: E402
 from workloads import DISPATCH_GRID, DISPATCH_GRID_D32, DISPATCH_GRID_D256  # noqa: E402
 
 # --grid: (shapes, head dims, bias rows too)
@@ -94,10 +93,7 @@ def main(argv=None):
                              f"{row.get('mma/wgmma+small', '-')}" if "wgmma+small" in row
                              else ""), flush=True)
     if args.out:
-        meta = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                    commit=os.environ.get("NATTEN_CUPY_COMMIT", ""))
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save_rows(args.out, rows)
 
 
 if __name__ == "__main__":

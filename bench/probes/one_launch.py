@@ -12,7 +12,6 @@ the gradients of both modes must agree (max |difference| / max |gradient|, print
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 import natten_cupy  # noqa: E402
 from natten_cupy import _args, _fast  # noqa: E402
 from natten_cupy.backends.fused import mma_backward as M  # noqa: E402
-from timing import graph_ms, wall_us  # noqa: E402
+from timing import graph_ms, save_rows, wall_us  # noqa: E402
 
 # (shape [B, *spatial, H, D], kernel, dtype)
 PROBLEMS = [
@@ -79,10 +78,7 @@ def main(argv=None):
               f"  kernels {row['two_kernels_us']:7.1f} -> {row['one_kernels_us']:7.1f} us  "
               f"diff {row['max_rel_diff']:.1e}", flush=True)
     if args.out:
-        meta = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                    commit=os.environ.get("NATTEN_CUPY_COMMIT", ""))
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -220,17 +220,8 @@ struct RowBlock {
   // O += P V; v_tile: the BN x D value tile, read N-major (16 keys = 2048 bytes).
   __device__ __forceinline__ void issue_pv(unsigned v_tile) {
 #pragma unroll
-    for (int s = 0; s < BN / 16; ++s) {
-      if constexpr (D == 256) {   // two m64n128 halves: columns 0-127, then 128-255
-        float(&lo)[64] = *reinterpret_cast<float(*)[64]>(&acc_o[0]);
-        float(&hi)[64] = *reinterpret_cast<float(*)[64]>(&acc_o[64]);
-        RS<128>::run(lo, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
-        RS<128>::run(hi, pa[s], desc128(v_tile + s * 2048 + 2 * BN * 128, BN * 128, 1024),
-                     kind());
-      } else {
-        RS<D>::run(acc_o, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
-      }
-    }
+    for (int s = 0; s < BN / 16; ++s)
+      RS<D>::run(acc_o, pa[s], desc128(v_tile + s * 2048, BN * 128, 1024), kind());
   }
 
   // The score walks below visit each of the thread's BN / 2 scores of a key tile as

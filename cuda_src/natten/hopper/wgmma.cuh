@@ -335,6 +335,19 @@ template <> struct RS<128> {
 };
 
 
+// m64n256k16 (head dim 256) as two m64n128k16 halves: B's columns 0-127, then 128-255, which
+// start two column blocks (2 x LBO bytes) on; the descriptor's address field counts 16-byte
+// units, as its LBO field does.
+template <> struct RS<256> {
+  template <class K>
+  static __device__ __forceinline__ void run(float (&d)[128], const unsigned (&a)[4], u64 b,
+                                             K kind) {
+    const u64 lbo = (b >> 16) & 0x3FFF;
+    RS<128>::run(*reinterpret_cast<float(*)[64]>(&d[0]), a, b, kind);
+    RS<128>::run(*reinterpret_cast<float(*)[64]>(&d[64]), a, b + 2 * lbo, kind);
+  }
+};
+
 // d (+)= A * B with A and B both MN-major in shared memory (A stored K rows x M columns, B K
 // rows x N columns; descriptors as for RS's B: a 16-deep K step is +2048 bytes, SBO = 1024,
 // LBO = the next 64 columns), 64 x 64 tile; accumulate unless !acc. The Hopper backward's dQ
