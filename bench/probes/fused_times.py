@@ -12,8 +12,9 @@ dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: t
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
 stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
-query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+rpb``: with a random relative
-positional bias, d_rpb from the backward), on the same inputs: forward and backward
+query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b256``: the mma.sync backward
+with head dims 136-160 padded to 256 as before its 160 bucket; ``+rpb``: with a random
+relative positional bias, d_rpb from the backward), on the same inputs: forward and backward
 CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.
@@ -65,8 +66,25 @@ def _source(family, baselines):
             m.SOURCE = src
 
 
+@contextlib.contextmanager
+def _buckets(family):
+    """``+b256``: the mma.sync backward without its 160 bucket (decisions re-made on entry
+    and on exit: ``configure`` caches them per problem)."""
+    from natten_cupy.backends.fused import mma_backward as m
+    saved = m.D_BUCKETS
+    if "+b256" in family.split("@")[0]:
+        m.D_BUCKETS = tuple(d for d in saved if d != 160)
+        m._configure.cache_clear()
+    try:
+        yield
+    finally:
+        if m.D_BUCKETS != saved:
+            m.D_BUCKETS = saved
+            m._configure.cache_clear()
+
+
 def run(wid, dtype, family, reps, baselines=None, forward_only=False):
-    with _source(family, baselines or {}):
+    with _source(family, baselines or {}), _buckets(family):
         try:
             return _run(wid, dtype, family, reps, forward_only)
         except ValueError as e:   # a variant this problem cannot take (e.g. +btma at rank 2)

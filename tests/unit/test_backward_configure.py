@@ -78,7 +78,22 @@ MMA_CASES = [
     dict(spatial=(23, 29), kernel=(9, 9), rpb=True, dtype=numpy.float32, allow_tf32=True,
          head_dim=256),
     dict(spatial=(10, 20, 21), kernel=(5, 9, 9), dilation=(1, 2, 2), head_dim=72),
+    dict(spatial=(17, 22), kernel=(5, 7), rpb=True, heads=4, kv_heads=2, head_dim=152),
 ]
+
+
+def test_head_dim_chunks_tile_their_bucket():
+    """Every bucket splits into whole chunks of 16-column multiples (the kernels' ldmatrix
+    and mma steps), so no column is computed twice or left out; 136-160 pad to 160, not 256."""
+    for dp in M.D_BUCKETS:
+        for chunk in (M._q_chunk(dp), M._kv_chunk(dp)):
+            assert chunk % 16 == 0 and dp % chunk == 0, (dp, chunk)
+    assert [M._bucket(d) for d in (128, 136, 160, 168, 256)] == [128, 160, 160, 256, 256]
+    names = [n for _, n in M.instantiations()]
+    assert "na_bwd_fused_kv<__half, 160, 80, false, false>" in names
+    assert "na_bwd_fused_q<__nv_bfloat16, 160, 160, true, false>" in names
+    assert not any(n.startswith(("na_bwd_extra_kv", "na_bwd_fused_one")) and ", 160," in n
+                   for n in names)
 
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{len(c['spatial'])}d-{c['spatial']}")
@@ -103,7 +118,7 @@ def test_mma_backward_plan_binds_the_decision(case, fake_device, monkeypatch):
     per_axis = M.tiles_per_axis(p, tile)
     ctas = numpy.prod(per_axis) * numpy.prod(p.dilation)
     assert t.q.launches[0][0] == (ctas * (dp // M._q_chunk(dp)), p.heads, 1)
-    assert t.kv.launches[0][0] == (ctas * (dp // min(dp, M.KV_CHUNK)), p.kv_heads, 1)
+    assert t.kv.launches[0][0] == (ctas * (dp // M._kv_chunk(dp)), p.kv_heads, 1)
     if p.has_rpb:
         assert _same_struct(t.bias, M.bias_geometry(p, offsets, per_axis))
     # plan_backward launches exactly that (the passes one by one, ONE_LAUNCH False).

@@ -15,9 +15,10 @@ themselves, so they need not wait for the dQ pass):
    CTA owns keys of one kv head and walks the queries of each head of its group in turn.
 
 Window arithmetic comes from per-axis tables built here (``_axis_table``) and cached on the
-device. Head dims are padded to a bucket (32, 64, 128, 256) with zero columns; the
+device. Head dims are padded to a bucket (32, 64, 128, 160, 256) with zero columns; the
 accumulated columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to
-bound registers. ``problem.tile`` is not used: the tiles are fixed per rank (``TILES``).
+bound registers, 80 and 160 at 160 (``_kv_chunk``, ``_q_chunk``). ``problem.tile`` is not
+used: the tiles are fixed per rank (``TILES``).
 TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
 
 With a relative positional bias (``problem.has_rpb``) both passes add it to the scores, and
@@ -57,7 +58,7 @@ from ..._params import make_params
 from ..._window import group_size, inverse_bounds, window_bounds
 
 SOURCE = "fused/mma_backward.cu"
-D_BUCKETS = (32, 64, 128, 256)
+D_BUCKETS = (32, 64, 128, 160, 256)
 KV_CHUNK = 64
 Q_CHUNK = 128
 SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
@@ -175,8 +176,17 @@ def _bucket(head_dim):
 
 def _q_chunk(dp, bias=False):
     """Columns of dQ per CTA: up to Q_CHUNK (with a bias too: its dS tile goes to shared
-    memory in 8-byte stores after the score loop, which keeps the pass free of spills)."""
-    return min(dp, Q_CHUNK)
+    memory in 8-byte stores after the score loop, which keeps the pass free of spills); the
+    whole 160 at 160 (80 accumulator registers, none spilled)."""
+    return dp if dp == 160 else min(dp, Q_CHUNK)
+
+
+def _kv_chunk(dp):
+    """Columns of dK and dV per CTA: up to KV_CHUNK, 80 at 160. Every chunk's CTA recomputes
+    S = Q K^T and dP = dO V^T over the whole padded head dim, so at 160 two chunks of 80
+    (2 x 80 accumulators, none spilled) do 2 x (2 x 160 + 2 x 80) units where padding to
+    256 in chunks of 64 did 4 x (2 x 256 + 2 x 64): 2.7x less work."""
+    return 80 if dp == 160 else min(dp, KV_CHUNK)
 
 
 def _names(ctype, dp, grouped=False, bias=False, extra=False):
@@ -186,13 +196,13 @@ def _names(ctype, dp, grouped=False, bias=False, extra=False):
     bias (and the dQ pass's bias-gradient boxes); ``extra``: the dQ pass that also walks the
     additional tokens."""
     flag = lambda x: "true" if x else "false"
-    return (f"na_bwd_fused_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}, {flag(grouped)}, "
+    return (f"na_bwd_fused_kv<{ctype}, {dp}, {_kv_chunk(dp)}, {flag(grouped)}, "
             f"{flag(bias)}>",
             f"na_bwd_fused_q<{ctype}, {dp}, {_q_chunk(dp, bias)}, {flag(bias)}, {flag(extra)}>")
 
 
 def _extra_names(ctype, dp):
-    return (f"na_bwd_extra_kv<{ctype}, {dp}, {min(dp, KV_CHUNK)}>",
+    return (f"na_bwd_extra_kv<{ctype}, {dp}, {_kv_chunk(dp)}>",
             f"na_bwd_extra_sum<{ctype}>")
 
 
@@ -204,7 +214,7 @@ def instantiations():
             for dp in D_BUCKETS:
                 out += [(SOURCE, name) for name in _names(ct, dp, bias=bias)]
                 out.append((SOURCE, _names(ct, dp, grouped=True, bias=bias)[0]))
-        for dp in D_BUCKETS[:-1]:   # up to EXTRA_MAX_DIM
+        for dp in (d for d in D_BUCKETS if d <= EXTRA_MAX_DIM):
             out.append((SOURCE, _names(ct, dp, extra=True)[1]))
             out.append((SOURCE, _extra_names(ct, dp)[0]))
         out.append((SOURCE, _extra_names(ct, 32)[1]))
@@ -394,7 +404,7 @@ def _tiling(problem, tiles, bias_smem):
     itemsize = numpy.dtype(problem.dtype).itemsize
     passes, grid_x = [], 0
     for name, chunk, owner_is_key in ((name_q, _q_chunk(dp, bias), False),
-                                      (name_kv, min(dp, KV_CHUNK), True)):
+                                      (name_kv, _kv_chunk(dp), True)):
         # Bias parts: per gathered row, the head's table, and the dQ pass's per-warp boxes.
         slab, smem = _slab_rows(reach[owner_is_key], dp, itemsize, nwarps, owner_is_key,
                                 bias_smem[owner_is_key])
@@ -420,7 +430,7 @@ def _tiling(problem, tiles, bias_smem):
 
 
 def _one_name(ctype, dp):
-    return f"na_bwd_fused_one<{ctype}, {dp}, {_q_chunk(dp)}, {min(dp, KV_CHUNK)}>"
+    return f"na_bwd_fused_one<{ctype}, {dp}, {_q_chunk(dp)}, {_kv_chunk(dp)}>"
 
 
 def _one_launch(problem, dp, passes):
@@ -457,7 +467,7 @@ def _extra_splits(problem, dp, sms):
     """(splits, query tokens per split) of na_bwd_extra_kv: about four CTAs per SM, at least
     256 query tokens per split."""
     n = problem.num_tokens
-    ctas = -(-problem.extra_tokens // (KWARPS * 16)) * (dp // min(dp, KV_CHUNK))
+    ctas = -(-problem.extra_tokens // (KWARPS * 16)) * (dp // _kv_chunk(dp))
     ctas *= problem.batch * problem.extra_heads
     splits = max(1, min(-(-4 * sms // ctas), n // 256, MAX_GRID_Y))
     rows = -(-n // splits)
@@ -484,7 +494,7 @@ def _extra_tiling(problem, sms):
     es = numpy.dtype(problem.dtype).itemsize
     splits, rows = _extra_splits(problem, dp, sms)
     slab, smem = _slab_rows(rows, dp, es, KWARPS, True)
-    chunks = dp // min(dp, KV_CHUNK)
+    chunks = dp // _kv_chunk(dp)
     gx = -(-problem.extra_tokens // (KWARPS * 16)) * chunks
     bh = problem.batch * problem.extra_heads
     geo = numpy.zeros((), EXTRA_GEOM)
