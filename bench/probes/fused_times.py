@@ -13,7 +13,8 @@ forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN``
 stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
 query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b256``: the mma.sync backward
-with head dims 136-160 padded to 256 as before its 160 bucket; ``+rpb``: with a random
+with head dims 136-160 padded to 256 as before its 160 bucket, ``+qcN`` / ``+kvcN``: its
+dQ / dK-dV pass in head-dim chunks of N columns at the problem's bucket; ``+rpb``: with a random
 relative positional bias, d_rpb from the backward), on the same inputs: forward and backward
 CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
@@ -68,19 +69,28 @@ def _source(family, baselines):
 
 @contextlib.contextmanager
 def _buckets(family):
-    """``+b256``: the mma.sync backward without its 160 bucket (decisions re-made on entry
-    and on exit: ``configure`` caches them per problem)."""
+    """``+b256``: the mma.sync backward without its 160 bucket; ``+qcN``, ``+kvcN``: its
+    chunks (decisions re-made on entry and on exit: ``configure`` caches them per problem)."""
     from natten_cupy.backends.fused import mma_backward as m
-    saved = m.D_BUCKETS
-    if "+b256" in family.split("@")[0]:
-        m.D_BUCKETS = tuple(d for d in saved if d != 160)
-        m._configure.cache_clear()
+    saved = m.D_BUCKETS, dict(m.Q_CHUNKS), dict(m.KV_CHUNKS)
+    mods = family.split("@")[0].split("+")[1:]
+    if "b256" in mods:
+        m.D_BUCKETS = tuple(d for d in saved[0] if d != 160)
+    for mod in mods:   # qcN, kvcN: chunks of N columns at every bucket from N up
+        for prefix, chunks in (("qc", m.Q_CHUNKS), ("kvc", m.KV_CHUNKS)):
+            if mod.startswith(prefix) and mod[len(prefix):].isdigit():
+                n = int(mod[len(prefix):])
+                chunks.update({dp: n for dp in m.D_BUCKETS if dp >= n and dp % n == 0})
+    m._configure.cache_clear()
     try:
         yield
     finally:
-        if m.D_BUCKETS != saved:
-            m.D_BUCKETS = saved
-            m._configure.cache_clear()
+        m.D_BUCKETS = saved[0]
+        m.Q_CHUNKS.clear()
+        m.Q_CHUNKS.update(saved[1])
+        m.KV_CHUNKS.clear()
+        m.KV_CHUNKS.update(saved[2])
+        m._configure.cache_clear()
 
 
 def run(wid, dtype, family, reps, baselines=None, forward_only=False):

@@ -61,6 +61,9 @@ SOURCE = "fused/mma_backward.cu"
 D_BUCKETS = (32, 64, 128, 160, 256)
 KV_CHUNK = 64
 Q_CHUNK = 128
+# Chunks of other widths per bucket ({bucket: columns}; ``_kv_chunk``, ``_q_chunk``).
+KV_CHUNKS = {160: 80}
+Q_CHUNKS = {160: 160}
 SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
 MAX_GRID_Y = 65535
 EXTRA_MAX_DIM = 128   # additional tokens in the kernels up to this head dim (as the forward)
@@ -177,16 +180,16 @@ def _bucket(head_dim):
 def _q_chunk(dp, bias=False):
     """Columns of dQ per CTA: up to Q_CHUNK (with a bias too: its dS tile goes to shared
     memory in 8-byte stores after the score loop, which keeps the pass free of spills); the
-    whole 160 at 160 (80 accumulator registers, none spilled)."""
-    return dp if dp == 160 else min(dp, Q_CHUNK)
+    whole 160 at 160 (80 accumulator registers, none spilled): ``Q_CHUNKS``."""
+    return Q_CHUNKS.get(dp, min(dp, Q_CHUNK))
 
 
 def _kv_chunk(dp):
     """Columns of dK and dV per CTA: up to KV_CHUNK, 80 at 160. Every chunk's CTA recomputes
     S = Q K^T and dP = dO V^T over the whole padded head dim, so at 160 two chunks of 80
     (2 x 80 accumulators, none spilled) do 2 x (2 x 160 + 2 x 80) units where padding to
-    256 in chunks of 64 did 4 x (2 x 256 + 2 x 64): 2.7x less work."""
-    return 80 if dp == 160 else min(dp, KV_CHUNK)
+    256 in chunks of 64 did 4 x (2 x 256 + 2 x 64): 2.7x less work (``KV_CHUNKS``)."""
+    return KV_CHUNKS.get(dp, min(dp, KV_CHUNK))
 
 
 def _names(ctype, dp, grouped=False, bias=False, extra=False):
