@@ -32,7 +32,8 @@ by ``(seed, crc32(stream), i)``, so a case reproduces alone (``--first i --cases
 sweep. The GPU run (``bench/gpu_run.sh --sweep``) uses the fixed seed 13 and takes subset
 ``s = $SWEEP_SUBSET`` (default 0): indices ``[s * N, (s + 1) * N)`` with ``N = $SWEEP_CASES``
 (default 1000); sessions that raise ``SWEEP_SUBSET`` by one cover new cases, and together
-all subsets cover the space over time. Record the subset with its summary.
+all subsets cover the space over time. Record the subset with its summary. ``--head-dims``
+draws head dims from a given list (e.g. the buckets above 128) in streams of their own.
 
 Time. Streams run in parallel worker processes (``--jobs``, one per stream by default, all
 on one GPU); each stops cleanly at ``--time-budget-s`` (compiles included) and the summary
@@ -139,9 +140,12 @@ def _head_dim(rng, backend):
     return int(rng.integers(1, 81)) if rng.random() < 0.7 else int(rng.choice([32, 64, 128]))
 
 
-def draw_config(seed, backend, dtype, index):
-    """Configuration ``index`` of stream ``backend/dtype`` (a JSON-able dict)."""
-    stream = zlib.crc32(f"{backend}/{dtype}".encode())
+def draw_config(seed, backend, dtype, index, head_dims=None):
+    """Configuration ``index`` of stream ``backend/dtype`` (a JSON-able dict); ``head_dims``
+    (``--head-dims``): the head dim drawn from these alone, in a stream of its own
+    (``backend/dtype/D<dims>``), so that the plain streams' cases stay what they were."""
+    name = f"{backend}/{dtype}" + (f"/D{'-'.join(map(str, head_dims))}" if head_dims else "")
+    stream = zlib.crc32(name.encode())
     rng = numpy.random.default_rng([seed, stream, index])
     for _ in range(DRAW_ATTEMPTS):
         kind = str(rng.choice(KINDS[backend]))
@@ -159,7 +163,7 @@ def draw_config(seed, backend, dtype, index):
         axes = [_axis(rng, L, fused, kmax) for L in spatial]
         kernel, stride, dilation, causal = (list(t) for t in zip(*axes))
         batch, heads = int(rng.integers(1, 4)), int(rng.integers(1, 5))
-        head_dim = _head_dim(rng, backend)
+        head_dim = int(rng.choice(head_dims)) if head_dims else _head_dim(rng, backend)
         if long_axis:
             head_dim = (40 if backend == "hopper" else 8 if backend in TENSOR_CORE
                         else int(rng.integers(1, 9)))
@@ -183,6 +187,8 @@ def draw_config(seed, backend, dtype, index):
             "permuted": bool(rng.random() < 0.3),
             "input_seed": int(rng.integers(2 ** 31)),
         }
+        if head_dims:
+            cfg["head_dims"] = list(head_dims)
         # A bias on a quarter of the fused cases of stride 1 (a bias takes no other), read
         # off the input seed: no draw of its own, so every other field of every case stays
         # what it was before fused cases took a bias.
@@ -474,9 +480,10 @@ def _fatal(exc):
 
 def run_stream(task):
     """Worker: the cases of one stream until done or out of time (a dict for the summary)."""
-    backend_name, dtype, seed, first, count, deadline, device = task
+    backend_name, dtype, seed, first, count, deadline, device, head_dims = task
     t0 = time.time()
-    res = {"stream": f"{backend_name}/{dtype}", "cases_run": 0, "refused": 0, "failures": [],
+    label = f"{backend_name}/{dtype}" + (f"/D{'-'.join(map(str, head_dims))}" if head_dims else "")
+    res = {"stream": label, "cases_run": 0, "refused": 0, "failures": [],
            "worst_ratio": {}, "out_of_time": False, "aborted": None}
     digest = hashlib.sha256()
     try:
@@ -493,7 +500,7 @@ def run_stream(task):
         if time.time() >= deadline:
             res["out_of_time"] = True
             break
-        cfg = draw_config(seed, backend_name, dtype, i)
+        cfg = draw_config(seed, backend_name, dtype, i, head_dims)
         i += 1
         digest.update(json.dumps(cfg, sort_keys=True).encode())
         try:
@@ -533,7 +540,16 @@ def parse_args(argv):
     ap.add_argument("--dtypes", default=None, help="comma-separated subset of each backend's")
     ap.add_argument("--jobs", type=int, default=0, help="worker processes (0: one a stream)")
     ap.add_argument("--out", default=None, help="summary JSON")
+    ap.add_argument("--head-dims", default=None,
+                    help="comma-separated head dims to draw from instead of each backend's "
+                         "mix (streams of their own, e.g. 136,144,160,200,256)")
     a = ap.parse_args(argv)
+    try:
+        a.head_dims = tuple(int(x) for x in a.head_dims.split(",")) if a.head_dims else None
+    except ValueError:
+        ap.error(f"--head-dims takes comma-separated integers, got {a.head_dims!r}")
+    if a.head_dims and min(a.head_dims) < 1:
+        ap.error(f"--head-dims must be positive, got {a.head_dims}")
     default = "reference" if a.device == "cpu" else "naive,fused,tiled,hopper"
     a.backends = [b for b in (a.backends or default).split(",") if b]
     for b in a.backends:
@@ -561,6 +577,7 @@ def summarize(a, results, elapsed):
         digest.update(r["stream"].encode() + r.get("digest", "").encode())
     return {
         "seed": a.seed, "first": a.first, "cases_requested": a.cases, "device": a.device,
+        "head_dims": list(a.head_dims) if a.head_dims else None,
         "time_budget_s": a.time_budget_s, "elapsed_s": round(elapsed, 2),
         "cases_run": {r["stream"]: r["cases_run"] for r in results},
         "refused": {r["stream"]: r["refused"] for r in results},
@@ -578,7 +595,8 @@ def main(argv=None):
     a = parse_args(argv)
     t0 = time.time()
     deadline = t0 + a.time_budget_s
-    tasks = [(b, d, a.seed, a.first, a.cases, deadline, a.device) for b, d in a.streams]
+    tasks = [(b, d, a.seed, a.first, a.cases, deadline, a.device, a.head_dims)
+             for b, d in a.streams]
     jobs = a.jobs or len(tasks)
     jobs = max(1, min(jobs, len(tasks), os.cpu_count() or 1))
     if jobs == 1:

@@ -691,3 +691,25 @@ def test_sweep_hopper_stream_holds_the_fused_backend_to_its_wgmma_parts():
     # the other streams' draws do not move
     assert sweep.draw_config(13, "fused", "float16", 7) == sweep.draw_config(13, "fused",
                                                                              "float16", 7)
+
+
+def test_sweep_head_dims_streams_draw_only_those_dims():
+    """``--head-dims`` draws the head dim from the given ones alone, in streams of their own
+    (the plain streams' cases do not move), and such a case runs on the reference backend."""
+    sweep = _sweep_module()
+    dims = (136, 160, 200)
+    cfgs = [sweep.draw_config(13, "fused", "float16", i, dims) for i in range(200)]
+    long_axis = [c for c in cfgs if max(c["spatial"]) > sweep.LONG_AXIS]
+    assert {c["head_dim"] for c in cfgs if c not in long_axis} == set(dims)
+    assert all(c["head_dims"] == list(dims) for c in cfgs)
+    plain = [sweep.draw_config(13, "fused", "float16", i) for i in range(200)]
+    assert "head_dims" not in plain[0] and plain != cfgs
+    assert plain[5] == sweep.draw_config(13, "fused", "float16", 5)
+    ref = [sweep.draw_config(3, "reference", "float32", i, (144,)) for i in range(3)]
+    cpu = sweep.Device("cpu")
+    for cfg in ref:
+        assert sweep.run_case(cfg, get_backend("reference"), cpu) is not None
+    a = sweep.parse_args(["--head-dims", "136,160", "--device", "cpu"])
+    assert a.head_dims == (136, 160)
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--head-dims", "16,x"])
