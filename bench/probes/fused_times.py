@@ -12,8 +12,8 @@ dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: t
 forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
 stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
-query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b256``: the mma.sync backward
-with head dims 136-160 padded to 256 as before its 160 bucket, ``+qcN`` / ``+kvcN``: its
+query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``: the mma.sync
+backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``), ``+qcN`` / ``+kvcN``: its
 dQ / dK-dV pass in head-dim chunks of N columns at the problem's bucket; ``+rpb``: with a random
 relative positional bias, d_rpb from the backward), on the same inputs: forward and backward
 CUDA-event medians after warm-up, and
@@ -69,13 +69,14 @@ def _source(family, baselines):
 
 @contextlib.contextmanager
 def _buckets(family):
-    """``+b256``: the mma.sync backward without its 160 bucket; ``+qcN``, ``+kvcN``: its
-    chunks (decisions re-made on entry and on exit: ``configure`` caches them per problem)."""
+    """``+b160`` / ``+b256``: the mma.sync backward with / without its 160 bucket; ``+qcN``,
+    ``+kvcN``: its chunks (decisions re-made on entry and on exit: ``configure`` caches them
+    per problem)."""
     from natten_cupy.backends.fused import mma_backward as m
-    saved = m.D_BUCKETS, dict(m.Q_CHUNKS), dict(m.KV_CHUNKS)
+    saved = m.BUCKET_160, dict(m.Q_CHUNKS), dict(m.KV_CHUNKS)
     mods = family.split("@")[0].split("+")[1:]
-    if "b256" in mods:
-        m.D_BUCKETS = tuple(d for d in saved[0] if d != 160)
+    if "b160" in mods or "b256" in mods:
+        m.BUCKET_160 = "b160" in mods
     for mod in mods:   # qcN, kvcN: chunks of N columns at every bucket from N up
         for prefix, chunks in (("qc", m.Q_CHUNKS), ("kvc", m.KV_CHUNKS)):
             if mod.startswith(prefix) and mod[len(prefix):].isdigit():
@@ -85,7 +86,7 @@ def _buckets(family):
     try:
         yield
     finally:
-        m.D_BUCKETS = saved[0]
+        m.BUCKET_160 = saved[0]
         m.Q_CHUNKS.clear()
         m.Q_CHUNKS.update(saved[1])
         m.KV_CHUNKS.clear()

@@ -82,13 +82,20 @@ MMA_CASES = [
 ]
 
 
-def test_head_dim_chunks_tile_their_bucket():
+def test_head_dim_chunks_tile_their_bucket(monkeypatch):
     """Every bucket splits into whole chunks of 16-column multiples (the kernels' ldmatrix
-    and mma steps), so no column is computed twice or left out; 136-160 pad to 160, not 256."""
+    and mma steps), so no column is computed twice or left out; 136-160 pad to 160 with
+    BUCKET_160, else to 256, and the decision follows the switch (it keys the cache)."""
     for dp in M.D_BUCKETS:
         for chunk in (M._q_chunk(dp), M._kv_chunk(dp)):
             assert chunk % 16 == 0 and dp % chunk == 0, (dp, chunk)
+    p = _problem((64,), 7, head_dim=144)
+    monkeypatch.setattr(M, "BUCKET_160", False)
+    assert [M._bucket(d) for d in (128, 136, 160, 168, 256)] == [128, 256, 256, 256, 256]
+    assert M.configure(p).dp == 256
+    monkeypatch.setattr(M, "BUCKET_160", True)
     assert [M._bucket(d) for d in (128, 136, 160, 168, 256)] == [128, 160, 160, 256, 256]
+    assert M.configure(p).dp == 160
     names = [n for _, n in M.instantiations()]
     assert "na_bwd_fused_kv<__half, 160, 80, false, false>" in names
     assert "na_bwd_fused_q<__nv_bfloat16, 160, 160, true, false>" in names
