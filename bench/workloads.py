@@ -313,8 +313,8 @@ DISPATCH_GRID_D32 = [
     ((8, 32, 32), [(3, 7, 7), (5, 9, 9), (7, 11, 11)], 2, 8),
 ]
 # Head dims 160 and 256 (``--grid d256``, 1-D and 2-D, no bias), where the Hopper forward's
-# head-dim-256 tile (switched on for the probe: wgmma_forward.HEAD_DIM_256) meets the
-# mma.sync forward padded to 256 (fused.HOPPER_FWD_FROM[(rank, 256, False)]).
+# head-dim-256 tile meets the mma.sync forward padded to 256
+# (fused.HOPPER_FWD_FROM[(rank, 256, False)]).
 DISPATCH_GRID_D256 = [
     ((4096,), [(15,), (63,), (127,), (255,), (565,)], 4, 8),
     ((64, 64), [(3, 3), (5, 5), (7, 7), (9, 9), (13, 13)], 2, 8),

@@ -150,25 +150,19 @@ def test_perf_sweep_problems_resolve_by_id():
 def test_dispatch_grids_are_problems_both_forward_parts_plan():
     """Every shape of the dispatch grids (hopper_dispatch.py --grid default, d32, d256) is a
     valid problem at its head dims that the mma.sync forward plans, and that the Hopper forward
-    plans too (its device check aside; at head dims above 128 with HEAD_DIM_256 on, as the
-    probe sets it)."""
+    plans too (its device check aside)."""
     import numpy
     from natten_cupy import _args
     from natten_cupy.backends.fused import mma_forward, wgmma_forward
     grids = ((wl.DISPATCH_GRID, (64, 128)), (wl.DISPATCH_GRID_D32, (32,)),
              (wl.DISPATCH_GRID_D256, (160, 256)))
-    saved = wgmma_forward.HEAD_DIM_256
-    wgmma_forward.HEAD_DIM_256 = True
-    try:
-        for grid, dims in grids:
-            for spatial, kernels, batch, heads in grid:
-                for kernel in kernels:
-                    for dim in dims:
-                        x = numpy.zeros((1, *spatial, 1, dim), numpy.float16)
-                        p = _args.check_fused(len(spatial), x, x, x, kernel, 1, 1, False, None,
-                                              "fused")
-                        assert not isinstance(mma_forward.configure(p), str), (spatial, kernel)
-                        why = wgmma_forward.refuse(p)
-                        assert why is None or "compute capability" in why, (spatial, dim, why)
-    finally:
-        wgmma_forward.HEAD_DIM_256 = saved
+    for grid, dims in grids:
+        for spatial, kernels, batch, heads in grid:
+            for kernel in kernels:
+                for dim in dims:
+                    x = numpy.zeros((1, *spatial, 1, dim), numpy.float16)
+                    p = _args.check_fused(len(spatial), x, x, x, kernel, 1, 1, False, None,
+                                          "fused")
+                    assert not isinstance(mma_forward.configure(p), str), (spatial, kernel)
+                    why = wgmma_forward.refuse(p)
+                    assert why is None or "compute capability" in why, (spatial, dim, why)

@@ -29,7 +29,8 @@ def test_autotune_times_once_and_persists(tmp_path, monkeypatch, rng):
     assert len(calls) == 1
     data = json.loads((tmp_path / "autotune.json").read_text())
     (key, box), = data.items()
-    assert "fused_forward" in key and len(box) == 2
+    # the winner: an mma.sync query box, or the Hopper part where it serves head dim 32
+    assert "fused_forward" in key and (box == fused.HOPPER or len(box) == 2), box
     err = float(cupy.abs(tuned.astype(cupy.float32) - default.astype(cupy.float32)).max())
     assert err < 2e-3
     # A new process (simulated by clearing the memory cache) reads the file, no re-timing.

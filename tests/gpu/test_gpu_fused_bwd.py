@@ -52,13 +52,6 @@ CASES = [
 
 
 
-@pytest.fixture(autouse=True)
-def _bucket_160(monkeypatch):
-    """The mma.sync backward's 160 bucket on for this file's cases (head dims 136-160)."""
-    from natten_cupy.backends.fused import mma_backward
-    monkeypatch.setattr(mma_backward, "BUCKET_160", True)
-
-
 def _layout(cp, host, layout):
     rank = host.ndim - 3
     if layout == "heads_first":  # [B, H, *spatial, D] buffers permuted to canonical (no copy)

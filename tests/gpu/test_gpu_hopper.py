@@ -57,8 +57,7 @@ CASES = [
 ]
 
 
-# Head dims 136-256 in 1-D and 2-D (the head-dim-256 tile, switched on for these tests:
-# HEAD_DIM_256).
+# Head dims 136-256 in 1-D and 2-D (the head-dim-256 tile).
 WIDE_CASES = [
     ((97,), 7, 1, 2, True, 2, 256, F16, None),
     ((700,), 565, 1, 1, False, 2, 160, BF16, None),        # padded to 256
@@ -136,11 +135,9 @@ def test_hopper_forward_matches_reference(case, rng):
 @pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-"
                          f"s{c[2]}-d{c[3]}-c{c[4]}-D{c[6]}-{numpy.dtype(c[7]).name}")
 @pytest.mark.parametrize("tma", [None, False], ids=("default", "cp.async"))
-def test_hopper_forward_head_dims_above_128(case, tma, rng, monkeypatch):
-    """The head-dim-256 tile (not yet dispatched: HEAD_DIM_256), both loaders in 1-D."""
+def test_hopper_forward_head_dims_above_128(case, tma, rng):
+    """The head-dim-256 tile, both loaders in 1-D."""
     _skip_unless_hopper()
-    monkeypatch.setattr(wgmma_forward, "HEAD_DIM_256", True)
-    wgmma_forward._plan.cache_clear()
     check_case(case, rng, tma=tma)
 
 

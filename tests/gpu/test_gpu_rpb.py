@@ -48,13 +48,6 @@ CASES = [_case(g, dt) for i, g in enumerate(GEOMETRIES) for j, dt in enumerate(D
          if (i + j) % 2 == 0 or dt == "float16"]
 
 
-@pytest.fixture(autouse=True)
-def _bucket_160(monkeypatch):
-    """The mma.sync backward's 160 bucket on for this file's cases (head dims 136-160)."""
-    from natten_cupy.backends.fused import mma_backward
-    monkeypatch.setattr(mma_backward, "BUCKET_160", True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fused_rpb_against_reference(case):

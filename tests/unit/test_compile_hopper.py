@@ -40,11 +40,12 @@ def _problem(x, rank, kernel, scale=None, rpb=None):
     return _args.check_fused(rank, x, x, x, kernel, 1, 1, False, scale, "fused", rpb=rpb)
 
 
-def test_head_dims_above_128_take_the_wide_tile_once_switched_on(monkeypatch):
+def test_head_dims_above_128_take_the_wide_tile(monkeypatch):
     """Head dims 136-256 pad to 256 and plan the head-dim-256 tile in 1-D and 2-D (two
     warpgroups, 64-key tiles, two stages, the flat walk, 192 KiB of shared memory); refused
-    while HEAD_DIM_256 is off, and in 3-D or with a bias either way."""
+    with HEAD_DIM_256 off, and in 3-D or with a bias either way."""
     from natten_cupy.backends.fused import _hopper_fwd_pays
+    monkeypatch.setattr(wgmma_forward, "HEAD_DIM_256", False)
     for d in (136, 160, 256):
         x = numpy.zeros((1, 40, 2, d), numpy.float16)
         assert "up to 128" in wgmma_forward.refuse(_problem(x, 1, 7))
@@ -75,8 +76,10 @@ def test_hopper_refusals():
     assert "float16" in wgmma_forward.refuse(_problem(f32, 1, 3))
     odd = numpy.zeros((1, 16, 1, 20), numpy.float16)
     assert "multiple of 8" in wgmma_forward.refuse(_problem(odd, 1, 3))
-    wide = numpy.zeros((1, 16, 1, 256), numpy.float16)
-    assert "up to 128" in wgmma_forward.refuse(_problem(wide, 1, 3))
+    wide = numpy.zeros((1, 4, 4, 4, 1, 256), numpy.float16)
+    assert "3-D up to head dim 128" in wgmma_forward.refuse(_problem(wide, 3, 3))
+    wider = numpy.zeros((1, 16, 1, 264), numpy.float16)
+    assert "up to 256" in wgmma_forward.refuse(_problem(wider, 1, 3))
     two = numpy.zeros((1, 4, 4, 1, 64), numpy.float16)
     assert "compute capability" in wgmma_forward.refuse(_problem(two, 2, 3))
     ok = numpy.zeros((1, 16, 1, 64), numpy.float16)

@@ -17,7 +17,7 @@ themselves, so they need not wait for the dQ pass):
 Window arithmetic comes from per-axis tables built here (``_axis_table``) and cached on the
 device. Head dims are padded to a bucket (32, 64, 128, 160, 256) with zero columns; the
 accumulated columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to
-bound registers, 80 and 160 at 160 (``_kv_chunk``, ``_q_chunk``). ``problem.tile`` is not
+bound registers, 80 and 160 at 160, 128 and 256 at 256 (``_kv_chunk``, ``_q_chunk``). ``problem.tile`` is not
 used: the tiles are fixed per rank (``TILES``).
 TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
 
@@ -61,12 +61,19 @@ SOURCE = "fused/mma_backward.cu"
 D_BUCKETS = (32, 64, 128, 160, 256)
 KV_CHUNK = 64
 Q_CHUNK = 128
-# Head dims 136-160 in the 160 bucket, else padded to 256: built and compiled (registers and
-# spills checked), not yet run on a GPU, so off (the GPU tests turn it on for their cases).
-BUCKET_160 = False
-# Chunks of other widths per bucket ({bucket: columns}; ``_kv_chunk``, ``_q_chunk``).
-KV_CHUNKS = {160: 80}
-Q_CHUNKS = {160: 160}
+# Head dims 136-160 in the 160 bucket (False: padded to 256, as before it; a switch for probes,
+# part of configure's cache key). Kernels alone on an H100 (bench/results/bwd_bucket160.json):
+# R5-2-D160 (1-D 4096 tokens, window 565, H8 B7, fp16) backward 9.11 -> 2.87 ms, R5-14-D160
+# (3-D 16x32x32, window 4x13x13 causal in time, H4 B10, bf16) 58.3 -> 13.3 ms.
+BUCKET_160 = True
+# Chunks of other widths per bucket ({bucket: columns}; ``_kv_chunk``, ``_q_chunk``). At 256
+# the dK/dV pass in chunks of 128 (2 x 128 accumulators a thread: 40-172 bytes spilled, which
+# test_compile allows) and the dQ pass in one of 256 recompute S and dP twice and once instead
+# of four and two times: on an H100 (bwd_chunks256.json) R5-12-D256 (3-D 24x32x32, 7x9x9, H8,
+# fp16) backward 21.35 -> 11.59 ms, R5-11-D256 (2-D 28x64, 5x5, H8 B94, bf16) 12.16 -> 7.14;
+# chunks of 128 alone 14.53 and 8.91, the dQ chunk alone 18.38 and 10.42.
+KV_CHUNKS = {160: 80, 256: 128}
+Q_CHUNKS = {160: 160, 256: 256}
 SMEM_PER_SM = 227 * 1024  # sm_90 (sm_80: 163 KB, where the budget below just fits fewer CTAs)
 MAX_GRID_Y = 65535
 EXTRA_MAX_DIM = 128   # additional tokens in the kernels up to this head dim (as the forward)
@@ -184,15 +191,16 @@ def _bucket(head_dim):
 def _q_chunk(dp, bias=False):
     """Columns of dQ per CTA: up to Q_CHUNK (with a bias too: its dS tile goes to shared
     memory in 8-byte stores after the score loop, which keeps the pass free of spills); the
-    whole 160 at 160 (80 accumulator registers, none spilled): ``Q_CHUNKS``."""
+    whole head dim at 160 and 256 (80 and 128 accumulators a thread, none spilled on sm_90):
+    ``Q_CHUNKS``."""
     return Q_CHUNKS.get(dp, min(dp, Q_CHUNK))
 
 
 def _kv_chunk(dp):
-    """Columns of dK and dV per CTA: up to KV_CHUNK, 80 at 160. Every chunk's CTA recomputes
-    S = Q K^T and dP = dO V^T over the whole padded head dim, so at 160 two chunks of 80
-    (2 x 80 accumulators, none spilled) do 2 x (2 x 160 + 2 x 80) units where padding to
-    256 in chunks of 64 did 4 x (2 x 256 + 2 x 64): 2.7x less work (``KV_CHUNKS``)."""
+    """Columns of dK and dV per CTA: up to KV_CHUNK, 80 at 160, 128 at 256. Every chunk's CTA
+    recomputes S = Q K^T and dP = dO V^T over the whole padded head dim, so at 160 two chunks
+    of 80 (2 x 80 accumulators, none spilled) do 2 x (2 x 160 + 2 x 80) units where padding
+    to 256 in chunks of 64 did 4 x (2 x 256 + 2 x 64): 2.7x less work (``KV_CHUNKS``)."""
     return KV_CHUNKS.get(dp, min(dp, KV_CHUNK))
 
 
