@@ -13,9 +13,10 @@ forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN``
 stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
 query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``: the mma.sync
-backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``), ``+qcN`` / ``+kvcN``: its
-dQ / dK-dV pass in head-dim chunks of N columns at the problem's bucket; ``+rpb``: with a random
-relative positional bias, d_rpb from the backward), on the same inputs: forward and backward
+backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
+``+qcN`` / ``+kvcN``: its dQ / dK-dV pass in head-dim chunks of N columns at every bucket
+from N up; ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
+the same inputs: forward and backward
 CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.

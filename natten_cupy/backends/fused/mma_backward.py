@@ -17,8 +17,8 @@ themselves, so they need not wait for the dQ pass):
 Window arithmetic comes from per-axis tables built here (``_axis_table``) and cached on the
 device. Head dims are padded to a bucket (32, 64, 128, 160, 256) with zero columns; the
 accumulated columns are split into chunks of at most 64 (dK/dV) or 128 (dQ) per CTA to
-bound registers, 80 and 160 at 160, 128 and 256 at 256 (``_kv_chunk``, ``_q_chunk``). ``problem.tile`` is not
-used: the tiles are fixed per rank (``TILES``).
+bound registers, 80 and 160 at 160, 128 and 256 at 256 (``_kv_chunk``, ``_q_chunk``).
+``problem.tile`` is not used: the tiles are fixed per rank (``TILES``).
 TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
 
 With a relative positional bias (``problem.has_rpb``) both passes add it to the scores, and
@@ -67,7 +67,7 @@ Q_CHUNK = 128
 # (3-D 16x32x32, window 4x13x13 causal in time, H4 B10, bf16) 58.3 -> 13.3 ms.
 BUCKET_160 = True
 # Chunks of other widths per bucket ({bucket: columns}; ``_kv_chunk``, ``_q_chunk``). At 256
-# the dK/dV pass in chunks of 128 (2 x 128 accumulators a thread: 40-172 bytes spilled, which
+# the dK/dV pass in chunks of 128 (2 x 128 accumulators a thread: up to 172 bytes spilled, which
 # test_compile allows) and the dQ pass in one of 256 recompute S and dP twice and once instead
 # of four and two times: on an H100 (bwd_chunks256.json) R5-12-D256 (3-D 24x32x32, 7x9x9, H8,
 # fp16) backward 21.35 -> 11.59 ms, R5-11-D256 (2-D 28x64, 5x5, H8 B94, bf16) 12.16 -> 7.14;
