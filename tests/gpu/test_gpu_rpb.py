@@ -3,7 +3,7 @@
 The main suite (``gpu_cases``, kind ``fused_rpb``) runs small geometries on naive and fused;
 here larger ones reach what small ones cannot: many CTAs per axis and batch (the bias-gradient
 boxes of every CTA reduced into one table), border and interior tiles, key halos streamed in
-chunks, head dims 32 to 160, GQA, causal mixes and dilation, against the float64 reference
+chunks, head dims 32 to 256, GQA, causal mixes and dilation, against the float64 reference
 with NaN-poisoned outputs. Further: the backward (d_rpb included) with deterministic=True is
 bitwise reproducible, a
 bias too large for the fused kernels' shared memory runs on naive under ``auto``, autotune
@@ -33,6 +33,7 @@ GEOMETRIES = [
     (3, (5, 9, 10), (5, 5, 7), (1, 1, 1), (False, False, False), 128, 4, 2, 1),
     (1, (300,), (65,), (1,), (False,), 160, 2, 1, 1),   # the backward's 160 bucket
     (2, (17, 22), (5, 7), (2, 1), (False, True), 144, 4, 2, 1),
+    (2, (13, 18), (5, 5), (1, 2), (True, False), 256, 4, 2, 1),   # dK/dV chunks of 128, GQA
 ]
 DTYPES = ("float16", "bfloat16", "tf32")
 
