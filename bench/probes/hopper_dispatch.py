@@ -4,7 +4,7 @@
 
 Per shape (1-D, 2-D and 3-D; windows from small to large; head dims 64 and 128, or with
 ``--grid d32`` large windows at head dim 32, with ``--grid d256`` head dims 160 and 256 in
-1-D and 2-D; float16) and
+1-D, 2-D and 3-D (the 3-D tile switched on: ``WIDE_3D``); float16) and
 with and without a relative positional bias, both forward parts are called directly on the
 same inputs and timed kernels alone (CUDA events around each launch through the library's
 profiler hook, ``timing.kernel_ms``: host time between calls does not count; median
@@ -73,6 +73,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     ranks = {int(r) for r in args.ranks.split(",")}
     grid, dims, biased = GRIDS[args.grid]
+    if args.grid == "d256":   # the head-dim-256 tile in 3-D too (not dispatched: WIDE_3D)
+        from natten_cupy.backends.fused import wgmma_forward
+        wgmma_forward.WIDE_3D = True
     rows = []
     for spatial, kernels, batch, heads in grid:
         if len(spatial) not in ranks:

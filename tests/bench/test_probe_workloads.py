@@ -147,13 +147,15 @@ def test_perf_sweep_problems_resolve_by_id():
                    for table in TABLES.values() for wid in table)
 
 
-def test_dispatch_grids_are_problems_both_forward_parts_plan():
+def test_dispatch_grids_are_problems_both_forward_parts_plan(monkeypatch):
     """Every shape of the dispatch grids (hopper_dispatch.py --grid default, d32, d256) is a
     valid problem at its head dims that the mma.sync forward plans, and that the Hopper forward
-    plans too (its device check aside)."""
+    plans too (its device check aside; in 3-D above head dim 128 with WIDE_3D on, as the
+    probe sets it)."""
     import numpy
     from natten_cupy import _args
     from natten_cupy.backends.fused import mma_forward, wgmma_forward
+    monkeypatch.setattr(wgmma_forward, "WIDE_3D", True)
     grids = ((wl.DISPATCH_GRID, (64, 128)), (wl.DISPATCH_GRID_D32, (32,)),
              (wl.DISPATCH_GRID_D256, (160, 256)))
     for grid, dims in grids:

@@ -127,7 +127,8 @@ def _hopper_fwd_pays(problem):
         least = HOPPER_FWD_FROM_D32[(problem.rank, problem.has_rpb)]
         return least is not None and problem.num_neighbors >= least
     dp = _part("wgmma_forward")._bucket(problem.head_dim)
-    return problem.num_neighbors >= HOPPER_FWD_FROM[(problem.rank, dp, problem.has_rpb)]
+    least = HOPPER_FWD_FROM.get((problem.rank, dp, problem.has_rpb))   # (None: not timed)
+    return least is not None and problem.num_neighbors >= least
 
 
 def _hopper_bwd_pays(problem):
