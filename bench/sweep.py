@@ -140,12 +140,16 @@ def _head_dim(rng, backend):
     return int(rng.integers(1, 81)) if rng.random() < 0.7 else int(rng.choice([32, 64, 128]))
 
 
+def stream_name(backend, dtype, head_dims=None):
+    """A stream's name: ``backend/dtype``, with ``--head-dims`` ``backend/dtype/D<dims>``."""
+    return f"{backend}/{dtype}" + (f"/D{'-'.join(map(str, head_dims))}" if head_dims else "")
+
+
 def draw_config(seed, backend, dtype, index, head_dims=None):
     """Configuration ``index`` of stream ``backend/dtype`` (a JSON-able dict); ``head_dims``
     (``--head-dims``): the head dim drawn from these alone, in a stream of its own
     (``backend/dtype/D<dims>``), so that the plain streams' cases stay what they were."""
-    name = f"{backend}/{dtype}" + (f"/D{'-'.join(map(str, head_dims))}" if head_dims else "")
-    stream = zlib.crc32(name.encode())
+    stream = zlib.crc32(stream_name(backend, dtype, head_dims).encode())
     rng = numpy.random.default_rng([seed, stream, index])
     for _ in range(DRAW_ATTEMPTS):
         kind = str(rng.choice(KINDS[backend]))
@@ -482,8 +486,7 @@ def run_stream(task):
     """Worker: the cases of one stream until done or out of time (a dict for the summary)."""
     backend_name, dtype, seed, first, count, deadline, device, head_dims = task
     t0 = time.time()
-    label = f"{backend_name}/{dtype}" + (f"/D{'-'.join(map(str, head_dims))}" if head_dims else "")
-    res = {"stream": label, "cases_run": 0, "refused": 0, "failures": [],
+    res = {"stream": stream_name(backend_name, dtype, head_dims), "cases_run": 0, "refused": 0, "failures": [],
            "worst_ratio": {}, "out_of_time": False, "aborted": None}
     digest = hashlib.sha256()
     try:

@@ -83,16 +83,19 @@ def _buckets(family):
             if mod.startswith(prefix) and mod[len(prefix):].isdigit():
                 n = int(mod[len(prefix):])
                 chunks.update({dp: n for dp in m.D_BUCKETS if dp >= n and dp % n == 0})
-    m._configure.cache_clear()
+    changed = (m.BUCKET_160, m.Q_CHUNKS, m.KV_CHUNKS) != saved
+    if changed:
+        m._configure.cache_clear()
     try:
         yield
     finally:
-        m.BUCKET_160 = saved[0]
-        m.Q_CHUNKS.clear()
-        m.Q_CHUNKS.update(saved[1])
-        m.KV_CHUNKS.clear()
-        m.KV_CHUNKS.update(saved[2])
-        m._configure.cache_clear()
+        if changed:
+            m.BUCKET_160 = saved[0]
+            m.Q_CHUNKS.clear()
+            m.Q_CHUNKS.update(saved[1])
+            m.KV_CHUNKS.clear()
+            m.KV_CHUNKS.update(saved[2])
+            m._configure.cache_clear()
 
 
 def run(wid, dtype, family, reps, baselines=None, forward_only=False):

@@ -81,11 +81,10 @@ SMALL_BOX_UP_TO = {2: 8, 3: 14}
 # Head dims 136-256 (padded to 256): two compute warpgroups of 64 queries against 64-key
 # tiles, two stages (Q 64 KiB, a stage's K and V 64 KiB: 192 KiB), O += P V as two m64n128
 # halves, the flat key walk (key boxes take tiles of the query box's 128 keys), no bias, no
-# 64-query boxes, ranks 1 and 2 (the 3-D flat walk's index math spills 84 bytes there, 192
-# without the pipelined softmax). Compiles without spills (NVRTC 13.0, sm_90a). On an H100
-# (bench/results/hopper_dispatch_d256.json) 1.4-7.8x faster than the mma.sync forward padded
-# to 256 on every 1-D and 2-D problem timed, head dims 160 and 256. HEAD_DIM_256 False makes
-# the part refuse head dims above 128 (a switch for probes).
+# 64-query boxes, ranks 1 and 2 (3-D: WIDE_3D below). Compiles without spills (NVRTC 13.0,
+# sm_90a). On an H100 (bench/results/hopper_dispatch_d256.json) 1.4-7.8x faster than the
+# mma.sync forward padded to 256 on every 1-D and 2-D problem timed, head dims 160 and 256.
+# HEAD_DIM_256 False makes the part refuse head dims above 128 (a switch for probes).
 WIDE = T(2, 64, 2, True, True)
 DEFAULT[256] = WIDE
 HEAD_DIM_256 = True
