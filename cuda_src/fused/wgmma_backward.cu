@@ -266,10 +266,11 @@ __device__ __forceinline__ void begin_multi(const MultiBox& mb, unsigned full, u
 // (once) and the tile's lse and delta; a stage is full after their 128 arrivals, thread 0's
 // and the maps' bytes. Region rows past the group arrive as the tensor's rows (zeros past its
 // end), not zeros: their scores are masked, as those of rows outside a key's reach are.
-// MULTI (no bias, no ATOMIC): a CTA owns a run of consecutive owner boxes (MultiBox) and walks
-// them in turn, the stages running on from box to box: the loader stages the next box's first
-// tiles while the compute warpgroups finish this one, and its K, V as soon as the last step's
-// S^T, dP^T GEMMs are done, under that step's dV, dK GEMMs and the epilogue.
+// MULTI (no bias): a CTA owns a run of consecutive owner boxes (MultiBox) and walks them in
+// turn, the stages running on from box to box: the loader stages the next box's first tiles
+// while the compute warpgroups finish this one, and its K, V as soon as the last step's GEMMs
+// that read them are done (S^T and dP^T; with ATOMIC the dQ GEMM too), under the rest of
+// that step and the epilogue.
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
           bool BIAS, bool TMA = false, bool MULTI = false>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
@@ -286,7 +287,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
   static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
   static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
-  static_assert(!MULTI || (!ATOMIC && !BIAS), "runs of boxes: the plain dK/dV pass");
+  static_assert(!MULTI || !BIAS, "runs of boxes: no bias");
   typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
@@ -462,7 +463,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
       wgmma_wait<0>();
       fence_regs(acc_s);
       fence_regs(acc_dp);
-      if (MULTI && j == jb + steps - 1) mbar_arrive(mb.own_free());  // K, V read for the box
+      if (MULTI && !ATOMIC && j == jb + steps - 1) mbar_arrive(mb.own_free());  // K, V read
       // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
       const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
       const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
@@ -546,6 +547,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
       } else {
         wgmma_wait<0>();
       }
+      if (MULTI && ATOMIC && j == jb + steps - 1) mbar_arrive(mb.own_free());  // (dQ read K)
       fence_regs(acc_dv);
       fence_regs(acc_dk);
       if constexpr (ATOMIC) {
@@ -583,7 +585,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
       }
       mbar_arrive(sm.empty + 8 * (j % STAGES));
     }
-    if (ATOMIC && (tid / 32) % 4 < 2) bulk_wait();  // the bulk adds done before the CTA ends
+    if (ATOMIC && !MULTI && (tid / 32) % 4 < 2) bulk_wait();  // the adds done before the CTA ends
 
     // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group. (The row
     // is worked out again from an opaque thread index: carried over the walk it spilled.)
@@ -610,6 +612,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     if constexpr (MULTI) mbar_arrive(mb.geom_done(bi));  // the box's geometry read
     jb += steps;
   }
+  if (ATOMIC && MULTI && (tid / 32) % 4 < 2) bulk_wait();
 }
 
 // dQ: queries own the CTA (the forward's query boxes of 128, two compute warpgroups of 64),

@@ -289,9 +289,9 @@ def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
 
 
 def test_hopper_backward_runs_of_boxes(fake_device, monkeypatch):
-    """With BOXES > 1 the rank-1 passes without a bias or the atomic dQ variant walk runs of
-    boxes, as long as the launch keeps MIN_WAVES x the device's SMs of CTAs (BOXES = 1:
-    never); the run kernels are among the instantiations."""
+    """With BOXES > 1 the passes without a bias walk runs of boxes (rank 1, and ranks 2 and 3
+    at head dim 128), as long as the launch keeps MIN_WAVES x the device's SMs of CTAs (BOXES
+    = 1: never); the run kernels are among the instantiations."""
     monkeypatch.setattr(H, "current_limits", lambda: H100)
     p = dataclasses.replace(_problem((16384,), 255, heads=16, causal=True), batch=6)
     assert H.configure(p).runs == ()
@@ -310,8 +310,12 @@ def test_hopper_backward_runs_of_boxes(fake_device, monkeypatch):
     assert (kv.fn.name, dq.fn.name) == H.configure(small).names[1:]
     assert kv.grid[0] == H.owner_ctas(small)
     for other in (_problem((33, 41), (7, 5)), _problem((3000,), 255, rpb=True)):
-        assert H.configure(other).runs == ()
-    assert H.configure(p, dq_atomic=True).runs == ()
+        assert H.configure(other).runs == ()   # rank 2 at head dim 64, a bias: not built
+    atomic = H.configure(p, dq_atomic=True)   # the dK/dV pass only (dQ is added there)
+    assert atomic.runs[0] == H._names(p.dtype, 64, 1, None, True, multi=True)[1]
+    assert atomic.runs[1] == "" and atomic.runs[0] in built
+    wide = _problem((33, 41), (7, 5), head_dim=128)   # ranks 2 and 3 at head dim 128
+    assert H.configure(wide).runs[0] in built and H.configure(wide, None, False).runs[1] in built
 
 
 def test_hopper_backward_refusals_are_the_decision(fake_device):

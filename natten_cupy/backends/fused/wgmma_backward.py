@@ -82,9 +82,9 @@ SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # bench/results/hopper_bwd_tma_rounds.json). USE_TMA = False switches it off (the probes).
 USE_TMA = True
 TMA_HEAD_DIMS = (128,)
-# Runs of owner boxes per CTA (``MULTI`` in the .cu; rank 1, neither a bias nor the atomic dQ
-# variant, both passes): a CTA walks up to BOXES consecutive boxes, the loader staging the
-# next box's tiles and owner rows while the compute warpgroups finish the last, so a short
+# Runs of owner boxes per CTA (``MULTI`` in the .cu; no bias; rank 1, and ranks 2 and 3 at
+# head dim 128; ``RUN_RANKS``): a CTA walks up to BOXES consecutive boxes, the loader staging
+# the next box's tiles and owner rows while the compute warpgroups finish the last, so a short
 # box (a small window's region is 2-3 tiles) no longer pays its CTA's prologue and epilogue
 # alone. Runs are kept long enough only while the launch still fills the device
 # MIN_WAVES times over (``boxes_per_cta``); BOXES = 1 switches it off.
@@ -151,6 +151,11 @@ def _configure(problem, tile, dq_atomic, runs=False):
                    runs)
 
 
+def _runs_built(rank, dp):
+    """Whether the kernels walking runs of boxes are built for this rank and bucket."""
+    return rank == 1 or dp == 128
+
+
 def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False, multi=False):
     """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store; with
     ``tma`` the dK/dV pass loads its query tiles by tensor maps; ``multi``: both passes walk
@@ -179,8 +184,11 @@ def instantiations():
                     if rank == 1 and not bias:
                         out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
                                                    tma=True)[1]))
-            out += [(SOURCE, n) for tma in (False, True)
-                    for n in _names(dtype, dp, 1, tma=tma, multi=True)[1:]]
+            for rank in (r for r in (1, 2, 3) if _runs_built(r, dp)):
+                for atomic in (False, True):
+                    out += [(SOURCE, n) for tma in ((False, True) if rank == 1 else (False,))
+                            for n in _names(dtype, dp, rank, dq_atomic=atomic, tma=tma,
+                                            multi=True)[1:]]
     return sorted(set(out))
 
 
@@ -274,13 +282,14 @@ class Tiling:
     entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
     kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none)
     kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
-    runs: tuple = ()    # (dK/dV, dQ, dK/dV by TMA or "") walking runs of boxes, where they may
+    runs: tuple = ()    # (dK/dV, dQ pass or "", dK/dV by TMA or "") over runs of boxes, or ()
 
 
 def _tiling(problem, tile, dq_atomic, smem, runs=False):
     """The Tiling of ``tile`` (None: the default) and the dQ variant; ``smem``: the passes'
     shared memory (``_pass_smem``); ``runs``: with the passes that walk runs of boxes where
-    they may (rank 1, no bias, not dq_atomic; their shared memory is 48 bytes more)."""
+    they are built (``_runs_built``, no bias; their shared memory is 48 bytes more; with
+    dq_atomic the dK/dV pass only)."""
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
     names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb)
     if dq_atomic:
@@ -297,10 +306,11 @@ def _tiling(problem, tile, dq_atomic, smem, runs=False):
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
     run_names = ()
-    if runs and problem.rank == 1 and not problem.has_rpb and not dq_atomic:
-        multi = _names(problem.dtype, dp, 1, tile, multi=True)
-        multi_tma = _names(problem.dtype, dp, 1, tile, tma=True, multi=True)[1] if kv_tma else ""
-        run_names = (multi[1], multi[2], multi_tma)
+    if runs and _runs_built(problem.rank, dp) and not problem.has_rpb:
+        multi = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, multi=True)
+        multi_tma = (_names(problem.dtype, dp, 1, tile, dq_atomic, tma=True, multi=True)[1]
+                     if kv_tma else "")
+        run_names = (multi[1], "" if dq_atomic else multi[2], multi_tma)
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
                   OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma,
                   kv_tma_refusal, run_names)
@@ -395,7 +405,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     # dQ: a CTA per query head; each over a run of boxes where boxes_per_cta says so.
     sms = current_limits().sm_count if t.runs else 0
     kv_run = boxes_per_cta(t, problem.kv_heads * problem.batch, sms)
-    q_run = boxes_per_cta(t, problem.heads * problem.batch, sms)
+    q_run = boxes_per_cta(t, problem.heads * problem.batch, sms) if not t.dq_atomic else 1
     kv_tma_name = t.kv_tma_name
     if kv_run > 1:
         names[1], kv_tma_name = t.runs[0], t.runs[2]
