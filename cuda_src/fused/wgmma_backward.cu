@@ -225,6 +225,40 @@ struct MultiBox {
     named_sync(5, threads);
     return live;
   }
+
+  // Loader: the run's boxes in turn (geometry by box parity in Gs, lives), each box's
+  // `group` x (its tiles of ROWS rows) steps numbered on from box to box as the stages;
+  // the first STAGES - 1 go before the box's owner rows, which wait until the last box's are
+  // read. tile(G, j, s, n): stage j, step s of a box of n tiles; own(G): the owner rows.
+  template <int ROWS, int STAGES, class Geom, class Tile, class Own>
+  __device__ __forceinline__ void load_run(Geom* Gs, int* lives, const NAParams& p, int tid,
+                                           int threads, int group, Tile&& tile,
+                                           Own&& own) const {
+    int jb = 0;  // the box's first stage
+    for (int bi = 0; bi < count; ++bi) {
+      Geom& G = Gs[bi & 1];
+      const int n = set_up(G, lives[bi & 1], p, bi, tid, threads) ? (G.total + ROWS - 1) / ROWS
+                                                                   : 0;
+      const int steps = group * n, ahead = min(steps, STAGES - 1);
+      for (int s = 0; s < ahead; ++s) tile(G, jb + s, s, n);
+      if (bi > 0) mbar_wait(own_free(), (bi - 1) & 1);
+      if (n > 0) own(G);
+      cp_async_arrive(own_full());
+      for (int s = ahead; s < steps; ++s) tile(G, jb + s, s, n);
+      jb += steps;
+    }
+  }
+
+  // Compute warpgroups: box bi's tiles of ROWS rows (0: a box past its group), once its
+  // geometry is set up and its owner rows have landed (a box without tiles frees them).
+  template <int ROWS, class Geom>
+  __device__ __forceinline__ int enter(const Geom& G, const int& live, int bi) const {
+    mbar_wait(geom_set(bi), (bi >> 1) & 1);
+    const int n = live ? (G.total + ROWS - 1) / ROWS : 0;
+    mbar_wait(own_full(), bi & 1);
+    if (n == 0) mbar_arrive(own_free());
+    return n;
+  }
 };
 
 // begin_cta for MULTI passes: the stage barriers and the run's, no geometry yet.
@@ -352,18 +386,12 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
       cp_async_arrive(sm.full + 8 * (j % STAGES));
     };
     if constexpr (MULTI) {
-      int jb = 0;  // the box's first stage
-      for (int bi = 0; bi < mb.count; ++bi) {
-        Geom& G = Gs[bi & 1];
-        const int nt = mb.set_up(G, lives[bi & 1], p, bi, tid, NT) ? (G.total + BQ - 1) / BQ : 0;
-        const int steps = group * nt, ahead = min(steps, STAGES - 1);
-        for (int j = 0; j < ahead; ++j) load_tile(G, jb + j, j / nt, j % nt);
-        if (bi > 0) mbar_wait(mb.own_free(), (bi - 1) & 1);  // the last box's K, V are read
-        if (nt > 0) load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
-        cp_async_arrive(mb.own_full());
-        for (int j = ahead; j < steps; ++j) load_tile(G, jb + j, j / nt, j % nt);
-        jb += steps;
-      }
+      mb.template load_run<BQ, STAGES>(
+          Gs, lives, p, tid, NT, group,
+          [&](const Geom& G, int j, int s, int n) { load_tile(G, j, s / n, s % n); },
+          [&](const Geom& G) {
+            load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
+          });
     } else {
       const Geom& G = Gs[0];
       const int num_tiles = (G.total + BQ - 1) / BQ;
@@ -385,14 +413,10 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   for (int bi = 0; bi < boxes; ++bi) {
     const Geom& G = Gs[MULTI ? bi & 1 : 0];
     int num_tiles;
-    if constexpr (MULTI) {
-      mbar_wait(mb.geom_set(bi), (bi >> 1) & 1);
-      num_tiles = lives[bi & 1] ? (G.total + BQ - 1) / BQ : 0;
-      mbar_wait(mb.own_full(), bi & 1);
-      if (num_tiles == 0) mbar_arrive(mb.own_free());
-    } else {
+    if constexpr (MULTI)
+      num_tiles = mb.template enter<BQ>(G, lives[bi & 1], bi);
+    else
       num_tiles = (G.total + BQ - 1) / BQ;
-    }
     // This thread's two key rows and the queries that reach them (region coordinates).
     const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
     int wl[2][3], wn[2][3];
@@ -678,23 +702,15 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
       cp_async_arrive(sm.full + 8 * (j % STAGES));
     };
     if constexpr (MULTI) {
-      int jb = 0;  // the box's first stage
-      for (int bi = 0; bi < mb.count; ++bi) {
-        Geom& G = Gs[bi & 1];
-        const int nt = mb.set_up(G, lives[bi & 1], p, bi, tid, NT) ? (G.total + BN - 1) / BN : 0;
-        const int ahead = min(nt, STAGES - 1);
-        for (int j = 0; j < ahead; ++j) load_tile(G, jb + j, j);
-        if (bi > 0) mbar_wait(mb.own_free(), (bi - 1) & 1);  // the last box's Q, dO are read
-        if (nt > 0) {  // (bases worked out again from opaque indices: kept, they spilled)
-          int bz = b, hy = h;
-          asm volatile("" : "+r"(bz), "+r"(hy));
-          load_rows<T, D, 128, NT>(sm.own0, q + bz * p.q[0] + hy * p.q[4], p.q, sm.own1,
-                                   d_o + bz * p.d_o[0] + hy * p.d_o[4], p.d_o, G, p, -1, hd, tid);
-        }
-        cp_async_arrive(mb.own_full());
-        for (int j = ahead; j < nt; ++j) load_tile(G, jb + j, j);
-        jb += nt;
-      }
+      mb.template load_run<BN, STAGES>(
+          Gs, lives, p, tid, NT, 1, [&](const Geom& G, int j, int s, int) { load_tile(G, j, s); },
+          [&](const Geom& G) {  // (bases worked out again from opaque indices: kept, they spilled)
+            int bz = b, hy = h;
+            asm volatile("" : "+r"(bz), "+r"(hy));
+            load_rows<T, D, 128, NT>(sm.own0, q + bz * p.q[0] + hy * p.q[4], p.q, sm.own1,
+                                     d_o + bz * p.d_o[0] + hy * p.d_o[4], p.d_o, G, p, -1, hd,
+                                     tid);
+          });
     } else {
       const Geom& G = Gs[0];
       load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
@@ -712,14 +728,10 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   for (int bi = 0; bi < boxes; ++bi) {
     const Geom& G = Gs[MULTI ? bi & 1 : 0];
     int num_tiles;
-    if constexpr (MULTI) {
-      mbar_wait(mb.geom_set(bi), (bi >> 1) & 1);
-      num_tiles = lives[bi & 1] ? (G.total + BN - 1) / BN : 0;
-      mbar_wait(mb.own_full(), bi & 1);
-      if (num_tiles == 0) mbar_arrive(mb.own_free());
-    } else {
+    if constexpr (MULTI)
+      num_tiles = mb.template enter<BN>(G, lives[bi & 1], bi);
+    else
       num_tiles = (G.total + BN - 1) / BN;
-    }
     const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
     int wl[2][3], wn[2][3];
     G.row_reach(p, row0, wl[0], wn[0]);
