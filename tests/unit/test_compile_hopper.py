@@ -10,9 +10,14 @@ import numpy
 import pytest
 
 from natten_cupy import _args, _compile
+from natten_cupy._dtypes import HALF_TYPES
 from natten_cupy.backends.fused import wgmma_forward
 
 NAMES = [expr for _, expr in wgmma_forward.instantiations()]
+# Spills allowed (bytes, stack too): the head-dim-256 tile in 3-D, whose flat walk's index
+# math spills 84 bytes (NVRTC 13.0; twice that for other versions' allocators), measured
+# 2.1-3.9x faster than the mma.sync forward all the same (wgmma_forward.WIDE_3D).
+SPILLS = {wgmma_forward._name(dt, 256, wgmma_forward.WIDE, 3): 168 for dt in HALF_TYPES}
 
 
 @pytest.mark.skipif(not _compile.cuda_include_dirs(), reason="no CUDA headers (pip install "
@@ -24,7 +29,8 @@ def test_hopper_kernels_compile_for_sm90a(capsys):
         for r in reports:
             print(f"  {r.name:<60} regs {r.registers:>3}  stack {r.stack_bytes:>4}  "
                   f"spill {r.spill_bytes}")
-    assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
+    assert not [r.name for r in reports
+                if r.spill_bytes > SPILLS.get(r.name, 0) or r.stack_bytes > SPILLS.get(r.name, 0)]
     assert not [r.name for r in reports if "serialized" in r.log]
 
 
@@ -41,9 +47,9 @@ def _problem(x, rank, kernel, scale=None, rpb=None):
 
 
 def test_head_dims_above_128_take_the_wide_tile(monkeypatch):
-    """Head dims 136-256 pad to 256 and plan the head-dim-256 tile in 1-D and 2-D (two
+    """Head dims 136-256 pad to 256 and plan the head-dim-256 tile at every rank (two
     warpgroups, 64-key tiles, two stages, the flat walk, 192 KiB of shared memory); refused
-    with HEAD_DIM_256 off, and in 3-D or with a bias either way."""
+    with HEAD_DIM_256 off, in 3-D with WIDE_3D off, and with a bias either way."""
     from natten_cupy.backends.fused import _hopper_fwd_pays
     monkeypatch.setattr(wgmma_forward, "HEAD_DIM_256", False)
     for d in (136, 160, 256):
@@ -51,7 +57,8 @@ def test_head_dims_above_128_take_the_wide_tile(monkeypatch):
         assert "up to 128" in wgmma_forward.refuse(_problem(x, 1, 7))
     monkeypatch.setattr(wgmma_forward, "HEAD_DIM_256", True)
     monkeypatch.setattr(wgmma_forward, "_compute_capability", lambda: (9, 0))
-    for shape, rank, kernel in (((1, 700, 2, 160), 1, 565), ((1, 30, 29, 1, 256), 2, 13)):
+    for shape, rank, kernel in (((1, 700, 2, 160), 1, 565), ((1, 30, 29, 1, 256), 2, 13),
+                                ((1, 9, 17, 13, 2, 200), 3, (3, 5, 4))):
         x = numpy.zeros(shape, numpy.float16)
         p = _problem(x, rank, kernel)
         assert wgmma_forward.refuse(p) is None
@@ -61,6 +68,7 @@ def test_head_dims_above_128_take_the_wide_tile(monkeypatch):
         assert plan.name.startswith("natten::na_fwd_hopper<__half, 256, 2, 64, 2, true, true")
         assert (wgmma_forward.SOURCE, plan.name) in wgmma_forward.instantiations()
         assert _hopper_fwd_pays(p) in (True, False)   # the dispatch has thresholds for it
+    monkeypatch.setattr(wgmma_forward, "WIDE_3D", False)
     three = numpy.zeros((1, 9, 17, 13, 2, 200), numpy.float16)
     assert "3-D" in wgmma_forward.refuse(_problem(three, 3, (3, 5, 4)))
     bias = numpy.zeros((2, 13), numpy.float16)
@@ -76,8 +84,8 @@ def test_hopper_refusals():
     assert "float16" in wgmma_forward.refuse(_problem(f32, 1, 3))
     odd = numpy.zeros((1, 16, 1, 20), numpy.float16)
     assert "multiple of 8" in wgmma_forward.refuse(_problem(odd, 1, 3))
-    wide = numpy.zeros((1, 4, 4, 4, 1, 256), numpy.float16)
-    assert "3-D up to head dim 128" in wgmma_forward.refuse(_problem(wide, 3, 3))
+    wide = numpy.zeros((1, 4, 4, 4, 1, 256), numpy.float16)   # 3-D at 256: the device decides
+    assert "compute capability" in wgmma_forward.refuse(_problem(wide, 3, 3))
     wider = numpy.zeros((1, 16, 1, 264), numpy.float16)
     assert "up to 256" in wgmma_forward.refuse(_problem(wider, 1, 3))
     two = numpy.zeros((1, 4, 4, 1, 64), numpy.float16)

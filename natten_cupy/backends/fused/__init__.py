@@ -101,10 +101,10 @@ HOPPER_FWD_FROM = {
     (1, 64, False): 128, (1, 64, True): 128, (1, 128, False): 64, (1, 128, True): 64,
     (2, 64, False): 128, (2, 64, True): 150, (2, 128, False): 32, (2, 128, True): 80,
     (3, 64, False): 128, (3, 64, True): 75, (3, 128, False): 27, (3, 128, True): 64,
-    # head dims 136-256 (ranks 1 and 2, no bias): every window (hopper_dispatch_d256.json,
-    # H100, kernels alone: mma.sync / Hopper 1.6-7.8 in 1-D from window 15, 1.4-2.7 in 2-D
-    # from 3x3, at head dims 160 and 256)
-    (1, 256, False): 1, (2, 256, False): 1,
+    # head dims 136-256 (no bias): every window (H100, kernels alone, head dims 160 and 256:
+    # mma.sync / Hopper 1.6-7.8 in 1-D from window 15 and 1.4-2.7 in 2-D from 3x3,
+    # hopper_dispatch_d256.json; 2.1-3.9 in 3-D from 3x3x3, hopper_dispatch_d256_3d.json)
+    (1, 256, False): 1, (2, 256, False): 1, (3, 256, False): 1,
 }
 
 # The same at head dim 32 per (rank, bias), where the Hopper forward pads q and k to 64
