@@ -15,9 +15,7 @@ walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK
 query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``: the mma.sync
 backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
 ``+qcN`` / ``+kvcN``: its dQ / dK-dV pass in head-dim chunks of N columns at every bucket
-from N up; ``+runsN``: the Hopper backward's passes over runs of up to N owner boxes a CTA
-(``wgmma_backward.BOXES``; ``+runsN+wM``: as long as M waves of CTAs remain, MIN_WAVES);
-``+rpb``: with a random relative positional bias, d_rpb from the backward), on
+from N up; ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
 the same inputs: forward and backward
 CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
@@ -100,24 +98,8 @@ def _buckets(family):
             m._configure.cache_clear()
 
 
-@contextlib.contextmanager
-def _runs(family):
-    """``+runsN`` (``+wM``): the Hopper backward's runs of boxes (read when it plans)."""
-    from natten_cupy.backends.fused import wgmma_backward as h
-    saved = h.BOXES, h.MIN_WAVES
-    for mod in family.split("@")[0].split("+")[1:]:
-        if mod.startswith("runs") and mod[4:].isdigit():
-            h.BOXES = int(mod[4:])
-        if mod.startswith("w") and mod[1:].isdigit():
-            h.MIN_WAVES = int(mod[1:])
-    try:
-        yield
-    finally:
-        h.BOXES, h.MIN_WAVES = saved
-
-
 def run(wid, dtype, family, reps, baselines=None, forward_only=False):
-    with _source(family, baselines or {}), _buckets(family), _runs(family):
+    with _source(family, baselines or {}), _buckets(family):
         try:
             return _run(wid, dtype, family, reps, forward_only)
         except ValueError as e:   # a variant this problem cannot take (e.g. +btma at rank 2)

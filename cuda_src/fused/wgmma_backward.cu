@@ -188,99 +188,6 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
   return live;
 }
 
-// A CTA's run of consecutive owner boxes (MULTI passes): boxes [first, first + count) of the
-// pass's boxes(p) per (batch, head), a run of ceil(boxes / gridDim.x) each, and the barriers
-// that hand a box from the loader to the compute warpgroups, after the stages' (BYTES of
-// them): the owner rows landed (own_full: the loader threads' cp.async arrivals) and read
-// (own_free: every compute thread, once the box's last S, dP GEMMs are done); per box parity
-// the geometry set up (geom_set: loader thread 0) and done with (geom_done: every compute
-// thread, after the box's epilogue), so the loader sets up box i + 2 only after box i ends.
-struct MultiBox {
-  static constexpr unsigned BYTES = 48;
-  int first, count;
-  unsigned bars;  // own_full, own_free, geom_set (2), geom_done (2), 8 bytes each
-
-  template <class Geom>
-  __device__ __forceinline__ void init(const NAParams& p, unsigned at) {
-    const int n = Geom::boxes(p), per = (n + (int)gridDim.x - 1) / (int)gridDim.x;
-    first = (int)blockIdx.x * per;
-    count = max(min(per, n - first), 0);
-    bars = at;
-  }
-  __device__ __forceinline__ unsigned own_full() const { return bars; }
-  __device__ __forceinline__ unsigned own_free() const { return bars + 8; }
-  __device__ __forceinline__ unsigned geom_set(int bi) const { return bars + 16 + 8 * (bi & 1); }
-  __device__ __forceinline__ unsigned geom_done(int bi) const { return bars + 32 + 8 * (bi & 1); }
-
-  // Loader: box bi's geometry into G (thread 0, once box bi - 2 is done with; live: whether
-  // the box has rows), then every loader thread reads it. Returns live.
-  template <class Geom>
-  __device__ __forceinline__ bool set_up(Geom& G, int& live, const NAParams& p, int bi,
-                                         int tid, int threads) const {
-    if (tid == 0) {
-      if (bi >= 2) mbar_wait(geom_done(bi), ((bi - 2) >> 1) & 1);
-      live = G.init(p, first + bi);
-      mbar_arrive(geom_set(bi));
-    }
-    named_sync(5, threads);
-    return live;
-  }
-
-  // Loader: the run's boxes in turn (geometry by box parity in Gs, lives), each box's
-  // `group` x (its tiles of ROWS rows) steps numbered on from box to box as the stages;
-  // the first STAGES - 1 go before the box's owner rows, which wait until the last box's are
-  // read. tile(G, j, s, n): stage j, step s of a box of n tiles; own(G): the owner rows.
-  template <int ROWS, int STAGES, class Geom, class Tile, class Own>
-  __device__ __forceinline__ void load_run(Geom* Gs, int* lives, const NAParams& p, int tid,
-                                           int threads, int group, Tile&& tile,
-                                           Own&& own) const {
-    int jb = 0;  // the box's first stage
-    for (int bi = 0; bi < count; ++bi) {
-      Geom& G = Gs[bi & 1];
-      const int n = set_up(G, lives[bi & 1], p, bi, tid, threads) ? (G.total + ROWS - 1) / ROWS
-                                                                   : 0;
-      const int steps = group * n, ahead = min(steps, STAGES - 1);
-      for (int s = 0; s < ahead; ++s) tile(G, jb + s, s, n);
-      if (bi > 0) mbar_wait(own_free(), (bi - 1) & 1);
-      if (n > 0) own(G);
-      cp_async_arrive(own_full());
-      for (int s = ahead; s < steps; ++s) tile(G, jb + s, s, n);
-      jb += steps;
-    }
-  }
-
-  // Compute warpgroups: box bi's tiles of ROWS rows (0: a box past its group), once its
-  // geometry is set up and its owner rows have landed (a box without tiles frees them).
-  template <int ROWS, class Geom>
-  __device__ __forceinline__ int enter(const Geom& G, const int& live, int bi) const {
-    mbar_wait(geom_set(bi), (bi >> 1) & 1);
-    const int n = live ? (G.total + ROWS - 1) / ROWS : 0;
-    mbar_wait(own_full(), bi & 1);
-    if (n == 0) mbar_arrive(own_free());
-    return n;
-  }
-};
-
-// begin_cta for MULTI passes: the stage barriers and the run's, no geometry yet.
-template <int STAGES, int FULL, int EMPTY, bool ASYNC = false>
-__device__ __forceinline__ void begin_multi(const MultiBox& mb, unsigned full, unsigned empty,
-                                            int loaders, int computes) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, FULL);
-      mbar_init(empty + 8 * s, EMPTY);
-    }
-    mbar_init(mb.own_full(), loaders);
-    mbar_init(mb.own_free(), computes);
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(mb.geom_set(s), 1);
-      mbar_init(mb.geom_done(s), computes);
-    }
-    if (ASYNC) fence_mbar_init();
-  }
-  __syncthreads();
-}
-
 // dK, dV: keys own the CTA (128 keys, two compute warpgroups of 64), the region is the
 // queries of their inverse windows, walked in BQ-query tiles: per tile S^T = K Q^T and dP^T =
 // V dO^T (wgmma from shared memory), P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T
@@ -300,13 +207,8 @@ __device__ __forceinline__ void begin_multi(const MultiBox& mb, unsigned full, u
 // (once) and the tile's lse and delta; a stage is full after their 128 arrivals, thread 0's
 // and the maps' bytes. Region rows past the group arrive as the tensor's rows (zeros past its
 // end), not zeros: their scores are masked, as those of rows outside a key's reach are.
-// MULTI (no bias): a CTA owns a run of consecutive owner boxes (MultiBox) and walks them in
-// turn, the stages running on from box to box: the loader stages the next box's first tiles
-// while the compute warpgroups finish this one, and its K, V as soon as the last step's GEMMs
-// that read them are done (S^T and dP^T; with ATOMIC the dQ GEMM too), under the rest of
-// that step and the epilogue.
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
-          bool BIAS, bool TMA = false, bool MULTI = false>
+          bool BIAS, bool TMA = false>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
                                        const float* __restrict__ lse,
@@ -321,18 +223,15 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
   static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
   static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
-  static_assert(!MULTI || !BIAS, "runs of boxes: no bias");
   typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
   sm.init(smem_raw);
 
   // The geometry lives in shared memory: its fields are read where used (the tile loop
-  // needs a few, the epilogue the rest), not held in registers over the whole walk. MULTI:
-  // one per box parity (the loader sets up the next box while the compute warpgroups finish).
-  typedef BwdGeom<RANK, T0, T1, T2, true> Geom;
-  __shared__ Geom Gs[MULTI ? 2 : 1];
-  __shared__ int lives[MULTI ? 2 : 1];
+  // needs a few, the epilogue the rest), not held in registers over the whole walk.
+  __shared__ BwdGeom<RANK, T0, T1, T2, true> G;
+  __shared__ int live;
   // The CTA's keys belong to kv head hk; its walk visits the query tiles of each of the
   // kv head's `group` query heads in turn (GQA; group = 1 otherwise), so dK and dV sum over
   // them in registers, in a fixed order.
@@ -350,14 +249,9 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const float* lseb = lse + b * p.lse[0] + h0 * p.lse[4];
   const float* deltab = delta + b * p.delta[0] + h0 * p.delta[4];
 
-  MultiBox mb;
-  if constexpr (MULTI) {
-    mb.template init<Geom>(p, sm.empty + 8 * STAGES);
-    begin_multi<STAGES, NT + (TMA ? 1 : 0), 128 * WG, TMA>(mb, sm.full, sm.empty, NT, 128 * WG);
-  } else if (!begin_cta<STAGES, NT + (TMA ? 1 : 0), 128 * WG, TMA>(Gs[0], lives[0], sm.full,
-                                                                   sm.empty, p)) {
+  if (!begin_cta<STAGES, NT + (TMA ? 1 : 0), 128 * WG, TMA>(G, live, sm.full, sm.empty, p))
     return;
-  }
+  const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
     regs_dec<BwdRegs::loader>();
@@ -365,278 +259,249 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
       tma_prefetch(tq);
       tma_prefetch(tdo);
     }
-    // Stage j of the walk: query tile jt of head g (of the group) of box G.
-    auto load_tile = [&](const Geom& G, int j, int g, int jt) {
-      if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
-      if constexpr (TMA) {
-        if (tid == 0) {
-          const unsigned full = sm.full + 8 * (j % STAGES);
-          const int d0 = (int)p.dilation[0];
-          const int x[3] = {G.g[0] + d0 * (G.rs[0] + jt * BQ), 0, 0};
-          mbar_expect_tx(full, 2 * Smem::TILE);
-          tma_tile<D, BQ, 1>(sm.tile0(j), tq, full, x, (int)h0 + g, b, d0);
-          tma_tile<D, BQ, 1>(sm.tile1(j), tdo, full, x, (int)h0 + g, b, d0);
+    load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
+    int j = 0;  // the step: query tile jt of head g, in walk order
+    for (int g = 0; g < group; ++g)
+      for (int jt = 0; jt < num_tiles; ++jt, ++j) {
+        if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
+        if constexpr (TMA) {
+          if (tid == 0) {
+            const unsigned full = sm.full + 8 * (j % STAGES);
+            const int d0 = (int)p.dilation[0];
+            const int x[3] = {G.g[0] + d0 * (G.rs[0] + jt * BQ), 0, 0};
+            mbar_expect_tx(full, 2 * Smem::TILE);
+            tma_tile<D, BQ, 1>(sm.tile0(j), tq, full, x, (int)h0 + g, b, d0);
+            tma_tile<D, BQ, 1>(sm.tile1(j), tdo, full, x, (int)h0 + g, b, d0);
+          }
+        } else {
+          load_rows<T, D, BQ, NT>(sm.tile0(j), qb + g * p.q[4], p.q, sm.tile1(j),
+                                  dob + g * p.d_o[4], p.d_o, G, p, jt * BQ, hd, tid);
         }
-      } else {
-        load_rows<T, D, BQ, NT>(sm.tile0(j), qb + g * p.q[4], p.q, sm.tile1(j),
-                                dob + g * p.d_o[4], p.d_o, G, p, jt * BQ, hd, tid);
+        load_row_values<BQ>(sm.vec0(j), lseb + g * p.lse[4], sm.vec1(j),
+                            deltab + g * p.delta[4], G, p, jt * BQ, tid);
+        cp_async_arrive(sm.full + 8 * (j % STAGES));
       }
-      load_row_values<BQ>(sm.vec0(j), lseb + g * p.lse[4], sm.vec1(j),
-                          deltab + g * p.delta[4], G, p, jt * BQ, tid);
-      cp_async_arrive(sm.full + 8 * (j % STAGES));
-    };
-    if constexpr (MULTI) {
-      mb.template load_run<BQ, STAGES>(
-          Gs, lives, p, tid, NT, group,
-          [&](const Geom& G, int j, int s, int n) { load_tile(G, j, s / n, s % n); },
-          [&](const Geom& G) {
-            load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
-          });
-    } else {
-      const Geom& G = Gs[0];
-      const int num_tiles = (G.total + BQ - 1) / BQ;
-      load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
-      int j = 0;  // the step: query tile jt of head g, in walk order
-      for (int g = 0; g < group; ++g)
-        for (int jt = 0; jt < num_tiles; ++jt, ++j) load_tile(G, j, g, jt);
-    }
     cp_async_wait_all();
     return;
   }
 
   regs_inc<BwdRegs::compute>();
+  // This thread's two key rows and the queries that reach them (region coordinates).
+  const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
+  int wl[2][3], wn[2][3];
+  G.row_reach(p, row0, wl[0], wn[0]);
+  G.row_reach(p, row0 + 8, wl[1], wn[1]);
+  // ATOMIC: whether the two key rows lie in the group. A row past it has a zero K row and the
+  // last row's reach, so its P^T is exp2(-lse log2 e), which a very negative lse takes past
+  // the 16-bit range: its dS^T row is stored as zeros, else Inf x 0 in the dQ GEMM is NaN.
+  bool own_ok[2] = {true, true};
+  if constexpr (ATOMIC) {
+    int c[3];
+    G.own_row(row0, c, own_ok[0]);
+    G.own_row(row0 + 8, c, own_ok[1]);
+  }
   const float sl = p.scale * 1.4426950408889634f;  // scale * log2(e)
   const unsigned k_wg = sm.own0 + wg * 64 * 128, v_wg = sm.own1 + wg * 64 * 128;
-  int jb = 0;  // MULTI: the box's first stage
-  int boxes = 1;
-  if constexpr (MULTI) boxes = mb.count;
-  for (int bi = 0; bi < boxes; ++bi) {
-    const Geom& G = Gs[MULTI ? bi & 1 : 0];
-    int num_tiles;
-    if constexpr (MULTI)
-      num_tiles = mb.template enter<BQ>(G, lives[bi & 1], bi);
-    else
-      num_tiles = (G.total + BQ - 1) / BQ;
-    // This thread's two key rows and the queries that reach them (region coordinates).
-    const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
-    int wl[2][3], wn[2][3];
-    G.row_reach(p, row0, wl[0], wn[0]);
-    G.row_reach(p, row0 + 8, wl[1], wn[1]);
-    // ATOMIC: whether the two key rows lie in the group. A row past it has a zero K row and the
-    // last row's reach, so its P^T is exp2(-lse log2 e), which a very negative lse takes past
-    // the 16-bit range: its dS^T row is stored as zeros, else Inf x 0 in the dQ GEMM is NaN.
-    bool own_ok[2] = {true, true};
-    if constexpr (ATOMIC) {
-      int c[3];
-      G.own_row(row0, c, own_ok[0]);
-      G.own_row(row0 + 8, c, own_ok[1]);
-    }
 
-    // BIAS: bias_row[r] is key row r's term of its score's box index (KeyBiasBox), qidx each
-    // region query's place in the box (rank 2, 3; after the box).
-    const unsigned btab = sm.empty + 8 * STAGES;
-    unsigned bias_row[2] = {btab, btab}, qidx = btab;
-    if constexpr (BIAS) {
-      KeyBiasBox bb;
-      bb.init(G, p);
-      row_terms(bb, G, p, row0, btab, bias_row);
-      qidx = btab + 4 * bb.vol;
-      if (RANK > 1)
-        bb.stage_places(reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw))), G,
-                        tid - 128, 256);
-    }
-    // The box of query head h0 + g: staged once every compute thread is done with the last
-    // (the box worked out again: kept over the walk it spilled).
-    auto stage_bias = [&](int g) {
-      if (g > 0) named_sync(4, 256);
-      KeyBiasBox bb;
-      bb.init(G, p);
-      bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
-                              rpb, (int)h0 + g, p, tid - 128, 256);
-      named_sync(4, 256);
-    };
-
-    float acc_dk[D / 2], acc_dv[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-
-    // PIPE (head dim 64): the next step's S^T and dP^T GEMMs are queued behind this step's
-    // dV, dK (and dQ) GEMMs, so the tensor cores need not wait for this warpgroup's work
-    // between them (the atomic variant's dQ staging runs under them). At 128 their
-    // accumulators would not fit beside dK and dV.
-    constexpr bool PIPE = D <= 64;
-    constexpr bool SPLIT = Smem::SPLIT_DQ;
-    const int steps = group * num_tiles;  // query tile jt of head g is step g * num_tiles + jt
-    const int wrow = ((tid / 32) % 4) * 16 + lane / 4, wwarp = (tid / 32) % 4;
-    typedef typename Kind<T>::type kind;
-    float acc_s[BQ / 2], acc_dp[BQ / 2];
-    auto issue_ss = [&](int jj) {  // S^T = K Q^T, dP^T = V dO^T of step jj, once resident
-      mbar_wait(sm.full + 8 * (jj % STAGES), (jj / STAGES) & 1);
-      fence_proxy_async();
-      wgmma_fence();
-      gemm_ss<T, D, BQ, 128>(acc_s, k_wg, sm.tile0(jj));
-      gemm_ss<T, D, BQ, 128>(acc_dp, v_wg, sm.tile1(jj));
-      wgmma_commit();
-    };
-    if (PIPE && (!MULTI || steps > 0)) issue_ss(jb);
-    for (int j = jb; j < jb + steps; ++j) {  // stage j: step j - jb of the box
-      const int g = (j - jb) / num_tiles, jt = (j - jb) - g * num_tiles;
-      const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
-      if (!PIPE) issue_ss(j);
-      if (BIAS && jt == 0) stage_bias(g);
-      wgmma_wait<0>();
-      fence_regs(acc_s);
-      fence_regs(acc_dp);
-      if (MULTI && !ATOMIC && j == jb + steps - 1) mbar_arrive(mb.own_free());  // K, V read
-      // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
-      const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
-      const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
-      if constexpr (BIAS) {
-        // P^T = exp2(S^T scale log2 e + bias - lse log2 e) inside each key's reach, else 0
-        // (the bias read only there: branch-free, the D128 kernels stay within their registers).
-        const int* const places = reinterpret_cast<const int*>(smem_raw + (qidx - smem_u32(smem_raw)));
-        auto visit = [&](int i, int r, bool in, int f) {
-          const int col = f - jt * BQ, place = RANK == 1 ? f : (in ? places[f] : 0);
-          const float b = in ? lds_f32(bias_row[r] - 4 * place) : negative_infinity<float>();
-          const float pe = fast_exp2(fmaf(lse_s[col], -1.4426950408889634f, fmaf(acc_s[i], sl, b)));
-          acc_s[i] = pe;
-          acc_dp[i] = pe * (acc_dp[i] - dl_s[col]);
-        };
-        if (G.needs_mask(jt * BQ, BQ))
-          walk_scores<BQ, RANK>(jt * BQ, quad, G.rk, G.inner, wl, wn, visit);
-        else
-          walk_flat<BQ>(jt * BQ, quad, visit);
-      } else {
-        if (G.needs_mask(jt * BQ, BQ))
-          mask_scores<BQ, RANK>(acc_s, jt * BQ, quad, G.rk, G.inner, wl, wn);
-#pragma unroll
-        for (int i = 0; i < BQ / 8; ++i) {
-          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * quad);
-          const float2 d2 = *reinterpret_cast<const float2*>(dl_s + 8 * i + 2 * quad);
-          const float ll[2] = {l2.x * 1.4426950408889634f, l2.y * 1.4426950408889634f};
-          const float dd[2] = {d2.x, d2.y};
-#pragma unroll
-          for (int x = 0; x < 4; ++x) {
-            const float pe = fast_exp2(fmaf(acc_s[4 * i + x], sl, -ll[x % 2]));
-            acc_s[4 * i + x] = pe;
-            acc_dp[4 * i + x] = pe * (acc_dp[4 * i + x] - dd[x % 2]);
-          }
-        }
-      }
-      unsigned pa[BQ / 16][4], da[BQ / 16][4];
-      pack_a<T, BQ>(acc_s, pa);
-      pack_a<T, BQ>(acc_dp, da);
-      wgmma_fence();
-      gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
-      gemm_rs<T, D, BQ>(acc_dk, da, sq);
-      wgmma_commit();
-      float acc_q[32];  // ATOMIC: this step's dQ columns (64 queries x 64)
-      if constexpr (ATOMIC) {
-        // dS^T as stored: key rows of this warpgroup, query columns (stored while the RS GEMMs
-        // read the same registers: that kept NVRTC 13.0's 1-D D128 kernel within 232).
-        const unsigned ds_wg = sm.ds_tile(j, wg);
-#pragma unroll
-        for (int s = 0; s < BQ / 16; ++s)
-#pragma unroll
-          for (int x = 0; x < 4; ++x)
-            asm volatile("st.shared.b32 [%0], %1;\n"
-                         :: "r"(ds_wg + swz128(wrow + 8 * (x % 2), 2 * s + x / 2) + 4 * quad),
-                            "r"(own_ok[x % 2] ? da[s][x] : 0u) : "memory");
-        fence_proxy_async();
-        // The staging tile is free once the previous step's bulk adds have read it (warps 0
-        // and 1 issued them); the barrier says so, and publishes the dS^T tiles.
-        if (wwarp < 2) bulk_wait_read();
-        if (SPLIT)
-          named_sync(3, 256);  // both warpgroups' dS^T of this step
-        else
-          named_sync(1 + wg, 128);
-        // dQ's GEMM queued behind the dK/dV ones (the tensor cores run them in order).
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc_q[i] = 0.f;
-        constexpr int KSTEPS = SPLIT ? 8 : 4;  // 16 keys a step
-        // The operands' addresses, opaque to the compiler: else it keeps all 2 x KSTEPS
-        // descriptors live over the walk (D128: a 20-36 byte spill).
-        unsigned a_ds = sm.ds_tile(j, SPLIT ? 0 : wg), b_k = SPLIT ? sm.own0 + wg * (128 * 128) : k_wg;
-        asm volatile("" : "+r"(a_ds), "+r"(b_k));
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < KSTEPS; ++s)
-          SSTT64::run(acc_q, desc128(a_ds + (s / 4) * Smem::DS_TILE + (s % 4) * 2048, 64 * 128, 1024),
-                      desc128(b_k + s * 2048, 128 * 128, 1024), s > 0, kind());
-        wgmma_commit();
-      }
-      if (PIPE && j + 1 < jb + steps) {
-        issue_ss(j + 1);
-        wgmma_wait<1>();  // this step's GEMMs done; the next step's S^T, dP^T may run on
-      } else {
-        wgmma_wait<0>();
-      }
-      if (MULTI && ATOMIC && j == jb + steps - 1) mbar_arrive(mb.own_free());  // (dQ read K)
-      fence_regs(acc_dv);
-      fence_regs(acc_dk);
-      if constexpr (ATOMIC) {
-        fence_regs(acc_q);
-        // Accumulator d[4 i + 2 h + e] is query row wrow + 8 h, column 8 i + 2 quad + e; the
-        // staging tile holds the rows as dq_ws_row lays them out, by their key.
-        const unsigned st_wg = sm.stage + wg * Smem::STAGE;
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int row = wrow + 8 * h2;
-          int c[3];
-          G.other(jt * BQ + row, c);  // (rows past the region: any key)
-          const int m = dq_ws_key(c);
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                         :: "r"(st_wg + row * 256 + ((i ^ m) * 8 + 2 * quad) * 4),
-                            "f"(acc_q[4 * i + 2 * h2]), "f"(acc_q[4 * i + 2 * h2 + 1]) : "memory");
-        }
-        fence_proxy_async();
-        named_sync(1 + wg, 128);
-        if (wwarp < 2) {  // the lane of a run's first row adds the run (rows of one region row)
-          const int row = 32 * wwarp + lane, f = jt * BQ + row;
-          constexpr int LAST = RANK - 1;
-          int c[3];
-          G.other(f, c);
-          const int pos = c[LAST] - G.rs[LAST];  // along the region row
-          if (f < G.total && (row == 0 || pos == 0)) {
-            const int len = min(min(G.rk[LAST] - pos, BQ - row), G.total - f);
-            bulk_add_f32(dq_ws + dq_ws_row<D>(p, b, h0 + g, G.g, SPLIT ? wg : 0, c),
-                         st_wg + row * 256, 256u * (unsigned)len);
-          }
-          bulk_commit();
-        }
-      }
-      mbar_arrive(sm.empty + 8 * (j % STAGES));
-    }
-    if (ATOMIC && !MULTI && (tid / 32) % 4 < 2) bulk_wait();  // the adds done before the CTA ends
-
-    // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group. (The row
-    // is worked out again from an opaque thread index: carried over the walk it spilled.)
-    int etid = tid;
-    asm volatile("" : "+r"(etid));
-    const int erow = wg * 64 + ((etid / 32) % 4) * 16 + (etid % 32) / 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int c[3];
-      bool valid;
-      G.own_row(erow + 8 * r, c, valid);
-      if (!valid || (MULTI && num_tiles == 0)) continue;
-      T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
-      T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        const int col = 8 * i + 2 * quad;
-        if (col < hd) {
-          pack_store(at_k + col, acc_dk[4 * i + 2 * r] * p.scale, acc_dk[4 * i + 2 * r + 1] * p.scale);
-          pack_store(at_v + col, acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
-        }
-      }
-    }
-    if constexpr (MULTI) mbar_arrive(mb.geom_done(bi));  // the box's geometry read
-    jb += steps;
+  // BIAS: bias_row[r] is key row r's term of its score's box index (KeyBiasBox), qidx each
+  // region query's place in the box (rank 2, 3; after the box).
+  const unsigned btab = sm.empty + 8 * STAGES;
+  unsigned bias_row[2] = {btab, btab}, qidx = btab;
+  if constexpr (BIAS) {
+    KeyBiasBox bb;
+    bb.init(G, p);
+    row_terms(bb, G, p, row0, btab, bias_row);
+    qidx = btab + 4 * bb.vol;
+    if (RANK > 1)
+      bb.stage_places(reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw))), G,
+                      tid - 128, 256);
   }
-  if (ATOMIC && MULTI && (tid / 32) % 4 < 2) bulk_wait();
+  // The box of query head h0 + g: staged once every compute thread is done with the last
+  // (the box worked out again: kept over the walk it spilled).
+  auto stage_bias = [&](int g) {
+    if (g > 0) named_sync(4, 256);
+    KeyBiasBox bb;
+    bb.init(G, p);
+    bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
+                            rpb, (int)h0 + g, p, tid - 128, 256);
+    named_sync(4, 256);
+  };
+
+  float acc_dk[D / 2], acc_dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  // PIPE (head dim 64): the next step's S^T and dP^T GEMMs are queued behind this step's
+  // dV, dK (and dQ) GEMMs, so the tensor cores need not wait for this warpgroup's work
+  // between them (the atomic variant's dQ staging runs under them). At 128 their
+  // accumulators would not fit beside dK and dV.
+  constexpr bool PIPE = D <= 64;
+  constexpr bool SPLIT = Smem::SPLIT_DQ;
+  const int steps = group * num_tiles;  // query tile jt of head g is step g * num_tiles + jt
+  const int wrow = ((tid / 32) % 4) * 16 + lane / 4, wwarp = (tid / 32) % 4;
+  typedef typename Kind<T>::type kind;
+  float acc_s[BQ / 2], acc_dp[BQ / 2];
+  auto issue_ss = [&](int jj) {  // S^T = K Q^T, dP^T = V dO^T of step jj, once resident
+    mbar_wait(sm.full + 8 * (jj % STAGES), (jj / STAGES) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    gemm_ss<T, D, BQ, 128>(acc_s, k_wg, sm.tile0(jj));
+    gemm_ss<T, D, BQ, 128>(acc_dp, v_wg, sm.tile1(jj));
+    wgmma_commit();
+  };
+  if (PIPE) issue_ss(0);
+  for (int j = 0; j < steps; ++j) {
+    const int g = j / num_tiles, jt = j - g * num_tiles;
+    const unsigned sq = sm.tile0(j), sdo = sm.tile1(j);
+    if (!PIPE) issue_ss(j);
+    if (BIAS && jt == 0) stage_bias(g);
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    fence_regs(acc_dp);
+    // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
+    const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
+    const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
+    if constexpr (BIAS) {
+      // P^T = exp2(S^T scale log2 e + bias - lse log2 e) inside each key's reach, else 0
+      // (the bias read only there: branch-free, the D128 kernels stay within their registers).
+      const int* const places = reinterpret_cast<const int*>(smem_raw + (qidx - smem_u32(smem_raw)));
+      auto visit = [&](int i, int r, bool in, int f) {
+        const int col = f - jt * BQ, place = RANK == 1 ? f : (in ? places[f] : 0);
+        const float b = in ? lds_f32(bias_row[r] - 4 * place) : negative_infinity<float>();
+        const float pe = fast_exp2(fmaf(lse_s[col], -1.4426950408889634f, fmaf(acc_s[i], sl, b)));
+        acc_s[i] = pe;
+        acc_dp[i] = pe * (acc_dp[i] - dl_s[col]);
+      };
+      if (G.needs_mask(jt * BQ, BQ))
+        walk_scores<BQ, RANK>(jt * BQ, quad, G.rk, G.inner, wl, wn, visit);
+      else
+        walk_flat<BQ>(jt * BQ, quad, visit);
+    } else {
+      if (G.needs_mask(jt * BQ, BQ))
+        mask_scores<BQ, RANK>(acc_s, jt * BQ, quad, G.rk, G.inner, wl, wn);
+#pragma unroll
+      for (int i = 0; i < BQ / 8; ++i) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * quad);
+        const float2 d2 = *reinterpret_cast<const float2*>(dl_s + 8 * i + 2 * quad);
+        const float ll[2] = {l2.x * 1.4426950408889634f, l2.y * 1.4426950408889634f};
+        const float dd[2] = {d2.x, d2.y};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const float pe = fast_exp2(fmaf(acc_s[4 * i + x], sl, -ll[x % 2]));
+          acc_s[4 * i + x] = pe;
+          acc_dp[4 * i + x] = pe * (acc_dp[4 * i + x] - dd[x % 2]);
+        }
+      }
+    }
+    unsigned pa[BQ / 16][4], da[BQ / 16][4];
+    pack_a<T, BQ>(acc_s, pa);
+    pack_a<T, BQ>(acc_dp, da);
+    wgmma_fence();
+    gemm_rs<T, D, BQ>(acc_dv, pa, sdo);
+    gemm_rs<T, D, BQ>(acc_dk, da, sq);
+    wgmma_commit();
+    float acc_q[32];  // ATOMIC: this step's dQ columns (64 queries x 64)
+    if constexpr (ATOMIC) {
+      // dS^T as stored: key rows of this warpgroup, query columns (stored while the RS GEMMs
+      // read the same registers: that kept NVRTC 13.0's 1-D D128 kernel within 232).
+      const unsigned ds_wg = sm.ds_tile(j, wg);
+#pragma unroll
+      for (int s = 0; s < BQ / 16; ++s)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          asm volatile("st.shared.b32 [%0], %1;\n"
+                       :: "r"(ds_wg + swz128(wrow + 8 * (x % 2), 2 * s + x / 2) + 4 * quad),
+                          "r"(own_ok[x % 2] ? da[s][x] : 0u) : "memory");
+      fence_proxy_async();
+      // The staging tile is free once the previous step's bulk adds have read it (warps 0
+      // and 1 issued them); the barrier says so, and publishes the dS^T tiles.
+      if (wwarp < 2) bulk_wait_read();
+      if (SPLIT)
+        named_sync(3, 256);  // both warpgroups' dS^T of this step
+      else
+        named_sync(1 + wg, 128);
+      // dQ's GEMM queued behind the dK/dV ones (the tensor cores run them in order).
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc_q[i] = 0.f;
+      constexpr int KSTEPS = SPLIT ? 8 : 4;  // 16 keys a step
+      // The operands' addresses, opaque to the compiler: else it keeps all 2 x KSTEPS
+      // descriptors live over the walk (D128: a 20-36 byte spill).
+      unsigned a_ds = sm.ds_tile(j, SPLIT ? 0 : wg), b_k = SPLIT ? sm.own0 + wg * (128 * 128) : k_wg;
+      asm volatile("" : "+r"(a_ds), "+r"(b_k));
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < KSTEPS; ++s)
+        SSTT64::run(acc_q, desc128(a_ds + (s / 4) * Smem::DS_TILE + (s % 4) * 2048, 64 * 128, 1024),
+                    desc128(b_k + s * 2048, 128 * 128, 1024), s > 0, kind());
+      wgmma_commit();
+    }
+    if (PIPE && j + 1 < steps) {
+      issue_ss(j + 1);
+      wgmma_wait<1>();  // this step's GEMMs done; the next step's S^T, dP^T may run on
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_regs(acc_dv);
+    fence_regs(acc_dk);
+    if constexpr (ATOMIC) {
+      fence_regs(acc_q);
+      // Accumulator d[4 i + 2 h + e] is query row wrow + 8 h, column 8 i + 2 quad + e; the
+      // staging tile holds the rows as dq_ws_row lays them out, by their key.
+      const unsigned st_wg = sm.stage + wg * Smem::STAGE;
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int row = wrow + 8 * h2;
+        int c[3];
+        G.other(jt * BQ + row, c);  // (rows past the region: any key)
+        const int m = dq_ws_key(c);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                       :: "r"(st_wg + row * 256 + ((i ^ m) * 8 + 2 * quad) * 4),
+                          "f"(acc_q[4 * i + 2 * h2]), "f"(acc_q[4 * i + 2 * h2 + 1]) : "memory");
+      }
+      fence_proxy_async();
+      named_sync(1 + wg, 128);
+      if (wwarp < 2) {  // the lane of a run's first row adds the run (rows of one region row)
+        const int row = 32 * wwarp + lane, f = jt * BQ + row;
+        constexpr int LAST = RANK - 1;
+        int c[3];
+        G.other(f, c);
+        const int pos = c[LAST] - G.rs[LAST];  // along the region row
+        if (f < G.total && (row == 0 || pos == 0)) {
+          const int len = min(min(G.rk[LAST] - pos, BQ - row), G.total - f);
+          bulk_add_f32(dq_ws + dq_ws_row<D>(p, b, h0 + g, G.g, SPLIT ? wg : 0, c),
+                       st_wg + row * 256, 256u * (unsigned)len);
+        }
+        bulk_commit();
+      }
+    }
+    mbar_arrive(sm.empty + 8 * (j % STAGES));
+  }
+  if (ATOMIC && (tid / 32) % 4 < 2) bulk_wait();  // the bulk adds done before the CTA ends
+
+  // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group. (The row
+  // is worked out again from an opaque thread index: carried over the walk it spilled.)
+  int etid = tid;
+  asm volatile("" : "+r"(etid));
+  const int erow = wg * 64 + ((etid / 32) % 4) * 16 + (etid % 32) / 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int c[3];
+    bool valid;
+    G.own_row(erow + 8 * r, c, valid);
+    if (!valid) continue;
+    T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
+    T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int col = 8 * i + 2 * quad;
+      if (col < hd) {
+        pack_store(at_k + col, acc_dk[4 * i + 2 * r] * p.scale, acc_dk[4 * i + 2 * r + 1] * p.scale);
+        pack_store(at_v + col, acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
+      }
+    }
+  }
 }
 
 // dQ: queries own the CTA (the forward's query boxes of 128, two compute warpgroups of 64),
@@ -647,9 +512,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
 // the pass sums dS per box entry (each warp's dS through a scratch tile, added column by
 // column with shared-memory atomics: the order varies run to run) and writes the CTA's box
 // to bias_part [B, H, CTAs, box], which na_bwd_fused_rpb reduces.
-// MULTI (no bias): runs of owner boxes, as bwd_kv's.
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS,
-          bool MULTI = false>
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
 __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restrict__ k,
                                       const T* __restrict__ v, const T* __restrict__ d_o,
                                       const float* __restrict__ lse,
@@ -660,18 +523,15 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
                 "the query tile is 128 queries over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
-  static_assert(!(MULTI && BIAS), "runs of boxes: the plain dQ pass");
   typedef BwdSmem<D, BN, STAGES, false> Smem;
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
   sm.init(smem_raw);
 
   // The geometry lives in shared memory: its fields are read where used (the tile loop
-  // needs a few, the epilogue the rest), not held in registers over the whole walk (MULTI:
-  // one per box parity).
-  typedef BwdGeom<RANK, T0, T1, T2, false> Geom;
-  __shared__ Geom Gs[MULTI ? 2 : 1];
-  __shared__ int lives[MULTI ? 2 : 1];
+  // needs a few, the epilogue the rest), not held in registers over the whole walk.
+  __shared__ BwdGeom<RANK, T0, T1, T2, false> G;
+  __shared__ int live;
   const int h = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
   const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
@@ -682,296 +542,259 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const T* vb = v + b * p.v[0] + hk * p.v[4];
   const T* dob = d_o + b * p.d_o[0] + h * p.d_o[4];
 
-  MultiBox mb;
-  if constexpr (MULTI) {
-    mb.template init<Geom>(p, sm.empty + 8 * STAGES);
-    begin_multi<STAGES, NT, 128 * WG>(mb, sm.full, sm.empty, NT, 128 * WG);
-  } else if (!begin_cta<STAGES, NT, 128 * WG>(Gs[0], lives[0], sm.full, sm.empty, p)) {
-    return;
-  }
+  if (!begin_cta<STAGES, NT, 128 * WG>(G, live, sm.full, sm.empty, p)) return;
+  const int num_tiles = (G.total + BN - 1) / BN;
 
   if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
     regs_dec<BwdRegs::loader>();
-    // Stage j of the walk: key tile jt of box G.
-    auto load_tile = [&](const Geom& G, int j, int jt) {
+    load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
+    for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
-      int bz = b, hz = hk;  // MULTI: as for the owner rows below
-      if (MULTI) asm volatile("" : "+r"(bz), "+r"(hz));
-      load_rows<T, D, BN, NT>(sm.tile0(j), k + bz * p.k[0] + hz * p.k[4], p.k, sm.tile1(j),
-                              v + bz * p.v[0] + hz * p.v[4], p.v, G, p, jt * BN, hd, tid);
+      load_rows<T, D, BN, NT>(sm.tile0(j), kb, p.k, sm.tile1(j), vb, p.v, G, p, j * BN, hd,
+                              tid);
       cp_async_arrive(sm.full + 8 * (j % STAGES));
-    };
-    if constexpr (MULTI) {
-      mb.template load_run<BN, STAGES>(
-          Gs, lives, p, tid, NT, 1, [&](const Geom& G, int j, int s, int) { load_tile(G, j, s); },
-          [&](const Geom& G) {  // (bases worked out again from opaque indices: kept, they spilled)
-            int bz = b, hy = h;
-            asm volatile("" : "+r"(bz), "+r"(hy));
-            load_rows<T, D, 128, NT>(sm.own0, q + bz * p.q[0] + hy * p.q[4], p.q, sm.own1,
-                                     d_o + bz * p.d_o[0] + hy * p.d_o[4], p.d_o, G, p, -1, hd,
-                                     tid);
-          });
-    } else {
-      const Geom& G = Gs[0];
-      load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
-      const int num_tiles = (G.total + BN - 1) / BN;
-      for (int j = 0; j < num_tiles; ++j) load_tile(G, j, j);
     }
     cp_async_wait_all();
     return;
   }
 
   regs_inc<BwdRegs::compute>();
-  int jb = 0;  // MULTI: the box's first stage
-  int boxes = 1;
-  if constexpr (MULTI) boxes = mb.count;
-  for (int bi = 0; bi < boxes; ++bi) {
-    const Geom& G = Gs[MULTI ? bi & 1 : 0];
-    int num_tiles;
-    if constexpr (MULTI)
-      num_tiles = mb.template enter<BN>(G, lives[bi & 1], bi);
-    else
-      num_tiles = (G.total + BN - 1) / BN;
-    const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
-    int wl[2][3], wn[2][3];
-    G.row_reach(p, row0, wl[0], wn[0]);
-    G.row_reach(p, row0 + 8, wl[1], wn[1]);
-    float ll[2], dd[2];  // the rows' lse (log2 units) and delta; rows past the group: 0
+  const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
+  int wl[2][3], wn[2][3];
+  G.row_reach(p, row0, wl[0], wn[0]);
+  G.row_reach(p, row0 + 8, wl[1], wn[1]);
+  float ll[2], dd[2];  // the rows' lse (log2 units) and delta; rows past the group: 0
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int c[3];
-      bool valid;
-      G.own_row(row0 + 8 * r, c, valid);
-      ll[r] = valid ? lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] *
-                          1.4426950408889634f
-                    : 0.f;
-      dd[r] = valid ? delta[b * p.delta[0] + h * p.delta[4] + G.offset(p, p.delta, c[0], c[1], c[2])]
-                    : 0.f;
-    }
-    const float sl = p.scale * 1.4426950408889634f;
-    const unsigned q_wg = sm.own0 + wg * 64 * 128, do_wg = sm.own1 + wg * 64 * 128;
+  for (int r = 0; r < 2; ++r) {
+    int c[3];
+    bool valid;
+    G.own_row(row0 + 8 * r, c, valid);
+    ll[r] = valid ? lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] *
+                        1.4426950408889634f
+                  : 0.f;
+    dd[r] = valid ? delta[b * p.delta[0] + h * p.delta[4] + G.offset(p, p.delta, c[0], c[1], c[2])]
+                  : 0.f;
+  }
+  const float sl = p.scale * 1.4426950408889634f;
+  const unsigned q_wg = sm.own0 + wg * 64 * 128, do_wg = sm.own1 + wg * 64 * 128;
 
-    // BIAS: bias_row[r] is query row r's entry of the bias box for the region's origin, the
-    // gradient box (gbox) follows the table, then kidx (each region key's place, rank 2, 3),
-    // then per compute warp a float32 scratch tile of 16 x BN dS (rows SCR_ROW apart: the
-    // accumulator's 8-byte stores take two wavefronts, the lanes' diagonal reads one) and its
-    // rows' gradient-box terms.
-    constexpr int SCR_ROW = BN + 8;
-    constexpr unsigned SCR_WARP = 16 * SCR_ROW * 4 + 64;  // the tile, then its 16 row terms
-    const unsigned btab = sm.empty + 8 * STAGES;
-    BiasBox bb;
-    unsigned bias_row[2] = {btab, btab}, gbox = btab, kidx = btab, scratch = btab;
+  // BIAS: bias_row[r] is query row r's entry of the bias box for the region's origin, the
+  // gradient box (gbox) follows the table, then kidx (each region key's place, rank 2, 3),
+  // then per compute warp a float32 scratch tile of 16 x BN dS (rows SCR_ROW apart: the
+  // accumulator's 8-byte stores take two wavefronts, the lanes' diagonal reads one) and its
+  // rows' gradient-box terms.
+  constexpr int SCR_ROW = BN + 8;
+  constexpr unsigned SCR_WARP = 16 * SCR_ROW * 4 + 64;  // the tile, then its 16 row terms
+  const unsigned btab = sm.empty + 8 * STAGES;
+  BiasBox bb;
+  unsigned bias_row[2] = {btab, btab}, gbox = btab, kidx = btab, scratch = btab;
+  if constexpr (BIAS) {
+    bb.init(G, p);
+    row_terms(bb, G, p, row0, btab, bias_row);
+    gbox = btab + 4 * bb.vol;
+    kidx = gbox + 4 * bb.vol;
+    scratch = (kidx + 4 * (RANK > 1 ? G.total : 0) + 15u) & ~15u;
+    bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
+                            rpb, h, p, tid - 128, 256);
+    float* const gb = reinterpret_cast<float*>(smem_raw + (gbox - smem_u32(smem_raw)));
+    for (int i = tid - 128; i < bb.vol; i += 256) gb[i] = 0.f;
+    if (RANK > 1)
+      bb.stage_places(reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw))), G,
+                      tid - 128, 256);
+    named_sync(1, 256);
+  }
+  const unsigned to_grad = gbox - btab;  // a score's gradient entry: its table entry + this
+
+  float acc_dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_dq[i] = 0.f;
+
+  for (int j = 0; j < num_tiles; ++j) {
+    mbar_wait(sm.full + 8 * (j % STAGES), (j / STAGES) & 1);
+    fence_proxy_async();
+    const unsigned sk = sm.tile0(j), sv = sm.tile1(j);
+    float acc_s[BN / 2], acc_dp[BN / 2];
+    wgmma_fence();
+    gemm_ss<T, D, BN, 128>(acc_s, q_wg, sk);
+    gemm_ss<T, D, BN, 128>(acc_dp, do_wg, sv);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    fence_regs(acc_dp);
+    const int* const places = reinterpret_cast<const int*>(smem_raw + (kidx - smem_u32(smem_raw)));
     if constexpr (BIAS) {
-      bb.init(G, p);
-      row_terms(bb, G, p, row0, btab, bias_row);
-      gbox = btab + 4 * bb.vol;
-      kidx = gbox + 4 * bb.vol;
-      scratch = (kidx + 4 * (RANK > 1 ? G.total : 0) + 15u) & ~15u;
-      bb.template stage<RANK>(reinterpret_cast<float*>(smem_raw + (btab - smem_u32(smem_raw))),
-                              rpb, h, p, tid - 128, 256);
-      float* const gb = reinterpret_cast<float*>(smem_raw + (gbox - smem_u32(smem_raw)));
-      for (int i = tid - 128; i < bb.vol; i += 256) gb[i] = 0.f;
-      if (RANK > 1)
-        bb.stage_places(reinterpret_cast<int*>(smem_raw + (kidx - smem_u32(smem_raw))), G,
-                        tid - 128, 256);
-      named_sync(1, 256);
-    }
-    const unsigned to_grad = gbox - btab;  // a score's gradient entry: its table entry + this
-
-    float acc_dq[D / 2];
+      // dS = P (dP - delta) of score i (row r) with bias entry b (log2 units).
+      auto ds = [&](int i, int r, float b) {
+        return fast_exp2(fmaf(acc_s[i], sl, b) - ll[r]) * (acc_dp[i] - dd[r]);
+      };
+      // ... inside each query's window, else exactly 0.
+      auto visit = [&](int i, int r, bool in, int f) {
+        const unsigned at = bias_row[r] + 4 * (RANK == 1 ? f : (in ? places[f] : 0));
+        const float b = in ? lds_f32(at) : negative_infinity<float>();
+        acc_dp[i] = in ? ds(i, r, b) : 0.f;
+      };
+      if (G.needs_mask(j * BN, BN)) {
+        walk_scores<BN, RANK>(j * BN, quad, G.rk, G.inner, wl, wn, visit);
+      } else if constexpr (RANK == 1) {
+        // Every score in reach: row g + 8's entry at a column is row g's eight columns
+        // before (its row term is 8 less), so the lane loads row g's entries and reuses
+        // them, and row g + 8's own for the tile's first 8 columns only. (Row g + 8 past the
+        // group: any finite entry serves, its dS is 0.)
+        const unsigned a0 = bias_row[0] + 4 * (j * BN + 2 * quad);
+        const unsigned a1 = bias_row[1] + 4 * (j * BN + 2 * quad);
+        float ent[BN / 8 + 1][2];
+        ent[0][0] = lds_f32(a1);
+        ent[0][1] = lds_f32(a1 + 4);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc_dq[i] = 0.f;
-
-    for (int j = jb; j < jb + num_tiles; ++j) {  // stage j: key tile j - jb of the box
-      mbar_wait(sm.full + 8 * (j % STAGES), (j / STAGES) & 1);
-      fence_proxy_async();
-      const unsigned sk = sm.tile0(j), sv = sm.tile1(j);
-      float acc_s[BN / 2], acc_dp[BN / 2];
-      wgmma_fence();
-      gemm_ss<T, D, BN, 128>(acc_s, q_wg, sk);
-      gemm_ss<T, D, BN, 128>(acc_dp, do_wg, sv);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc_s);
-      fence_regs(acc_dp);
-      if (MULTI && j == jb + num_tiles - 1) mbar_arrive(mb.own_free());  // Q, dO read for the box
-      const int* const places = reinterpret_cast<const int*>(smem_raw + (kidx - smem_u32(smem_raw)));
-      if constexpr (BIAS) {
-        // dS = P (dP - delta) of score i (row r) with bias entry b (log2 units).
-        auto ds = [&](int i, int r, float b) {
-          return fast_exp2(fmaf(acc_s[i], sl, b) - ll[r]) * (acc_dp[i] - dd[r]);
-        };
-        // ... inside each query's window, else exactly 0.
-        auto visit = [&](int i, int r, bool in, int f) {
-          const unsigned at = bias_row[r] + 4 * (RANK == 1 ? f : (in ? places[f] : 0));
-          const float b = in ? lds_f32(at) : negative_infinity<float>();
-          acc_dp[i] = in ? ds(i, r, b) : 0.f;
-        };
-        if (G.needs_mask((j - jb) * BN, BN)) {
-          walk_scores<BN, RANK>((j - jb) * BN, quad, G.rk, G.inner, wl, wn, visit);
-        } else if constexpr (RANK == 1) {
-          // Every score in reach: row g + 8's entry at a column is row g's eight columns
-          // before (its row term is 8 less), so the lane loads row g's entries and reuses
-          // them, and row g + 8's own for the tile's first 8 columns only. (Row g + 8 past the
-          // group: any finite entry serves, its dS is 0.)
-          const unsigned a0 = bias_row[0] + 4 * ((j - jb) * BN + 2 * quad);
-          const unsigned a1 = bias_row[1] + 4 * ((j - jb) * BN + 2 * quad);
-          float ent[BN / 8 + 1][2];
-          ent[0][0] = lds_f32(a1);
-          ent[0][1] = lds_f32(a1 + 4);
-#pragma unroll
-          for (int i = 0; i < BN / 8; ++i) {
-            ent[i + 1][0] = lds_f32(a0 + 32 * i);
-            ent[i + 1][1] = lds_f32(a0 + 32 * i + 4);
-          }
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) {
-            const int r = (i / 2) % 2;
-            acc_dp[i] = ds(i, r, ent[i / 4 + 1 - r][i % 2]);
-          }
-        } else {
-          walk_flat<BN>((j - jb) * BN, quad, visit);
+        for (int i = 0; i < BN / 8; ++i) {
+          ent[i + 1][0] = lds_f32(a0 + 32 * i);
+          ent[i + 1][1] = lds_f32(a0 + 32 * i + 4);
         }
-      } else {
-        if (G.needs_mask((j - jb) * BN, BN))
-          mask_scores<BN, RANK>(acc_s, (j - jb) * BN, quad, G.rk, G.inner, wl, wn);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
           const int r = (i / 2) % 2;
-          const float pe = fast_exp2(fmaf(acc_s[i], sl, -ll[r]));
-          acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+          acc_dp[i] = ds(i, r, ent[i / 4 + 1 - r][i % 2]);
         }
+      } else {
+        walk_flat<BN>(j * BN, quad, visit);
       }
-      unsigned da[BN / 16][4];
-      pack_a<T, BN>(acc_dp, da);
-      wgmma_fence();
-      gemm_rs<T, D, BN>(acc_dq, da, sk);
-      wgmma_commit();
-      if constexpr (BIAS) {
-        // The bias gradient, while the dQ GEMM runs: the warp's dS (16 rows x BN, float32) to
-        // its scratch tile, with its rows' box terms, then into the box in an order where a
-        // warp's adds never share a word (the shared-memory float add is a compare-and-swap
-        // loop on sm_90: score by score, in the accumulator's own order, 4 lanes would contend
-        // for each word). Rows past the group and scores outside the windows hold 0 and add
-        // nothing.
-        const unsigned scr = scratch + (tid / 32 - 4) * SCR_WARP, terms = scr + 16 * SCR_ROW * 4;
-        __syncwarp();  // the warp's walk of the last tile has read the scratch tile
-        const int lo = (j - jb) * BN;
-        if constexpr (RANK == 1) {
-          // Row g + 8's score at column c lies on row g's diagonal at column c - 8, so the
-          // lane first adds those pairs: an 8-row tile, row g, column 8 J + 2 quad + e holding
-          // row g's score at column 8 (J - 1) + 2 quad + e plus row g + 8's at 8 J + 2 quad + e
-          // (diagonal d = column - 8 - g). Lane l then sums diagonals d + 8 = l - 7, l + 25,
-          // ... over the 8 rows in registers and adds each once: along one the entry (row term
-          // + key place) is the same for every row inside the group (the row term falls by one
-          // per row, the key place rises by one per column), row 0's term plus lo + d.
+    } else {
+      if (G.needs_mask(j * BN, BN))
+        mask_scores<BN, RANK>(acc_s, j * BN, quad, G.rk, G.inner, wl, wn);
 #pragma unroll
-          for (int J = 0; J <= BN / 8; ++J) {
-            const float u0 =
-                (J > 0 ? acc_dp[4 * (J - 1)] : 0.f) + (J < BN / 8 ? acc_dp[4 * J + 2] : 0.f);
-            const float u1 =
-                (J > 0 ? acc_dp[4 * (J - 1) + 1] : 0.f) + (J < BN / 8 ? acc_dp[4 * J + 3] : 0.f);
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                         :: "r"(scr + ((lane / 4) * SCR_ROW + 8 * J + 2 * quad) * 4), "f"(u0),
-                            "f"(u1) : "memory");
-          }
-          const unsigned row0_term = __shfl_sync(0xffffffffu, bias_row[0] + to_grad, 0);
-          __syncwarp();
+      for (int i = 0; i < BN / 2; ++i) {
+        const int r = (i / 2) % 2;
+        const float pe = fast_exp2(fmaf(acc_s[i], sl, -ll[r]));
+        acc_dp[i] = pe * (acc_dp[i] - dd[r]);
+      }
+    }
+    unsigned da[BN / 16][4];
+    pack_a<T, BN>(acc_dp, da);
+    wgmma_fence();
+    gemm_rs<T, D, BN>(acc_dq, da, sk);
+    wgmma_commit();
+    if constexpr (BIAS) {
+      // The bias gradient, while the dQ GEMM runs: the warp's dS (16 rows x BN, float32) to
+      // its scratch tile, with its rows' box terms, then into the box in an order where a
+      // warp's adds never share a word (the shared-memory float add is a compare-and-swap
+      // loop on sm_90: score by score, in the accumulator's own order, 4 lanes would contend
+      // for each word). Rows past the group and scores outside the windows hold 0 and add
+      // nothing.
+      const unsigned scr = scratch + (tid / 32 - 4) * SCR_WARP, terms = scr + 16 * SCR_ROW * 4;
+      __syncwarp();  // the warp's walk of the last tile has read the scratch tile
+      const int lo = j * BN;
+      if constexpr (RANK == 1) {
+        // Row g + 8's score at column c lies on row g's diagonal at column c - 8, so the
+        // lane first adds those pairs: an 8-row tile, row g, column 8 J + 2 quad + e holding
+        // row g's score at column 8 (J - 1) + 2 quad + e plus row g + 8's at 8 J + 2 quad + e
+        // (diagonal d = column - 8 - g). Lane l then sums diagonals d + 8 = l - 7, l + 25,
+        // ... over the 8 rows in registers and adds each once: along one the entry (row term
+        // + key place) is the same for every row inside the group (the row term falls by one
+        // per row, the key place rises by one per column), row 0's term plus lo + d.
+#pragma unroll
+        for (int J = 0; J <= BN / 8; ++J) {
+          const float u0 =
+              (J > 0 ? acc_dp[4 * (J - 1)] : 0.f) + (J < BN / 8 ? acc_dp[4 * J + 2] : 0.f);
+          const float u1 =
+              (J > 0 ? acc_dp[4 * (J - 1) + 1] : 0.f) + (J < BN / 8 ? acc_dp[4 * J + 3] : 0.f);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                       :: "r"(scr + ((lane / 4) * SCR_ROW + 8 * J + 2 * quad) * 4), "f"(u0),
+                          "f"(u1) : "memory");
+        }
+        const unsigned row0_term = __shfl_sync(0xffffffffu, bias_row[0] + to_grad, 0);
+        __syncwarp();
 #pragma unroll 1
-          for (int d8 = lane - 7; d8 < BN + 8; d8 += 32) {
-            float sum = 0.f;
+        for (int d8 = lane - 7; d8 < BN + 8; d8 += 32) {
+          float sum = 0.f;
 #pragma unroll
-            for (int g = 0; g < 8; ++g) {
-              const int c = d8 + g;
-              if ((unsigned)c < (unsigned)(BN + 8)) sum += lds_f32(scr + (g * SCR_ROW + c) * 4);
-            }
-            if (sum != 0.f) red_add_f32(row0_term + 4 * (lo + d8 - 8), sum);
+          for (int g = 0; g < 8; ++g) {
+            const int c = d8 + g;
+            if ((unsigned)c < (unsigned)(BN + 8)) sum += lds_f32(scr + (g * SCR_ROW + c) * 4);
           }
-        } else {
-          if constexpr (RANK == 2 && T1 == 16) {
-            // The warp's rows are 16 queries along axis 1: row g + 8's term is row g's minus 8,
-            // so its score at column f has row g's gradient entry at column f - 8 wherever
-            // their places differ by 8 (both in one region row, or rows whose places run on).
-            // The lane holds both: it moves the first onto the second, and the column walk
-            // below skips the zeros left (half its shared-memory adds in a region's interior).
-            int pl[BN / 8][2];
-#pragma unroll
-            for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int f = lo + 8 * i + 2 * quad + e;
-                pl[i][e] = f < G.total ? places[f] : -(1 << 20);
-              }
-#pragma unroll
-            for (int i = 1; i < BN / 8; ++i)
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                if (pl[i][e] - pl[i - 1][e] == 8) {
-                  acc_dp[4 * (i - 1) + e] += acc_dp[4 * i + 2 + e];
-                  acc_dp[4 * i + 2 + e] = 0.f;
-                }
-          }
-          // The warp's 16 x BN dS to its scratch tile with the rows' box terms; lane l then
-          // adds columns l, l + 32, ... row by row: one row's keys have distinct offsets, so
-          // the lanes' words differ. (Diagonal runs as in 1-D break at every key row of the
-          // region here and measured slower: NOTES-hopper-bwd.md, bias section.)
+          if (sum != 0.f) red_add_f32(row0_term + 4 * (lo + d8 - 8), sum);
+        }
+      } else {
+        if constexpr (RANK == 2 && T1 == 16) {
+          // The warp's rows are 16 queries along axis 1: row g + 8's term is row g's minus 8,
+          // so its score at column f has row g's gradient entry at column f - 8 wherever
+          // their places differ by 8 (both in one region row, or rows whose places run on).
+          // The lane holds both: it moves the first onto the second, and the column walk
+          // below skips the zeros left (half its shared-memory adds in a region's interior).
+          int pl[BN / 8][2];
 #pragma unroll
           for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                           :: "r"(scr + ((lane / 4 + 8 * r) * SCR_ROW + 8 * i + 2 * quad) * 4),
-                              "f"(acc_dp[4 * i + 2 * r]), "f"(acc_dp[4 * i + 2 * r + 1]) : "memory");
-          if (quad == 0)
-            asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n"
-                         :: "r"(terms + 8 * (lane / 4)), "r"(bias_row[0] + to_grad),
-                            "r"(bias_row[1] + to_grad) : "memory");
-          __syncwarp();
-          int place[BN / 32];
+            for (int e = 0; e < 2; ++e) {
+              const int f = lo + 8 * i + 2 * quad + e;
+              pl[i][e] = f < G.total ? places[f] : -(1 << 20);
+            }
+#pragma unroll
+          for (int i = 1; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (pl[i][e] - pl[i - 1][e] == 8) {
+                acc_dp[4 * (i - 1) + e] += acc_dp[4 * i + 2 + e];
+                acc_dp[4 * i + 2 + e] = 0.f;
+              }
+        }
+        // The warp's 16 x BN dS to its scratch tile with the rows' box terms; lane l then
+        // adds columns l, l + 32, ... row by row: one row's keys have distinct offsets, so
+        // the lanes' words differ. (Diagonal runs as in 1-D break at every key row of the
+        // region here and measured slower: NOTES-hopper-bwd.md, bias section.)
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                         :: "r"(scr + ((lane / 4 + 8 * r) * SCR_ROW + 8 * i + 2 * quad) * 4),
+                            "f"(acc_dp[4 * i + 2 * r]), "f"(acc_dp[4 * i + 2 * r + 1]) : "memory");
+        if (quad == 0)
+          asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n"
+                       :: "r"(terms + 8 * (lane / 4)), "r"(bias_row[0] + to_grad),
+                          "r"(bias_row[1] + to_grad) : "memory");
+        __syncwarp();
+        int place[BN / 32];
+#pragma unroll
+        for (int m = 0; m < BN / 32; ++m) {
+          const int f = lo + lane + 32 * m;
+          place[m] = f < G.total ? places[f] : 0;
+        }
+#pragma unroll 4
+        for (int rr = 0; rr < 16; ++rr) {
+          // row rr's term: lane 4 (rr % 8) held it as its row rr / 8
+          const unsigned row = lds_u32(terms + 8 * (rr % 8) + 4 * (rr / 8));
 #pragma unroll
           for (int m = 0; m < BN / 32; ++m) {
-            const int f = lo + lane + 32 * m;
-            place[m] = f < G.total ? places[f] : 0;
-          }
-#pragma unroll 4
-          for (int rr = 0; rr < 16; ++rr) {
-            // row rr's term: lane 4 (rr % 8) held it as its row rr / 8
-            const unsigned row = lds_u32(terms + 8 * (rr % 8) + 4 * (rr / 8));
-#pragma unroll
-            for (int m = 0; m < BN / 32; ++m) {
-              const float x = lds_f32(scr + (rr * SCR_ROW + lane + 32 * m) * 4);
-              if (x != 0.f) red_add_f32(row + 4 * place[m], x);
-            }
+            const float x = lds_f32(scr + (rr * SCR_ROW + lane + 32 * m) * 4);
+            if (x != 0.f) red_add_f32(row + 4 * place[m], x);
           }
         }
       }
-      wgmma_wait<0>();
-      fence_regs(acc_dq);
-      mbar_arrive(sm.empty + 8 * (j % STAGES));
     }
+    wgmma_wait<0>();
+    fence_regs(acc_dq);
+    mbar_arrive(sm.empty + 8 * (j % STAGES));
+  }
 
-    if constexpr (BIAS) {  // the CTA's gradient box, once every compute thread has added to it
-      named_sync(1, 256);
-      float* dst = bias_part + (((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * bb.vol;
-      for (int i = tid - 128; i < bb.vol; i += 256) dst[i] = lds_f32(gbox + 4 * i);
-    }
+  if constexpr (BIAS) {  // the CTA's gradient box, once every compute thread has added to it
+    named_sync(1, 256);
+    float* dst = bias_part + (((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * bb.vol;
+    for (int i = tid - 128; i < bb.vol; i += 256) dst[i] = lds_f32(gbox + 4 * i);
+  }
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int c[3];
-      bool valid;
-      G.own_row(row0 + 8 * r, c, valid);
-      if (!valid || (MULTI && num_tiles == 0)) continue;
-      T* at = dq + b * p.dq[0] + h * p.dq[4] + G.offset(p, p.dq, c[0], c[1], c[2]);
+  for (int r = 0; r < 2; ++r) {
+    int c[3];
+    bool valid;
+    G.own_row(row0 + 8 * r, c, valid);
+    if (!valid) continue;
+    T* at = dq + b * p.dq[0] + h * p.dq[4] + G.offset(p, p.dq, c[0], c[1], c[2]);
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        const int col = 8 * i + 2 * quad;
-        if (col < hd)
-          pack_store(at + col, acc_dq[4 * i + 2 * r] * p.scale, acc_dq[4 * i + 2 * r + 1] * p.scale);
-      }
+    for (int i = 0; i < D / 8; ++i) {
+      const int col = 8 * i + 2 * quad;
+      if (col < hd)
+        pack_store(at + col, acc_dq[4 * i + 2 * r] * p.scale, acc_dq[4 * i + 2 * r + 1] * p.scale);
     }
-    if constexpr (MULTI) mbar_arrive(mb.geom_done(bi));  // the box's geometry read
-    jb += num_tiles;
   }
 }
 
@@ -991,20 +814,20 @@ na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, const NAPa
 }
 
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
-          bool BIAS, bool MULTI = false>
+          bool BIAS>
 __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ d_o, const float* __restrict__ lse,
                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                  float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p) {
-  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS, false, MULTI>(
-      q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p);
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS>(q, k, v, d_o, lse, delta, dk,
+                                                                   dv, dq_ws, rpb, p);
 }
 
 // The same dK/dV pass with each query tile's Q and dO staged by TMA (rank 1): tq, tdo map q
 // and d_o (tma.cuh).
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
-          bool BIAS, bool MULTI = false>
+          bool BIAS>
 __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_kv_tma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ d_o, const float* __restrict__ lse,
@@ -1012,19 +835,18 @@ na_bwd_hopper_kv_tma(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p,
                      const __grid_constant__ hopper::TmaMap tq,
                      const __grid_constant__ hopper::TmaMap tdo) {
-  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS, true, MULTI>(
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS, true>(
       q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p, &tq, &tdo);
 }
 
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS,
-          bool MULTI = false>
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
 __global__ void __launch_bounds__(384, 1)
 na_bwd_hopper_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const T* __restrict__ rpb,
                 float* __restrict__ bias_part, const NAParams p) {
-  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS, MULTI>(q, k, v, d_o, lse, delta, dq,
-                                                                 rpb, bias_part, p);
+  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS>(q, k, v, d_o, lse, delta, dq, rpb,
+                                                          bias_part, p);
 }
 
 }  // namespace natten

@@ -260,60 +260,6 @@ def test_hopper_backward_plan_replays(rng):
         assert numpy.array_equal(to_host(g), w)
 
 
-# ---- runs of owner boxes (wgmma_backward.BOXES) -------------------------------------------
-
-RUN_CASES = [c for c in CASES if len(c[0]) == 1 or c[6] == 128] + [
-    ((257,), 33, 1, 2, False, 2, 64, F16, None),     # a run ending on a box past its group
-    ((385,), 65, 1, 3, True, 1, 128, BF16, None),    # boxes past their groups inside a run
-    ((3000,), 63, 1, 1, True, 2, 128, F16, None),    # a small window: boxes of 3 query tiles
-    ((20, 21), 3, 1, (5, 7), False, 2, 128, F16, None),   # 2-D groups of 4-5 and 3 rows
-]
-
-
-def _runs_on(monkeypatch, boxes):
-    """Both passes walk runs of up to ``boxes`` boxes wherever they may (MIN_WAVES 0)."""
-    monkeypatch.setattr(H, "BOXES", boxes)
-    monkeypatch.setattr(H, "MIN_WAVES", 0)
-
-
-@pytest.mark.parametrize("case", RUN_CASES, ids=_case_id)
-@pytest.mark.parametrize("boxes", [2, 3, 8])
-@pytest.mark.parametrize("dq_atomic", [False, True], ids=("det", "atomic"))
-@pytest.mark.parametrize("tma", [False, True], ids=("cp.async", "tma"))
-def test_hopper_backward_runs_of_boxes(case, boxes, dq_atomic, tma, rng, monkeypatch):
-    """Each CTA walks a run of owner boxes (the last run shorter, boxes past a dilation
-    group's end inside and at the end of runs), both dQ variants, both loaders of the rank-1
-    dK/dV pass."""
-    _skip_unless_hopper()
-    _runs_on(monkeypatch, boxes)
-    if tma and not _tma_runs(case):
-        pytest.skip("outside the TMA maps (test_hopper_backward_loaders checks the refusal)")
-    x = numpy.empty((1,) + case[0] + (case[5], case[6]), case[7])
-    assert H.configure(_problem(x, case), None, dq_atomic).runs, "runs of boxes not planned"
-    check_case(case, rng, dq_atomic=dq_atomic, tma=tma)
-
-
-@pytest.mark.parametrize("case", [((3000,), 63, 1, 1, True, 2, 128, F16, None),
-                                  ((1000,), 64, 1, 3, False, 2, 128, BF16, None),
-                                  ((700,), 127, 1, 1, False, 1, 64, F16, None),
-                                  ((30, 29), 13, 1, 1, False, 2, 128, F16, None)],
-                         ids=_case_id)
-def test_hopper_backward_runs_equal_single_boxes(case, rng, monkeypatch):
-    """A run walks each box's tiles in the same order with the same arithmetic as a CTA of
-    one box: the gradients are the same bits (and the same every run)."""
-    import cupy as cp
-    _skip_unless_hopper()
-    q, k, v, d_out, out, lse, _ = _inputs(case, rng)
-    problem = _problem(q, case)
-    dev = [upload(cp, x) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
-    single = _run(cp, problem, dev, q.shape, q.dtype)
-    _runs_on(monkeypatch, 4)
-    runs = [_run(cp, problem, dev, q.shape, q.dtype) for _ in range(2)]
-    for got in runs:
-        for a, b in zip(single, got):
-            assert numpy.array_equal(a, b)
-
-
 # ---- grouped-query attention (fewer kv heads) ----------------------------------------------
 
 # (spatial, kernel, stride, dilation, causal, heads, kv heads, head_dim, dtype)
@@ -388,13 +334,6 @@ def test_hopper_gqa_matches_repeated_heads(case, dq_atomic, rng):
         err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
         assert err <= 3 * ref_err + floor * max(1.0, float(numpy.abs(t).max())), \
             (name, err, ref_err)
-
-
-@pytest.mark.parametrize("case", [c for c in GQA_CASES if len(c[0]) == 1], ids=_gqa_id)
-def test_hopper_gqa_runs_of_boxes(case, rng, monkeypatch):
-    """Grouped heads with runs of boxes: the dK/dV pass walks each box's query heads in turn."""
-    _runs_on(monkeypatch, 3)
-    test_hopper_gqa_matches_repeated_heads(case, False, rng)
 
 
 # ---- relative positional bias ------------------------------------------------------------

@@ -288,36 +288,6 @@ def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
         == other.smem[0]
 
 
-def test_hopper_backward_runs_of_boxes(fake_device, monkeypatch):
-    """With BOXES > 1 the passes without a bias walk runs of boxes (rank 1, and ranks 2 and 3
-    at head dim 128), as long as the launch keeps MIN_WAVES x the device's SMs of CTAs (BOXES
-    = 1: never); the run kernels are among the instantiations."""
-    monkeypatch.setattr(H, "current_limits", lambda: H100)
-    p = dataclasses.replace(_problem((16384,), 255, heads=16, causal=True), batch=6)
-    assert H.configure(p).runs == ()
-    monkeypatch.setattr(H, "BOXES", 4)
-    t = H.configure(p)
-    built = {n for _, n in H.instantiations()}
-    assert t.runs[:2] == H._names(p.dtype, 64, 1, multi=True)[1:] and set(t.runs[:2]) <= built
-    assert t.runs[2] == "" or t.runs[2] in built
-    assert H.boxes_per_cta(t, 96, 132) == 4 and H.boxes_per_cta(t, 1, 132) == 1
-    kv, dq = H.plan_backward(p, *_layouts(p)).calls[1:3]
-    assert (kv.fn.name, dq.fn.name) == t.runs[:2]
-    assert kv.grid == (t.ctas // 4, p.kv_heads, p.batch) and dq.grid[0] == t.ctas // 4
-    assert (kv.shared_mem, dq.shared_mem) == (t.smem[0] + 48, t.smem[1] + 48)
-    small = _problem((1000,), 255)
-    kv, dq = H.plan_backward(small, *_layouts(small)).calls[1:3]
-    assert (kv.fn.name, dq.fn.name) == H.configure(small).names[1:]
-    assert kv.grid[0] == H.owner_ctas(small)
-    for other in (_problem((33, 41), (7, 5)), _problem((3000,), 255, rpb=True)):
-        assert H.configure(other).runs == ()   # rank 2 at head dim 64, a bias: not built
-    atomic = H.configure(p, dq_atomic=True)   # the dK/dV pass only (dQ is added there)
-    assert atomic.runs[0] == H._names(p.dtype, 64, 1, None, True, multi=True)[1]
-    assert atomic.runs[1] == "" and atomic.runs[0] in built
-    wide = _problem((33, 41), (7, 5), head_dim=128)   # ranks 2 and 3 at head dim 128
-    assert H.configure(wide).runs[0] in built and H.configure(wide, None, False).runs[1] in built
-
-
 def test_hopper_backward_refusals_are_the_decision(fake_device):
     half = _problem((300,), 65, rpb=True)
     det = dataclasses.replace(half, deterministic=True)

@@ -31,24 +31,9 @@ struct BwdGeom : TileBox<RANK, T0, T1, T2> {
   using Box::total, Box::inner, Box::size_region, Box::region_at;
   bool rows_only;      // every owner row reaches all of axes 1 and 2: masks depend on rows only
 
-  __device__ __forceinline__ bool init(const NAParams& p) { return init(p, (int)blockIdx.x); }
-
-  // Owner boxes per (batch, head): dilation groups x boxes of the longest group, per axis.
-  static __device__ __forceinline__ int boxes(const NAParams& p) {
+  __device__ __forceinline__ bool init(const NAParams& p) {
     const int tdim[3] = {T0, T1, T2};
-    int n = 1;
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-      const Axis ax = axis_of(p, a);
-      n *= ax.dilation * ((ax.group_len(0) + tdim[a] - 1) / tdim[a]);
-    }
-    return n;
-  }
-
-  // The geometry of owner box x (< boxes(p)); false where the box lies past its group.
-  __device__ __forceinline__ bool init(const NAParams& p, int x) {
-    const int tdim[3] = {T0, T1, T2};
-    int tile[3];
+    int x = blockIdx.x, tile[3];
 #pragma unroll
     for (int a = 2; a >= 0; --a) {
       const Axis ax = axis_of(p, a);

@@ -46,8 +46,7 @@ import numpy
 from ..._compile import get_kernel
 from ..._dtypes import HALF_TYPES, c_type
 from ..._launch import KernelCall, Operand, Plan
-from ..._operands import (SM90_SMEM_PER_BLOCK, Layout, current_limits, head_dim_bucket,
-                           rows_ready, run_backward)
+from ..._operands import SM90_SMEM_PER_BLOCK, Layout, head_dim_bucket, rows_ready, run_backward
 from ..._params import make_params
 from ..._tma import maps_of
 from ..._window import box_ranges, group_size
@@ -82,15 +81,6 @@ SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # bench/results/hopper_bwd_tma_rounds.json). USE_TMA = False switches it off (the probes).
 USE_TMA = True
 TMA_HEAD_DIMS = (128,)
-# Runs of owner boxes per CTA (``MULTI`` in the .cu; no bias; rank 1, and ranks 2 and 3 at
-# head dim 128; ``RUN_RANKS``): a CTA walks up to BOXES consecutive boxes, the loader staging
-# the next box's tiles and owner rows while the compute warpgroups finish the last, so a short
-# box (a small window's region is 2-3 tiles) no longer pays its CTA's prologue and epilogue
-# alone. Runs are kept long enough only while the launch still fills the device
-# MIN_WAVES times over (``boxes_per_cta``); BOXES = 1 switches it off.
-BOXES = 1
-MIN_WAVES = 4
-MULTI_SMEM = 48   # the runs' mbarriers (MultiBox::BYTES)
 
 
 def _bucket(head_dim):
@@ -119,14 +109,12 @@ def configure(problem, tile=None, dq_atomic=None):
     arrays; ``tile``, ``dq_atomic``: plan_backward's overrides, None for the defaults), or a
     str saying why this part cannot run it on any device: the one place the part decides,
     read by ``refuse`` (which adds the device's compute capability) and ``plan_backward``.
-    Cached per problem, tile and dQ variant (``atomic_pays`` where None) and whether runs of
-    boxes are on (``BOXES``)."""
-    return _configure(problem, tile, atomic_pays(problem) if dq_atomic is None else dq_atomic,
-                      BOXES > 1)
+    Cached per problem, tile and dQ variant (``atomic_pays`` where None)."""
+    return _configure(problem, tile, atomic_pays(problem) if dq_atomic is None else dq_atomic)
 
 
 @functools.lru_cache(maxsize=512)
-def _configure(problem, tile, dq_atomic, runs=False):
+def _configure(problem, tile, dq_atomic):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
     if problem.has_rpb and problem.deterministic:
@@ -147,29 +135,21 @@ def _configure(problem, tile, dq_atomic, runs=False):
                 "backward's shared memory")
     if problem.has_rpb and dq_atomic:
         return "a bias gradient comes from the dQ pass: dq_atomic must be off"
-    return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile),
-                   runs)
+    return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
-def _runs_built(rank, dp):
-    """Whether the kernels walking runs of boxes are built for this rank and bucket."""
-    return rank == 1 or dp == 128
-
-
-def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False, multi=False):
+def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
     """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store; with
-    ``tma`` the dK/dV pass loads its query tiles by tensor maps; ``multi``: both passes walk
-    runs of owner boxes (``BOXES``)."""
+    ``tma`` the dK/dV pass loads its query tiles by tensor maps."""
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
     flag = lambda x: "true" if x else "false"
-    more = ", true" if multi else ""
     kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
-          f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}{more}>")
+          f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
           f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}, "
-          f"{flag(bias)}{more}>")
+          f"{flag(bias)}>")
     return f"natten::na_bwd_hopper_delta<{ct}, {dp}>", kv, dq
 
 
@@ -184,11 +164,6 @@ def instantiations():
                     if rank == 1 and not bias:
                         out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
                                                    tma=True)[1]))
-            for rank in (r for r in (1, 2, 3) if _runs_built(r, dp)):
-                for atomic in (False, True):
-                    out += [(SOURCE, n) for tma in ((False, True) if rank == 1 else (False,))
-                            for n in _names(dtype, dp, rank, dq_atomic=atomic, tma=tma,
-                                            multi=True)[1:]]
     return sorted(set(out))
 
 
@@ -238,7 +213,7 @@ def _pass_smem(problem, tile=None):
 def smem_bytes(dp, rows, stages, values, ds=False):
     """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, the atomic
     variant's dS^T tiles (two sets at head dim 128) and dQ staging tiles, lse/delta vectors,
-    mbarriers, 1 KiB to align the tiles (a pass over runs of boxes adds MULTI_SMEM)."""
+    mbarriers, 1 KiB to align the tiles."""
     vec = rows * 4 if values else 0
     ds_tiles = (2 if dp > 64 else 1) * 2 * 64 * rows * 2 if ds else 0
     staging = 2 * 64 * 64 * 4 if ds else 0
@@ -282,14 +257,11 @@ class Tiling:
     entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
     kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none)
     kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
-    runs: tuple = ()    # (dK/dV, dQ pass or "", dK/dV by TMA or "") over runs of boxes, or ()
 
 
-def _tiling(problem, tile, dq_atomic, smem, runs=False):
+def _tiling(problem, tile, dq_atomic, smem):
     """The Tiling of ``tile`` (None: the default) and the dQ variant; ``smem``: the passes'
-    shared memory (``_pass_smem``); ``runs``: with the passes that walk runs of boxes where
-    they are built (``_runs_built``, no bias; their shared memory is 48 bytes more; with
-    dq_atomic the dK/dV pass only)."""
+    shared memory (``_pass_smem``)."""
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
     names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb)
     if dq_atomic:
@@ -305,24 +277,9 @@ def _tiling(problem, tile, dq_atomic, smem, runs=False):
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
-    run_names = ()
-    if runs and _runs_built(problem.rank, dp) and not problem.has_rpb:
-        multi = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, multi=True)
-        multi_tma = (_names(problem.dtype, dp, 1, tile, dq_atomic, tma=True, multi=True)[1]
-                     if kv_tma else "")
-        run_names = (multi[1], "" if dq_atomic else multi[2], multi_tma)
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
                   OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma,
-                  kv_tma_refusal, run_names)
-
-
-def boxes_per_cta(t, owners, sms):
-    """Owner boxes a CTA of a pass walks (1: one, the plain kernels): up to BOXES, while the
-    pass's ``owners`` (batch x heads of the pass) x t.ctas boxes still make MIN_WAVES x
-    ``sms`` CTAs."""
-    if not t.runs:
-        return 1
-    return max(1, min(BOXES, t.ctas * owners // max(1, MIN_WAVES * sms)))
+                  kv_tma_refusal)
 
 
 def _kv_tma_refusal(problem, tile):
@@ -399,30 +356,19 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     else:
         RPB, PART, DELTA = no_ws, no_ws, Operand(9)
         ws = Operand(10) if t.dq_atomic else no_ws
-    names = list(t.names)
+    fn_delta, fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in t.names)
     smem_kv, smem_dq = t.smem
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
-    # dQ: a CTA per query head; each over a run of boxes where boxes_per_cta says so.
-    sms = current_limits().sm_count if t.runs else 0
-    kv_run = boxes_per_cta(t, problem.kv_heads * problem.batch, sms)
-    q_run = boxes_per_cta(t, problem.heads * problem.batch, sms) if not t.dq_atomic else 1
-    kv_tma_name = t.kv_tma_name
-    if kv_run > 1:
-        names[1], kv_tma_name = t.runs[0], t.runs[2]
-        smem_kv += MULTI_SMEM
-    if q_run > 1:
-        names[2] = t.runs[1]
-        smem_dq += MULTI_SMEM
-    fn_delta, fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in names)
-    kv_grid = (-(-t.ctas // kv_run), problem.kv_heads, problem.batch)
-    grid = (-(-t.ctas // q_run), problem.heads, problem.batch)
+    # dQ: a CTA per query head.
+    kv_grid = (t.ctas, problem.kv_heads, problem.batch)
+    grid = (t.ctas, problem.heads, problem.batch)
     kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
     want = (USE_TMA and _bucket(problem.head_dim) in TMA_HEAD_DIMS) if tma is None else tma
     maps = kv_tma_maps(problem, t, d_out, q) if want else ()
     if tma and isinstance(maps, str):   # asked for, not possible
         raise ValueError(f"the TMA loads cannot run this backward: {maps}")
     if isinstance(maps, tuple) and maps:
-        fn_kv = get_kernel(SOURCE, kv_tma_name, extra_options=OPTIONS)
+        fn_kv = get_kernel(SOURCE, t.kv_tma_name, extra_options=OPTIONS)
         kv_args += maps
     calls = [
         KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
