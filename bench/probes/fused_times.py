@@ -15,8 +15,7 @@ walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK
 query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``: the mma.sync
 backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
 ``+qcN`` / ``+kvcN``: its dQ / dK-dV pass in head-dim chunks of N columns at every bucket
-from N up; ``+dind``: the Hopper backward's dQ pass summing delta itself, first
-(``wgmma_backward.DELTA_IN_DQ``); ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
+from N up; ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
 the same inputs: forward and backward
 CUDA-event medians after warm-up, and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
@@ -99,20 +98,8 @@ def _buckets(family):
             m._configure.cache_clear()
 
 
-@contextlib.contextmanager
-def _delta_in_dq(family):
-    """``+dind``: the Hopper backward's DELTA_IN_DQ (read when it plans)."""
-    from natten_cupy.backends.fused import wgmma_backward as h
-    saved = h.DELTA_IN_DQ
-    h.DELTA_IN_DQ = "dind" in family.split("@")[0].split("+")[1:]
-    try:
-        yield
-    finally:
-        h.DELTA_IN_DQ = saved
-
-
 def run(wid, dtype, family, reps, baselines=None, forward_only=False):
-    with _source(family, baselines or {}), _buckets(family), _delta_in_dq(family):
+    with _source(family, baselines or {}), _buckets(family):
         try:
             return _run(wid, dtype, family, reps, forward_only)
         except ValueError as e:   # a variant this problem cannot take (e.g. +btma at rank 2)

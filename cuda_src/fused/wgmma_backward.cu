@@ -512,17 +512,13 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
 // the pass sums dS per box entry (each warp's dS through a scratch tile, added column by
 // column with shared-memory atomics: the order varies run to run) and writes the CTA's box
 // to bias_part [B, H, CTAs, box], which na_bwd_fused_rpb reduces.
-// DELTA: the pass runs first and sums its owner rows' delta = rowsum(dO * O) itself (o is
-// read for it), writing them to delta_out for the dK/dV pass after it (no delta launch).
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS,
-          bool DELTA = false>
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
 __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restrict__ k,
                                       const T* __restrict__ v, const T* __restrict__ d_o,
                                       const float* __restrict__ lse,
                                       const float* __restrict__ delta, T* __restrict__ dq,
                                       const T* __restrict__ rpb, float* __restrict__ bias_part,
-                                      const NAParams& p, const T* __restrict__ o = nullptr,
-                                      float* __restrict__ delta_out = nullptr) {
+                                      const NAParams& p) {
   constexpr int NT = 128, WG = 2;
   static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
                 "the query tile is 128 queries over the rank's axes");
@@ -576,35 +572,8 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     ll[r] = valid ? lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] *
                         1.4426950408889634f
                   : 0.f;
-    if constexpr (DELTA) {
-      // The quad's lanes sum every fourth 16-byte chunk of the row's d_o * o (zero past the
-      // head dim and for rows past the group), then lane 0 stores the row's delta.
-      float sum = 0.f;
-      if (valid) {
-        const T* orow = o + b * p.o[0] + h * p.o[4] + G.offset(p, p.o, c[0], c[1], c[2]);
-        const T* drow = d_o + b * p.d_o[0] + h * p.d_o[4] + G.offset(p, p.d_o, c[0], c[1], c[2]);
-#pragma unroll
-        for (int ch = quad; ch < D / 8; ch += 4) {
-          if (ch * 8 < hd) {
-            const uint4 x = *reinterpret_cast<const uint4*>(orow + ch * 8);
-            const uint4 y = *reinterpret_cast<const uint4*>(drow + ch * 8);
-            const T* ex = reinterpret_cast<const T*>(&x);
-            const T* ey = reinterpret_cast<const T*>(&y);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) sum = fmaf(to_float(ex[e]), to_float(ey[e]), sum);
-          }
-        }
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      dd[r] = sum;
-      if (valid && quad == 0)
-        delta_out[b * p.delta[0] + h * p.delta[4] + G.offset(p, p.delta, c[0], c[1], c[2])] = sum;
-    } else {
-      dd[r] = valid ? delta[b * p.delta[0] + h * p.delta[4] +
-                            G.offset(p, p.delta, c[0], c[1], c[2])]
-                    : 0.f;
-    }
+    dd[r] = valid ? delta[b * p.delta[0] + h * p.delta[4] + G.offset(p, p.delta, c[0], c[1], c[2])]
+                  : 0.f;
   }
   const float sl = p.scale * 1.4426950408889634f;
   const unsigned q_wg = sm.own0 + wg * 64 * 128, do_wg = sm.own1 + wg * 64 * 128;
@@ -878,18 +847,6 @@ na_bwd_hopper_q(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 float* __restrict__ bias_part, const NAParams p) {
   hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS>(q, k, v, d_o, lse, delta, dq, rpb,
                                                           bias_part, p);
-}
-
-// The dQ pass that runs first and sums delta itself (bwd_q's DELTA), writing it to delta.
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
-__global__ void __launch_bounds__(384, 1)
-na_bwd_hopper_q_delta(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      const T* __restrict__ d_o, const T* __restrict__ o,
-                      const float* __restrict__ lse, float* __restrict__ delta,
-                      T* __restrict__ dq, const T* __restrict__ rpb,
-                      float* __restrict__ bias_part, const NAParams p) {
-  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS, true>(
-      q, k, v, d_o, lse, nullptr, dq, rpb, bias_part, p, o, delta);
 }
 
 }  // namespace natten

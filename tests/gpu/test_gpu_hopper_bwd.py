@@ -413,27 +413,3 @@ def test_hopper_backward_with_bias_matches_reference(case, rng):
         err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
         floor = FLOOR[q.dtype] * max(1.0, float(numpy.abs(t).max()))
         assert err <= 3 * ref_err + floor, (name, err, ref_err, floor)
-
-
-# ---- the dQ pass summing delta (wgmma_backward.DELTA_IN_DQ) --------------------------------
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_hopper_backward_delta_in_dq_pass(case, rng, monkeypatch):
-    """The dQ pass first, summing delta = rowsum(dO * O) from o and d_o itself, then the dK/dV
-    pass reading it (no delta launch)."""
-    _skip_unless_hopper()
-    monkeypatch.setattr(H, "DELTA_IN_DQ", True)
-    check_case(case, rng)
-
-
-@pytest.mark.parametrize("case", BIAS_CASES[::3], ids=_bias_id)
-def test_hopper_backward_delta_in_dq_pass_with_bias(case, rng, monkeypatch):
-    monkeypatch.setattr(H, "DELTA_IN_DQ", True)
-    test_hopper_backward_with_bias_matches_reference(case, rng)
-
-
-@pytest.mark.parametrize("case", GQA_CASES, ids=_gqa_id)
-def test_hopper_backward_delta_in_dq_pass_gqa(case, rng, monkeypatch):
-    monkeypatch.setattr(H, "DELTA_IN_DQ", True)
-    test_hopper_gqa_matches_repeated_heads(case, False, rng)
-

@@ -288,29 +288,6 @@ def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
         == other.smem[0]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_hopper_backward_delta_in_the_dq_pass(bias, fake_device, monkeypatch):
-    """With DELTA_IN_DQ the deterministic backward runs the dQ pass first, summing delta from
-    o and d_o (its args take out), then the dK/dV pass: no delta launch; the atomic variant
-    keeps its delta launch (it zeroes the dQ workspace there)."""
-    p = _problem((300,), 65, head_dim=128, rpb=bias)
-    plain = H.plan_backward(p, *_layouts(p), dq_atomic=False)
-    monkeypatch.setattr(H, "DELTA_IN_DQ", True)
-    t = H.configure(p, None, False)
-    assert t.names[2] == H._names(p.dtype, 128, 1, None, False, bias, delta=True)[2]
-    assert t.names[2] in {n for _, n in H.instantiations()}
-    plan = H.plan_backward(p, *_layouts(p), dq_atomic=False)
-    assert [c.name for c in plan.calls[:2]] == ["na_bwd_hopper_q", "na_bwd_hopper_kv"]
-    dq, kv = plan.calls[:2]
-    assert dq.fn.name == t.names[2] and dq.args[4].index == 4   # out (operand 4) after d_out
-    assert dq.args[:4] + dq.args[5:] == plain.calls[2].args
-    assert kv.args == plain.calls[1].args and len(plan.calls) == len(plain.calls) - 1
-    assert plan.workspaces == plain.workspaces
-    if not bias:
-        atomic = H.plan_backward(p, *_layouts(p), dq_atomic=True)
-        assert atomic.calls[0].name == "na_bwd_hopper_delta"
-
-
 def test_hopper_backward_refusals_are_the_decision(fake_device):
     half = _problem((300,), 65, rpb=True)
     det = dataclasses.replace(half, deterministic=True)

@@ -81,12 +81,6 @@ SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # bench/results/hopper_bwd_tma_rounds.json). USE_TMA = False switches it off (the probes).
 USE_TMA = True
 TMA_HEAD_DIMS = (128,)
-# The dQ pass first, summing its owner rows' delta = rowsum(dO * O) itself
-# (``na_bwd_hopper_q_delta``), instead of a delta launch before the dK/dV pass (the
-# deterministic variant; the atomic one's delta launch also zeroes its workspace). Off until
-# timed (on a 1-D window of 63 at head dim 128 the delta launch is 12% of the backward:
-# bench/results/ncu_R1-51_bwd.txt).
-DELTA_IN_DQ = False
 
 
 def _bucket(head_dim):
@@ -115,13 +109,12 @@ def configure(problem, tile=None, dq_atomic=None):
     arrays; ``tile``, ``dq_atomic``: plan_backward's overrides, None for the defaults), or a
     str saying why this part cannot run it on any device: the one place the part decides,
     read by ``refuse`` (which adds the device's compute capability) and ``plan_backward``.
-    Cached per problem, tile, dQ variant (``atomic_pays`` where None) and DELTA_IN_DQ."""
-    return _configure(problem, tile, atomic_pays(problem) if dq_atomic is None else dq_atomic,
-                      DELTA_IN_DQ)
+    Cached per problem, tile and dQ variant (``atomic_pays`` where None)."""
+    return _configure(problem, tile, atomic_pays(problem) if dq_atomic is None else dq_atomic)
 
 
 @functools.lru_cache(maxsize=512)
-def _configure(problem, tile, dq_atomic, delta_in_dq=False):
+def _configure(problem, tile, dq_atomic):
     if problem.dtype not in HALF_TYPES:
         return f"the Hopper fused backward runs float16 and bfloat16, not {problem.dtype_name}"
     if problem.has_rpb and problem.deterministic:
@@ -142,14 +135,12 @@ def _configure(problem, tile, dq_atomic, delta_in_dq=False):
                 "backward's shared memory")
     if problem.has_rpb and dq_atomic:
         return "a bias gradient comes from the dQ pass: dq_atomic must be off"
-    return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile),
-                   delta_in_dq)
+    return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
-def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False, delta=False):
+def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
     """(delta, dK/dV, dQ) kernels; with dq_atomic the third is the workspace store; with
-    ``tma`` the dK/dV pass loads its query tiles by tensor maps; with ``delta`` (not
-    dq_atomic) the dQ pass sums delta itself (and runs first)."""
+    ``tma`` the dK/dV pass loads its query tiles by tensor maps."""
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
@@ -157,8 +148,8 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False, d
     kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
           f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
-          f"natten::na_bwd_hopper_q{'_delta' if delta else ''}<{ct}, {dp}, {tile.bn}, "
-          f"{tile.q_stages}, {rank}, {box}, {flag(bias)}>")
+          f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}, "
+          f"{flag(bias)}>")
     return f"natten::na_bwd_hopper_delta<{ct}, {dp}>", kv, dq
 
 
@@ -170,8 +161,6 @@ def instantiations():
                 for atomic, bias in ((False, False), (True, False), (False, True)):
                     out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic,
                                                         bias=bias)]
-                    if not atomic:
-                        out.append((SOURCE, _names(dtype, dp, rank, bias=bias, delta=True)[2]))
                     if rank == 1 and not bias:
                         out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
                                                    tma=True)[1]))
@@ -270,12 +259,11 @@ class Tiling:
     kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
 
 
-def _tiling(problem, tile, dq_atomic, smem, delta_in_dq=False):
+def _tiling(problem, tile, dq_atomic, smem):
     """The Tiling of ``tile`` (None: the default) and the dQ variant; ``smem``: the passes'
-    shared memory (``_pass_smem``); ``delta_in_dq``: the dQ pass sums delta (not dq_atomic)."""
+    shared memory (``_pass_smem``)."""
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
-    names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb,
-                   delta=delta_in_dq and not dq_atomic)
+    names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb)
     if dq_atomic:
         smem = (smem_bytes(dp, tile.bq, tile.kv_stages, True, True), smem[1])
     workspaces = (dq_workspace(problem, dp),) if dq_atomic else ()
@@ -342,8 +330,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     boxes), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
     contract of ``natten_cupy._launch``).
 
-    Deterministic: delta, dK/dV, dQ passes (with DELTA_IN_DQ: the dQ pass, summing delta,
-    then the dK/dV pass). ``dq_atomic``: delta (zeroing the dQ workspace),
+    Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
     dK/dV adding dQ into it (bulk float32 reductions), dq = scale * workspace; five GEMMs
     where the deterministic passes run seven, not bitwise reproducible. None: where
     ``atomic_pays``. ``tma``: the rank-1 dK/dV pass loads its query tiles by tensor maps
@@ -369,8 +356,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     else:
         RPB, PART, DELTA = no_ws, no_ws, Operand(9)
         ws = Operand(10) if t.dq_atomic else no_ws
-    delta_in_dq = "_q_delta<" in t.names[2]   # the dQ pass first, summing delta itself
-    fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in t.names[1:])
+    fn_delta, fn_kv, fn_dq = (get_kernel(SOURCE, n, extra_options=OPTIONS) for n in t.names)
     smem_kv, smem_dq = t.smem
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
     # dQ: a CTA per query head.
@@ -384,24 +370,20 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     if isinstance(maps, tuple) and maps:
         fn_kv = get_kernel(SOURCE, t.kv_tma_name, extra_options=OPTIONS)
         kv_args += maps
-    kv_call = KernelCall(fn_kv, kv_grid, (THREADS, 1, 1), kv_args, shared_mem=smem_kv,
-                         name="na_bwd_hopper_kv", backend="fused", tile=t.box)
+    calls = [
+        KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
+                   (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused"),
+        KernelCall(fn_kv, kv_grid, (THREADS, 1, 1), kv_args, shared_mem=smem_kv,
+                   name="na_bwd_hopper_kv", backend="fused", tile=t.box),
+    ]
     if t.dq_atomic:
-        dq_call = KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1), (ws, DQ, p),
-                             name="na_bwd_hopper_dq", backend="fused")
+        calls.append(KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
+                                (ws, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
     else:
-        dq_call = KernelCall(fn_dq, grid, (THREADS, 1, 1),
-                             (Q, K, V, D_OUT) + ((OUT,) if delta_in_dq else ())
-                             + (LSE, DELTA, DQ, RPB, PART, p),
-                             shared_mem=smem_dq, name="na_bwd_hopper_q", backend="fused",
-                             tile=t.box)
-    if delta_in_dq:
-        calls = [dq_call, kv_call]
-    else:
-        fn_delta = get_kernel(SOURCE, t.names[0], extra_options=OPTIONS)
-        calls = [KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
-                            (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta",
-                            backend="fused"), kv_call, dq_call]
+        calls.append(KernelCall(fn_dq, grid, (THREADS, 1, 1),
+                                (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
+                                shared_mem=smem_dq, name="na_bwd_hopper_q", backend="fused",
+                                tile=t.box))
     if t.bias is not None:
         calls.append(_bias_reduction(problem, t, p, PART, D_RPB))
     return Plan(tuple(calls),
