@@ -486,8 +486,8 @@ def run_stream(task):
     """Worker: the cases of one stream until done or out of time (a dict for the summary)."""
     backend_name, dtype, seed, first, count, deadline, device, head_dims = task
     t0 = time.time()
-    res = {"stream": stream_name(backend_name, dtype, head_dims), "cases_run": 0, "refused": 0, "failures": [],
-           "worst_ratio": {}, "out_of_time": False, "aborted": None}
+    res = {"stream": stream_name(backend_name, dtype, head_dims), "cases_run": 0, "refused": 0,
+           "failures": [], "worst_ratio": {}, "out_of_time": False, "aborted": None}
     digest = hashlib.sha256()
     try:
         dev = Device(device)

@@ -312,14 +312,13 @@ DISPATCH_GRID_D32 = [
     ((48, 48), [(23, 23), (31, 31)], 8, 6),
     ((8, 32, 32), [(3, 7, 7), (5, 9, 9), (7, 11, 11)], 2, 8),
 ]
-# Head dims 160 and 256 (``--grid d256``, 1-D, 2-D and 3-D, no bias; the probe switches the
-# 3-D tile on, wgmma_forward.WIDE_3D), where the Hopper forward's
-# head-dim-256 tile meets the mma.sync forward padded to 256
-# (fused.HOPPER_FWD_FROM[(rank, 256, False)]).
+# Head dims 160 and 256 (``--grid d256``, 1-D, 2-D and 3-D, no bias; the probe holds the
+# 3-D tile on, wgmma_forward.WIDE_3D), where the Hopper forward's head-dim-256 tile meets the
+# mma.sync forward padded to 256 (fused.HOPPER_FWD_FROM[(rank, 256, False)]).
 DISPATCH_GRID_D256 = [
     ((4096,), [(15,), (63,), (127,), (255,), (565,)], 4, 8),
     ((64, 64), [(3, 3), (5, 5), (7, 7), (9, 9), (13, 13)], 2, 8),
-    ((8, 32, 32), [(3, 3, 3), (3, 5, 5), (3, 7, 7), (5, 9, 9)], 2, 8),   # wgmma_forward.WIDE_3D
+    ((8, 32, 32), [(3, 3, 3), (3, 5, 5), (3, 7, 7), (5, 9, 9)], 2, 8),
 ]
 
 

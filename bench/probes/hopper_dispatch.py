@@ -73,7 +73,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     ranks = {int(r) for r in args.ranks.split(",")}
     grid, dims, biased = GRIDS[args.grid]
-    if args.grid == "d256":   # the head-dim-256 tile in 3-D too (not dispatched: WIDE_3D)
+    if args.grid == "d256":   # the head-dim-256 tile in 3-D, whatever WIDE_3D's default
         from natten_cupy.backends.fused import wgmma_forward
         wgmma_forward.WIDE_3D = True
     rows = []
