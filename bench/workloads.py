@@ -241,6 +241,12 @@ PROBE_WORKLOADS = {w.id: w for w in (
     Workload("1D-D128-511", (8192,), (511,), 12, 128, "1-D, window 511 at head dim 128",
              batch=4),
     Workload("1D-D128-2047", (16384,), (2047,), 16, 128, "1-D, window 2047 at head dim 128"),
+    Workload("1D-D128-15", (16384,), (15,), 16, 128, "1-D, a small window at head dim 128",
+             batch=4),
+    Workload("1D-D64-31", (8192,), (31,), 16, 64, "1-D, a small window at head dim 64",
+             batch=8),
+    Workload("1D-D64-63c", (8192,), (63,), 16, 64, "1-D causal, window 63 at head dim 64",
+             batch=8, causal=(True,)),
 )}
 
 

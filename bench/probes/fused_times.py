@@ -9,8 +9,9 @@ Per workload (``bench/workloads.py``'s suite, model-shaped and probe ids) and ke
 the array API's own choice, warm calls; ``F@base``: family F built from other kernel sources,
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
-forward of rank 2 and 3 with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N
-stages; ``+tma`` / ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
+forward with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N stages;
+``+bnN`` / ``+wgN``: its tile with N keys a tile / N compute warpgroups; ``+tma`` /
+``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
 query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``: the mma.sync
 backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
@@ -146,6 +147,14 @@ def _run(wid, dtype, family, reps, forward_only=False):
                 tile = fpart.SMALL_BOX[fpart._bucket(problem.head_dim)]
                 if mod[5:]:
                     tile = dataclasses.replace(tile, stages=int(mod[5:]))
+                box["tile"] = tile
+            if mod[:2] in ("bn", "wg") and mod[2:].isdigit():   # bnN / wgN: the Hopper
+                # forward's tile with N keys a tile / N compute warpgroups (from smallN's
+                # tile where one came first, else the problem's default)
+                tile = box.get("tile") or fpart._default_tile(problem)
+                n = int(mod[2:])
+                tile = (dataclasses.replace(tile, bn=n) if mod[:2] == "bn" else
+                        dataclasses.replace(tile, wg=n, pp=tile.pp and n > 1))
                 box["tile"] = tile
             if mod in ("tma", "cpasync"):   # the Hopper forward's loader
                 box["tma"] = mod == "tma"

@@ -175,6 +175,21 @@ def test_hopper_small_box_tiles(case, walk_boxes, rng):
                tile=wgmma_forward.SMALL_BOX[wgmma_forward._bucket(case[6])])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if len(c[0]) == 1],
+                         ids=lambda c: f"1d-{c[0]}-k{c[1]}-s{c[2]}-d{c[3]}-c{c[4]}-D{c[6]}")
+@pytest.mark.parametrize("tma", [False, True], ids=("cp.async", "tma"))
+def test_hopper_small_box_tiles_1d(case, tma, rng):
+    """Rank 1 with one compute warpgroup (64 consecutive queries, 64-key tiles, two CTAs an
+    SM), both loaders (TMA where its maps describe the operands)."""
+    _skip_unless_hopper()
+    tile = wgmma_forward.SMALL_BOX[wgmma_forward._bucket(case[6])]
+    if tma and not _tma_runs(case):
+        with pytest.raises(ValueError, match="TMA loader cannot run"):
+            check_case(case, rng, tile=tile, tma=True)
+        return
+    check_case(case, rng, tile=tile, tma=tma)
+
+
 def _tma_runs(case):
     """Where the TMA loader runs (the maps' limits, natten_cupy/_tma.py): rank 1 with dilation
     up to 4, rank 2 with dilation up to 8, rank 3 where the head dim is the kernel's 64 or 128
