@@ -161,8 +161,30 @@ def test_hopper_small_box_dispatch(shape, kernel, small):
     assert plan.tile == tile and (wgmma_forward.SOURCE, plan.name) in \
         wgmma_forward.instantiations()
     assert plan.walk_boxes or tile.bm == 128   # (the 64-query box walks key boxes)
-    one = _problem(numpy.zeros((1, 256, 2, shape[-1]), numpy.float16), 1, 9)
+    one = _problem(numpy.zeros((1, 2048, 2, shape[-1]), numpy.float16), 1, 1023)
     assert wgmma_forward._default_tile(one) == wgmma_forward.DEFAULT[dp]
+
+
+@pytest.mark.parametrize("dim, window, small", [
+    (128, 15, True), (128, 511, True), (128, 512, False), (128, 2047, False),
+    (64, 63, True), (64, 255, True), (64, 256, False), (64, 945, False),
+    (96, 511, True), (40, 300, False)])
+def test_hopper_small_box_dispatch_1d(dim, window, small):
+    """Rank 1 takes the 64-query box (one compute warpgroup, 64-key tiles) without a bias up
+    to SMALL_BOX_1D_UP_TO[head-dim bucket], built with both loaders; with a bias the rank-1
+    bias tile whatever the window."""
+    x = numpy.zeros((1, 4096, 2, dim), numpy.float16)
+    prob = _problem(x, 1, window)
+    dp = wgmma_forward._bucket(dim)
+    expect = wgmma_forward.SMALL_BOX[dp] if small else wgmma_forward.DEFAULT[dp]
+    assert wgmma_forward._default_tile(prob) == expect
+    plan = wgmma_forward._plan(prob)
+    assert plan.tile == expect and plan.block == (128 * (expect.wg + 1), 1, 1)
+    for name in (plan.name, plan.tma_name):
+        assert (wgmma_forward.SOURCE, name) in wgmma_forward.instantiations()
+    rpb = numpy.zeros((2, 2 * window - 1), numpy.float16)
+    biased = _args.check_fused(1, x, x, x, window, 1, 1, False, None, "fused", rpb=rpb)
+    assert wgmma_forward._default_tile(biased) == wgmma_forward.BIAS_TILE[(1, dp)]
 
 
 @pytest.mark.parametrize("shape, kernel, boxes", [

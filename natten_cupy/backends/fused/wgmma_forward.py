@@ -78,6 +78,13 @@ ALTERNATIVES = {  # 1-D, float16 (the probe's side-by-side timings)
 # 8 tiles in 2-D (M5), 1-2% at 12 in 3-D (M4), 6% at 14 (M7), 10% slower at 15 in 2-D (33 x 33).
 SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 3, True)}
 SMALL_BOX_UP_TO = {2: 8, 3: 14}
+# Rank 1 takes the same tile (64 consecutive queries, 64-key tiles) without a bias up to these
+# windows per head-dim bucket: there its region (64 + k - 1 keys) wastes less of each tile
+# and two CTAs share an SM. Forward kernels on an H100 (NOTES-hopper-fwd.md, v16,
+# hopper_small_box_1d.json), 128-query (192 at head dim 64) box / 64-query box: head dim 128
+# 1.21 at windows 15 and 63, 1.08-1.13 at 119-327, 1.01 at 511, 0.94 at 1013; head dim 64
+# 1.05-1.13 at 31-127, 1.02 at 255, 0.97 at 511, 0.86 at 945.
+SMALL_BOX_1D_UP_TO = {64: 255, 128: 511}
 # Head dims 136-256 (padded to 256): two compute warpgroups of 64 queries against 64-key
 # tiles, two stages (Q 64 KiB, a stage's K and V 64 KiB: 192 KiB), O += P V as two m64n128
 # halves, the flat key walk (key boxes take tiles of the query box's 128 keys), no bias, no
@@ -180,8 +187,12 @@ def _default_tile(problem):
     dp = _bucket(problem.head_dim)
     if dp == 256:
         return WIDE
-    tile = DEFAULT[dp] if problem.rank == 1 else DEFAULT_ND
-    small = problem.rank > 1 and _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]
+    if problem.rank == 1:
+        small = not problem.has_rpb and problem.num_neighbors <= SMALL_BOX_1D_UP_TO[dp]
+        return SMALL_BOX[dp] if small else (_bias_tile(1, dp) if problem.has_rpb
+                                            else DEFAULT[dp])
+    tile = DEFAULT_ND
+    small = _key_tiles(problem, tile) <= SMALL_BOX_UP_TO[problem.rank]
     if problem.has_rpb:   # (64-query boxes at head dim 64 only: BIAS_BOX_MARGIN)
         return SMALL_BOX[dp] if small and dp == 64 else _bias_tile(problem.rank, dp)
     return SMALL_BOX[dp] if small else tile
@@ -201,6 +212,7 @@ def instantiations():
             for tma in (False, True):   # (key boxes only with TMA at rank 2, 3)
                 out.append((SOURCE, _name(dtype, dp, DEFAULT[dp], tma=tma)))
                 out.append((SOURCE, _name(dtype, dp, _bias_tile(1, dp), bias=True, tma=tma)))
+                out.append((SOURCE, _name(dtype, dp, SMALL_BOX[dp], tma=tma)))
                 for rank in (2, 3):
                     out += [(SOURCE, _name(dtype, dp, tile, rank, walk, tma=tma))
                             for tile in (DEFAULT_ND, SMALL_BOX[dp]) for walk in (False, True)
