@@ -17,8 +17,10 @@ query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``:
 backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
 ``+qcN`` / ``+kvcN``: its dQ / dK-dV pass in head-dim chunks of N columns at every bucket
 from N up; ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
-the same inputs: forward and backward
-CUDA-event medians after warm-up, and
+the same inputs: forward and backward CUDA-event medians after warm-up of one call each
+(``fwd_ms``, ``bwd_ms``: the call's host work counts where the GPU waits for it, and the
+parts called directly plan on every call: hundreds of microseconds on slow hosts) and of
+the kernels alone (``*_kernel_ms``: events around each launch, summed per call), and
 TFLOP/s on useful FLOPs (forward 4 B N H K D, backward 2.5 times that). Each backward's
 gradients are checked to be finite; correctness against the reference is the GPU tests' job.
 """
@@ -38,7 +40,7 @@ import cupy  # noqa: E402
 
 from natten_cupy import _args, ops  # noqa: E402
 from natten_cupy.profile_cli import random_array  # noqa: E402
-from timing import event_ms  # noqa: E402
+from timing import event_ms, kernel_ms  # noqa: E402
 from workloads import dtype_spec, probe_workload  # noqa: E402
 
 DEFAULT = "2D-33:fp16,M5:bf16,M4:bf16,M7:bf16,W2b:fp16,3D-D128:bf16,W1:fp16,SA:fp16"
@@ -176,13 +178,18 @@ def _run(wid, dtype, family, reps, forward_only=False):
     out, lse = fwd_call()
     fwd = event_ms(fwd_call, reps=reps)
     flops = w.flops()
-    row.update(fwd_ms=round(fwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1))
+    kfwd = kernel_ms(fwd_call, reps)
+    row.update(fwd_ms=round(fwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1),
+               fwd_kernel_ms=round(kfwd, 4), fwd_kernel_tflops=round(flops / kfwd / 1e9, 1))
     if forward_only:
         row["finite"] = bool(cupy.isfinite(out.astype(cupy.float32)).all())
         return row
     finite = all(bool(cupy.isfinite(g.astype(cupy.float32)).all()) for g in bwd_call())
     bwd = event_ms(bwd_call, reps=reps)
-    row.update(bwd_ms=round(bwd, 4), finite=finite, bwd_tflops=round(2.5 * flops / bwd / 1e9, 1))
+    kbwd = kernel_ms(bwd_call, reps)
+    row.update(bwd_ms=round(bwd, 4), finite=finite, bwd_tflops=round(2.5 * flops / bwd / 1e9, 1),
+               bwd_kernel_ms=round(kbwd, 4),
+               bwd_kernel_tflops=round(2.5 * flops / kbwd / 1e9, 1))
     return row
 
 
@@ -192,9 +199,9 @@ def _print(row, tag=""):
         print(f"{head} {row['error'][:90]}", flush=True)
         return
     bwd = ("" if "bwd_ms" not in row else f"  bwd {row['bwd_ms']:8.3f} ms "
-           f"({row['bwd_tflops']:6.1f} TF)")
-    print(f"{head} fwd {row['fwd_ms']:8.3f} ms ({row['fwd_tflops']:6.1f} TF){bwd}  "
-          f"finite {row['finite']}", flush=True)
+           f"(kernels {row['bwd_kernel_ms']:8.3f})")
+    print(f"{head} fwd {row['fwd_ms']:8.3f} ms (kernels {row['fwd_kernel_ms']:8.3f}, "
+          f"{row['fwd_kernel_tflops']:6.1f} TF){bwd}  finite {row['finite']}", flush=True)
 
 
 def _median_row(rows):
@@ -203,7 +210,8 @@ def _median_row(rows):
     if len(rows) == 1 or any("error" in r for r in rows):
         return rows[0]
     out = dict(rows[0])
-    for key in ("fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops"):
+    for key in ("fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops", "fwd_kernel_ms",
+                "fwd_kernel_tflops", "bwd_kernel_ms", "bwd_kernel_tflops"):
         if key in out:
             out[key] = statistics.median(r[key] for r in rows)
             if key.endswith("_ms"):
