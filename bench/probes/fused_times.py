@@ -10,7 +10,8 @@ the array API's own choice, warm calls; ``F@base``: family F built from other ke
 ``--baseline``; ``wgmma+atomic`` / ``wgmma+det``: the Hopper backward with dQ added in its
 dK/dV pass / with the dQ pass, whatever ``atomic_pays`` says; ``wgmma+small``: the Hopper
 forward with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N stages;
-``+bnN`` / ``+wgN``: its tile with N keys a tile / N compute warpgroups; ``+tma`` /
+``+big``: its 128-query box (192 in 1-D at head dim 64), ``+bnN`` / ``+wgN``: its tile
+with N keys a tile / N compute warpgroups; ``+tma`` /
 ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
 query-tile loads, ``+kvN``: its dK/dV pass with N stages; ``+b160`` / ``+b256``: the mma.sync
@@ -150,6 +151,9 @@ def _run(wid, dtype, family, reps, forward_only=False):
                 if mod[5:]:
                     tile = dataclasses.replace(tile, stages=int(mod[5:]))
                 box["tile"] = tile
+            if mod == "big":   # the 128-query box (192 in 1-D at head dim 64)
+                box["tile"] = (fpart.DEFAULT[fpart._bucket(problem.head_dim)]
+                               if problem.rank == 1 else fpart.DEFAULT_ND)
             if mod[:2] in ("bn", "wg") and mod[2:].isdigit():   # bnN / wgN: the Hopper
                 # forward's tile with N keys a tile / N compute warpgroups (from smallN's
                 # tile where one came first, else the problem's default)
