@@ -167,8 +167,8 @@ def test_hopper_small_box_dispatch(shape, kernel, small):
 
 @pytest.mark.parametrize("dim, window, small", [
     (128, 15, True), (128, 511, True), (128, 512, False), (128, 2047, False),
-    (64, 63, True), (64, 255, True), (64, 256, False), (64, 945, False),
-    (96, 511, True), (40, 300, False)])
+    (64, 63, True), (64, 767, True), (64, 768, False), (64, 945, False),
+    (96, 511, True), (40, 300, True), (40, 1023, False)])
 def test_hopper_small_box_dispatch_1d(dim, window, small):
     """Rank 1 takes the 64-query box (one compute warpgroup, 64-key tiles) without a bias up
     to SMALL_BOX_1D_UP_TO[head-dim bucket], built with both loaders; with a bias the rank-1

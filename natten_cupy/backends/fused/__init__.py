@@ -97,10 +97,11 @@ def _parts_for(op, problem):
 # with a bias 13x13: 1.16 (11x11: 0.99); 2-D D128 7x7: 1.21 (5x5: 1.00), with a bias 9x9:
 # 1.04 (7x7: 0.90); 3-D D64 3x7x7: 1.14 (3x5x5: 0.91), with a bias 3x5x5: 1.01; 3-D D128
 # 3x3x3: 1.14, with a bias 3x5x5: 1.13 (3x3x3: 0.86). NOTES-hopper-fwd.md (v6, v15).
-# 1-D without a bias since its 64-query boxes (v16, hopper_small_box_1d.json, H100, larger
-# problems: B 4-32, H 8-16): D64 63: 1.00 (31: 0.79), 127: 1.08; D128 63: 1.09 (15: 0.85).
+# 1-D without a bias since its 64-query boxes (v16, hopper_small_box_1d_kernels.json, H100,
+# kernels alone, B 4-32, H 8-16): D64 63: 1.06 (47: 0.84, 31: 0.82), 127: 1.17; D128 63: 1.14
+# (47: 0.91, 31: 0.88, 15: 0.87), 119: 1.30.
 HOPPER_FWD_FROM = {
-    (1, 64, False): 64, (1, 64, True): 128, (1, 128, False): 40, (1, 128, True): 64,
+    (1, 64, False): 64, (1, 64, True): 128, (1, 128, False): 56, (1, 128, True): 64,
     (2, 64, False): 128, (2, 64, True): 150, (2, 128, False): 32, (2, 128, True): 80,
     (3, 64, False): 128, (3, 64, True): 75, (3, 128, False): 27, (3, 128, True): 64,
     # head dims 136-256 (no bias): every window (H100, kernels alone, head dims 160 and 256:

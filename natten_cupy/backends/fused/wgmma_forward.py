@@ -80,11 +80,11 @@ SMALL_BOX = {64: T(1, 64, 3, True), 128: T(1, 64, 3, True)}
 SMALL_BOX_UP_TO = {2: 8, 3: 14}
 # Rank 1 takes the same tile (64 consecutive queries, 64-key tiles) without a bias up to these
 # windows per head-dim bucket: there its region (64 + k - 1 keys) wastes less of each tile
-# and two CTAs share an SM. Forward kernels on an H100 (NOTES-hopper-fwd.md, v16,
-# hopper_small_box_1d.json), 128-query (192 at head dim 64) box / 64-query box: head dim 128
-# 1.21 at windows 15 and 63, 1.08-1.13 at 119-327, 1.01 at 511, 0.94 at 1013; head dim 64
-# 1.05-1.13 at 31-127, 1.02 at 255, 0.97 at 511, 0.86 at 945.
-SMALL_BOX_1D_UP_TO = {64: 255, 128: 511}
+# and two CTAs share an SM. Forward kernels alone on an H100 (NOTES-hopper-fwd.md, v16,
+# hopper_small_box_1d_kernels.json), 128-query (192 at head dim 64) box / 64-query box: head
+# dim 128 1.24-1.26 at windows 15-63, 1.14-1.17 at 119-235, 1.03 at 511, 0.94 at 1013; head
+# dim 64 1.23-1.30 at 31-127, 1.24 at 255, 1.15 at 511, 0.98 at 945.
+SMALL_BOX_1D_UP_TO = {64: 767, 128: 511}
 # Head dims 136-256 (padded to 256): two compute warpgroups of 64 queries against 64-key
 # tiles, two stages (Q 64 KiB, a stage's K and V 64 KiB: 192 KiB), O += P V as two m64n128
 # halves, the flat key walk (key boxes take tiles of the query box's 128 keys), no bias, no
