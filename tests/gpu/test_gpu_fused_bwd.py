@@ -30,7 +30,7 @@ CASES = [
     ((50,), 8, 3, 2, True, 1, 64, BF16),
     ((97,), 7, 1, 2, True, 2, 40, F16),
     ((300,), 129, 1, 1, False, 1, 256, F16),                 # streamed slabs, 4 column chunks
-    ((700,), 257, 1, 1, False, 2, 64, F16),    # on sm_90 the Hopper part (1-D from 256 at D64)
+    ((700,), 257, 1, 1, False, 2, 64, F16),    # on sm_90 the Hopper part (1-D from 160 at D64)
     ((1200,), 511, 3, 2, True, 1, 64, BF16),   # the same, strided, dilated, causal
     ((13, 11), (3, 4), (1, 2), (2, 1), (False, True), 2, 40, F16),
     ((20, 20), 7, 1, 1, False, 1, 128, BF16),

@@ -131,7 +131,7 @@ def test_the_fast_path_builds_from_the_selection_before_any_gpu_work(monkeypatch
 
 def test_the_hopper_backward_takes_what_it_was_measured_faster_on(monkeypatch):
     """Where the Hopper part serves a problem (the device is sm_90), the fused backward goes
-    to it at head dims above 64, and at head dim 64 for 1-D windows from 256 (from 96 with a
+    to it at head dims above 64, and at head dim 64 for 1-D windows from 160 (from 96 with a
     bias); smaller 1-D windows and 2-D/3-D windows at 64 stay on mma.sync."""
     monkeypatch.setattr(fused, "_hopper_serves", lambda problem, part: True)
 
@@ -142,8 +142,8 @@ def test_the_hopper_backward_takes_what_it_was_measured_faster_on(monkeypatch):
         p = _args.check_fused(rank, q, q, q, kernel, 1, 1, False, None, "auto", rpb=bias)
         return fused._parts_for("fused_backward", p)
 
-    assert part(1, (255,), 64) == "mma_backward"
-    assert part(1, (256,), 64) == "wgmma_backward"
+    assert part(1, (159,), 64) == "mma_backward"
+    assert part(1, (160,), 64) == "wgmma_backward"
     assert part(1, (511,), 64) == "wgmma_backward"
     assert part(1, (95,), 64, rpb=True) == "mma_backward"
     assert part(1, (96,), 64, rpb=True) == "wgmma_backward"

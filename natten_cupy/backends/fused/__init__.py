@@ -137,12 +137,13 @@ def _hopper_fwd_pays(problem):
 def _hopper_bwd_pays(problem):
     """Whether the backward goes to the Hopper part: where it accepts the problem and was
     measured faster than the mma.sync backward: head dims above 64 at every rank, and at
-    head dim 64 1-D windows from 256 (from 96 with a bias). At 64 the 128-key owner boxes
+    head dim 64 1-D windows from 160 (from 96 with a bias). At 64 the 128-key owner boxes
     waste too much of each tile on smaller windows and on 2-D/3-D boxes. The timings:
-    NOTES-hopper-bwd.md, "Dispatch"."""
+    NOTES-hopper-bwd.md, "Dispatch" (1-D at 64, kernels alone on an H100: window 127 mma.sync
+    1.07x faster, 255 the Hopper part 1.23x, bench/results/bwd1d_kernels.json)."""
     if not _hopper_serves(problem, "wgmma_backward"):
         return False
-    one_d_from = 96 if problem.has_rpb else 256
+    one_d_from = 96 if problem.has_rpb else 160
     return problem.head_dim > 64 or (problem.rank == 1 and problem.kernel_size[0] >= one_d_from)
 
 
