@@ -7,6 +7,7 @@
 #include "natten/hopper/bwd_tiles.cuh"
 #include "natten/hopper/bias_box.cuh"
 #include "natten/hopper/tma.cuh"
+#include "natten/hopper/epilogue.cuh"
 
 namespace natten {
 namespace hopper {
@@ -480,27 +481,51 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   }
   if (ATOMIC && (tid / 32) % 4 < 2) bulk_wait();  // the bulk adds done before the CTA ends
 
-  // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group. (The row
-  // is worked out again from an opaque thread index: carried over the walk it spilled.)
-  int etid = tid;
-  asm volatile("" : "+r"(etid));
-  const int erow = wg * 64 + ((etid / 32) % 4) * 16 + (etid % 32) / 4;
+  // Epilogue: dK = scale * dS^T Q, dV as accumulated, for keys inside the group, through
+  // this warpgroup's own K and V rows in shared memory (epilogue.cuh): its GEMMs are done
+  // with them (the split dQ GEMM of ATOMIC reads both warpgroups' K rows: once both are).
+  // The head-dim-64 ATOMIC pass (not a default: atomic_pays) stores from the accumulators
+  // as before: through shared memory its 3-D kernel spilled 16 bytes (NVRTC 13.0).
+  if constexpr (ATOMIC && D == 64) {
+    // (The row is worked out again from an opaque thread index: carried over the walk it
+    // spilled.)
+    int etid = tid;
+    asm volatile("" : "+r"(etid));
+    const int erow = wg * 64 + ((etid / 32) % 4) * 16 + (etid % 32) / 4;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    int c[3];
-    bool valid;
-    G.own_row(erow + 8 * r, c, valid);
-    if (!valid) continue;
-    T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
-    T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
+    for (int r = 0; r < 2; ++r) {
+      int c[3];
+      bool valid;
+      G.own_row(erow + 8 * r, c, valid);
+      if (!valid) continue;
+      T* at_k = dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2]);
+      T* at_v = dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2]);
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const int col = 8 * i + 2 * quad;
-      if (col < hd) {
-        pack_store(at_k + col, acc_dk[4 * i + 2 * r] * p.scale, acc_dk[4 * i + 2 * r + 1] * p.scale);
-        pack_store(at_v + col, acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
+      for (int i = 0; i < D / 8; ++i) {
+        const int col = 8 * i + 2 * quad;
+        if (col < hd) {
+          pack_store(at_k + col, acc_dk[4 * i + 2 * r] * p.scale, acc_dk[4 * i + 2 * r + 1] * p.scale);
+          pack_store(at_v + col, acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
+        }
       }
     }
+  } else {
+    if constexpr (ATOMIC && SPLIT) named_sync(10, 256);
+    const float sk[2] = {p.scale, p.scale}, sv[2] = {1.f, 1.f};
+    store_tile_rows<T, D>(acc_dk, sk, k_wg, 128 * 128, 8 + wg, hd, [&](int r) -> T* {
+      int c[3];
+      bool valid;
+      G.own_row(wg * 64 + r, c, valid);
+      return valid ? dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2])
+                   : nullptr;
+    });
+    store_tile_rows<T, D>(acc_dv, sv, v_wg, 128 * 128, 8 + wg, hd, [&](int r) -> T* {
+      int c[3];
+      bool valid;
+      G.own_row(wg * 64 + r, c, valid);
+      return valid ? dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2])
+                   : nullptr;
+    });
   }
 }
 
@@ -782,20 +807,16 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     for (int i = tid - 128; i < bb.vol; i += 256) dst[i] = lds_f32(gbox + 4 * i);
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  // dQ through this warpgroup's own Q rows in shared memory (epilogue.cuh; its GEMMs are
+  // done with them).
+  const float sq[2] = {p.scale, p.scale};
+  T* const dqb = dq + b * p.dq[0] + h * p.dq[4];
+  store_tile_rows<T, D>(acc_dq, sq, q_wg, 128 * 128, 8 + wg, hd, [&](int r) -> T* {
     int c[3];
     bool valid;
-    G.own_row(row0 + 8 * r, c, valid);
-    if (!valid) continue;
-    T* at = dq + b * p.dq[0] + h * p.dq[4] + G.offset(p, p.dq, c[0], c[1], c[2]);
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const int col = 8 * i + 2 * quad;
-      if (col < hd)
-        pack_store(at + col, acc_dq[4 * i + 2 * r] * p.scale, acc_dq[4 * i + 2 * r + 1] * p.scale);
-    }
-  }
+    G.own_row(wg * 64 + r, c, valid);
+    return valid ? dqb + G.offset(p, p.dq, c[0], c[1], c[2]) : nullptr;
+  });
 }
 
 }  // namespace hopper

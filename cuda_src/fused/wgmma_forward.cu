@@ -7,6 +7,7 @@
 #include "natten/hopper/tile_box.cuh"
 #include "natten/hopper/bias_box.cuh"
 #include "natten/hopper/tma.cuh"
+#include "natten/hopper/epilogue.cuh"
 
 namespace natten {
 namespace hopper {
@@ -645,27 +646,53 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       fence_regs(rb.acc_o);
     }
 
-    // Epilogue: normalize, store the valid rows, lse = (m * sl + log2 l) * ln 2.
+    // Epilogue: normalize, store the valid rows, lse = (m * sl + log2 l) * ln 2. Up to head
+    // dim 128 O goes through this warpgroup's Q rows in shared memory (epilogue.cuh: its
+    // GEMMs are done with them), 16 bytes a store.
+    if constexpr (D <= 128) {
+      float inv[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = rb.l[r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      int c[3];
-      bool valid;
-      G.own_row(row0 + 8 * r, c, valid);
-      if (valid) {
-        const float inv = 1.f / sum;
-        T* at = o + b * p.o[0] + h * p.o[4] + G.offset(p, p.o, c[0], c[1], c[2]);
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          const int col = 8 * i + 2 * quad;
-          if (col < hd)
-            pack_store(at + col, rb.acc_o[4 * i + 2 * r] * inv, rb.acc_o[4 * i + 2 * r + 1] * inv);
-        }
-        if (quad == 0)
+      for (int r = 0; r < 2; ++r) {
+        float sum = rb.l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[r] = 1.f / sum;
+        int c[3];
+        bool valid;
+        G.own_row(row0 + 8 * r, c, valid);
+        if (valid && quad == 0)
           lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] =
               (rb.m[r] * sl + __log2f(sum)) * 0.6931471805599453f;
+      }
+      T* const ob = o + b * p.o[0] + h * p.o[4];
+      store_tile_rows<T, D>(rb.acc_o, inv, q_wg, BM * 128, 8 + wg, hd, [&](int r) -> T* {
+        int c[3];
+        bool valid;
+        G.own_row(wg * 64 + r, c, valid);
+        return valid ? ob + G.offset(p, p.o, c[0], c[1], c[2]) : nullptr;
+      });
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = rb.l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        int c[3];
+        bool valid;
+        G.own_row(row0 + 8 * r, c, valid);
+        if (valid) {
+          const float inv = 1.f / sum;
+          T* at = o + b * p.o[0] + h * p.o[4] + G.offset(p, p.o, c[0], c[1], c[2]);
+#pragma unroll
+          for (int i = 0; i < D / 8; ++i) {
+            const int col = 8 * i + 2 * quad;
+            if (col < hd)
+              pack_store(at + col, rb.acc_o[4 * i + 2 * r] * inv, rb.acc_o[4 * i + 2 * r + 1] * inv);
+          }
+          if (quad == 0)
+            lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] =
+                (rb.m[r] * sl + __log2f(sum)) * 0.6931471805599453f;
+        }
       }
     }
   };
