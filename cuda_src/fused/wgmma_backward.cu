@@ -54,6 +54,39 @@ __device__ __forceinline__ i64 dq_ws_group(const NAParams& p, const i64 (&c)[5],
   return dq_ws_row<D>(p, c[0], c[4], g, ch / 8, n) + (((ch % 8) ^ dq_ws_key(n)) * 8);
 }
 
+// Coordinates c = (batch, axis 0, 1, 2, head) of row `row` of the rows flat over them; false
+// past the last row (c then row 0's). 32-bit divisions wherever the rows fit: with 64-bit ones
+// the delta launch, a streaming kernel, was issue-bound (76% SM throughput at 68% of the DRAM
+// bandwidth on a 1-D head-dim-128 backward, NOTES-hopper-bwd.md).
+__device__ __forceinline__ bool row_coords(i64 row, const NAParams& p, i64 (&c)[5]) {
+  const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
+  const bool live = row < rows;
+  if (!live) row = 0;
+  if (rows <= 0xFFFFFFFFll) {
+    unsigned x = (unsigned)row;
+    const unsigned heads = (unsigned)p.heads;
+    c[4] = x % heads;
+    x /= heads;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      const unsigned e = (unsigned)p.extent[a];
+      c[1 + a] = x % e;
+      x /= e;
+    }
+    c[0] = x;
+  } else {
+    c[4] = row % p.heads;
+    row /= p.heads;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+      c[1 + a] = row % p.extent[a];
+      row /= p.extent[a];
+    }
+    c[0] = row;
+  }
+  return live;
+}
+
 // delta[row] = sum over the head dim of dO * O in float32; D / 8 consecutive threads per row
 // (16 bytes each), rows flat over (batch, axis 0, 1, 2, head). With dq_ws (the atomic dQ
 // variant) the same threads zero the row's workspace (all its D columns).
@@ -63,21 +96,9 @@ __device__ __forceinline__ void delta_rows(const T* __restrict__ d_o, const T* _
                                            const NAParams& p) {
   constexpr int LANES = D / 8;
   const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  i64 row = t / LANES;
   const int ch = (int)(t % LANES);
-  const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
-  const bool live = row < rows;
-  if (!live) row = 0;
   i64 c[5];
-  i64 x = row;
-  c[4] = x % p.heads;
-  x /= p.heads;
-#pragma unroll
-  for (int a = 2; a >= 0; --a) {
-    c[1 + a] = x % p.extent[a];
-    x /= p.extent[a];
-  }
-  c[0] = x;
+  const bool live = row_coords(t / LANES, p, c);
   float sum = 0.f;
   if (live && ch * 8 < p.head_dim) {
     const i64 off_do = offset6(p.d_o, c[0], c[1], c[2], c[3], c[4], 0) + ch * 8;
@@ -104,19 +125,9 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
                                         const NAParams& p) {
   constexpr int LANES = D / 8;
   const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  i64 x = t / LANES;
   const int ch = (int)(t % LANES);
-  if (x >= p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads || ch * 8 >= p.head_dim)
-    return;
   i64 c[5];
-  c[4] = x % p.heads;
-  x /= p.heads;
-#pragma unroll
-  for (int a = 2; a >= 0; --a) {
-    c[1 + a] = x % p.extent[a];
-    x /= p.extent[a];
-  }
-  c[0] = x;
+  if (!row_coords(t / LANES, p, c) || ch * 8 >= p.head_dim) return;
   const float4* from = reinterpret_cast<const float4*>(dq_ws + dq_ws_group<D>(p, c, ch));
   const float4 a = from[0], b = from[1];
   T* at = dq + offset6(p.dq, c[0], c[1], c[2], c[3], c[4], 0) + ch * 8;
