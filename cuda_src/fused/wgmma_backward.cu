@@ -138,16 +138,16 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
   pack_store(at + 6, b.z * sc, b.w * sc);
 }
 
-// Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of 128 rows),
+// Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of OWN rows),
 // STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) the dS^T
 // tiles of 64 x ROWS, one per compute warpgroup (at head dim 128 two sets, by step parity:
 // each warpgroup reads both), and per compute warpgroup a float32 staging tile of 64 dQ rows
 // of 64 columns (laid out as dq_ws_row's rows), then (dK/dV pass) STAGES pairs of float vectors of
 // ROWS (lse, delta), then the mbarriers (full, empty per stage). Every tile starts on a
 // 1024-byte boundary (the 128-byte swizzle's period).
-template <int D, int ROWS, int STAGES, bool VALUES, bool DS = false>
+template <int D, int ROWS, int STAGES, bool VALUES, bool DS = false, int OWN = 128>
 struct BwdSmem {
-  static constexpr unsigned OWNER = 128 * D * 2, TILE = ROWS * D * 2;
+  static constexpr unsigned OWNER = OWN * D * 2, TILE = ROWS * D * 2;
   static constexpr unsigned VEC = VALUES ? ROWS * 4 : 0;
   static constexpr unsigned DS_TILE = DS ? 64 * ROWS * 2 : 0;  // per compute warpgroup
   // The atomic variant at head dim 128: dQ's columns split between the warpgroups, each
@@ -540,26 +540,36 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   }
 }
 
-// dQ: queries own the CTA (the forward's query boxes of 128, two compute warpgroups of 64),
+// dQ: queries own the CTA (the forward's query boxes of 64 * WG, WG compute warpgroups of 64),
 // the region is their windows' keys, walked in BN-key tiles: per tile S = Q K^T and dP = dO
 // V^T, P = exp2(S scale log2 e - lse log2 e), dS = P (dP - delta), dQ += dS K (K N-major).
+// WG 1 (no bias): 64-query boxes (1-D 64, 2-D 8 x 8, 3-D 2 x 4 x 8), two CTAs an SM; a small
+// window's region is then fewer key tiles a query, and one CTA's loads and epilogue run under
+// the other's GEMMs (as the forward's 64-query boxes).
 // BIAS: S gets rpb[h, key - query + kernel - 1] (BiasBox, as the forward stages it, after the
 // mbarriers; then a float32 box of its gradient and, rank 2, 3, each region key's place), and
 // the pass sums dS per box entry (each warp's dS through a scratch tile, added column by
 // column with shared-memory atomics: the order varies run to run) and writes the CTA's box
 // to bias_part [B, H, CTAs, box], which na_bwd_fused_rpb reduces.
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS,
+          int WG = 2>
 __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restrict__ k,
                                       const T* __restrict__ v, const T* __restrict__ d_o,
                                       const float* __restrict__ lse,
                                       const float* __restrict__ delta, T* __restrict__ dq,
                                       const T* __restrict__ rpb, float* __restrict__ bias_part,
                                       const NAParams& p) {
-  constexpr int NT = 128, WG = 2;
-  static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
-                "the query tile is 128 queries over the rank's axes");
+  constexpr int NT = 128, OWN = 64 * WG;
+  static_assert(T0 * T1 * T2 == OWN && (RANK > 1 || T0 == OWN) && (RANK > 2 || T2 == 1),
+                "the query tile is 64 * WG queries over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
-  typedef BwdSmem<D, BN, STAGES, false> Smem;
+  static_assert(WG == 2 || (WG == 1 && !BIAS), "a bias takes two compute warpgroups");
+  typedef BwdSmem<D, BN, STAGES, false, false, OWN> Smem;
+  // Registers (loader, compute): two warpgroups as the dK/dV pass; one: two CTAs an SM, so
+  // loader + compute within 2 x 128.
+  constexpr int kLoaderRegs = WG == 1 ? 40 : BwdRegs::loader;
+  constexpr int kComputeRegs = WG == 1 ? 216 : BwdRegs::compute;
+  static_assert(WG != 1 || kLoaderRegs + kComputeRegs <= 2 * 128, "over the CTA's registers");
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
   sm.init(smem_raw);
@@ -582,8 +592,8 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   const int num_tiles = (G.total + BN - 1) / BN;
 
   if (wg < 0) {  // the loader: Q, dO with tile 0, then each key tile once its slot is free
-    regs_dec<BwdRegs::loader>();
-    load_rows<T, D, 128, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
+    regs_dec<kLoaderRegs>();
+    load_rows<T, D, OWN, NT>(sm.own0, qb, p.q, sm.own1, dob, p.d_o, G, p, -1, hd, tid);
     for (int j = 0; j < num_tiles; ++j) {
       if (j >= STAGES) mbar_wait(sm.empty + 8 * (j % STAGES), (j / STAGES + 1) & 1);
       load_rows<T, D, BN, NT>(sm.tile0(j), kb, p.k, sm.tile1(j), vb, p.v, G, p, j * BN, hd,
@@ -594,7 +604,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     return;
   }
 
-  regs_inc<BwdRegs::compute>();
+  regs_inc<kComputeRegs>();
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
   G.row_reach(p, row0, wl[0], wn[0]);
@@ -651,8 +661,8 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
     const unsigned sk = sm.tile0(j), sv = sm.tile1(j);
     float acc_s[BN / 2], acc_dp[BN / 2];
     wgmma_fence();
-    gemm_ss<T, D, BN, 128>(acc_s, q_wg, sk);
-    gemm_ss<T, D, BN, 128>(acc_dp, do_wg, sv);
+    gemm_ss<T, D, BN, OWN>(acc_s, q_wg, sk);
+    gemm_ss<T, D, BN, OWN>(acc_dp, do_wg, sv);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(acc_s);
@@ -822,7 +832,7 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   // done with them).
   const float sq[2] = {p.scale, p.scale};
   T* const dqb = dq + b * p.dq[0] + h * p.dq[4];
-  store_tile_rows<T, D>(acc_dq, sq, q_wg, 128 * 128, 8 + wg, hd, [&](int r) -> T* {
+  store_tile_rows<T, D>(acc_dq, sq, q_wg, OWN * 128, 8 + wg, hd, [&](int r) -> T* {
     int c[3];
     bool valid;
     G.own_row(wg * 64 + r, c, valid);
@@ -871,14 +881,15 @@ na_bwd_hopper_kv_tma(const T* __restrict__ q, const T* __restrict__ k, const T* 
       q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p, &tq, &tdo);
 }
 
-template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int D, int BN, int STAGES, int RANK, int T0, int T1, int T2, bool BIAS,
+          int WG = 2>
+__global__ void __launch_bounds__(128 * (WG + 1), WG == 1 ? 2 : 1)
 na_bwd_hopper_q(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ d_o, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const T* __restrict__ rpb,
                 float* __restrict__ bias_part, const NAParams p) {
-  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS>(q, k, v, d_o, lse, delta, dq, rpb,
-                                                          bias_part, p);
+  hopper::bwd_q<T, D, BN, STAGES, RANK, T0, T1, T2, BIAS, WG>(q, k, v, d_o, lse, delta, dq,
+                                                              rpb, bias_part, p);
 }
 
 }  // namespace natten

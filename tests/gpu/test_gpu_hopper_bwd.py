@@ -100,23 +100,26 @@ def _device(cp, host, layout="canonical"):
     return upload(cp, host)
 
 
-def _run(cp, problem, dev, shape, dtype, layout="canonical", dq_atomic=False, tma=None):
+def _run(cp, problem, dev, shape, dtype, layout="canonical", dq_atomic=False, tma=None,
+         tile=None):
     grads = [_device(cp, numpy.full(shape, numpy.nan, dtype), layout) for _ in range(3)]
     q, k, v, d_out, out, lse = dev
-    H.backward(problem, q, k, v, out, lse, d_out, *grads, dq_atomic=dq_atomic, tma=tma)
+    H.backward(problem, q, k, v, out, lse, d_out, *grads, dq_atomic=dq_atomic, tma=tma,
+               tile=tile)
     cp.cuda.get_current_stream().synchronize()
     return [to_host(g) for g in grads]
 
 
-def check_case(case, rng, layout="canonical", dq_atomic=False, tma=None, make=None):
+def check_case(case, rng, layout="canonical", dq_atomic=False, tma=None, make=None, tile=None):
     """Run one case (``tma``: the dK/dV pass's loads, ``plan_backward``; ``make``: the
-    inputs, as ``_inputs`` takes it); returns [(error, yardstick error)] for dq, dk, dv."""
+    inputs, as ``_inputs`` takes it; ``tile``: a BwdTile); returns [(error, yardstick error)]
+    for dq, dk, dv."""
     import cupy as cp
     q, k, v, d_out, out, lse, truth = _inputs(case, rng, make=make)
     problem = _problem(q, case)
     assert H.refuse(problem) is None, H.refuse(problem)
     dev = [_device(cp, x, layout) for x in (q, k, v, d_out, out)] + [cp.asarray(lse)]
-    got = _run(cp, problem, dev, q.shape, q.dtype, layout, dq_atomic, tma)
+    got = _run(cp, problem, dev, q.shape, q.dtype, layout, dq_atomic, tma, tile)
     low = _reference_backward(problem, q, k, v, out, lse, d_out)
     result = []
     for name, g, t, y in zip(("dq", "dk", "dv"), got, truth, low):
@@ -145,6 +148,14 @@ def test_hopper_backward_atomic_dq_matches_reference(case, rng):
     """The atomic dQ variant (dQ added in the dK/dV pass by bulk float32 reductions)."""
     _skip_unless_hopper()
     check_case(case, rng, dq_atomic=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_hopper_backward_one_warpgroup_dq_pass(case, rng):
+    """The dQ pass with one compute warpgroup (wgmma_backward.Q_ONE_WG: 64-query boxes, two
+    CTAs an SM) on every case, the dK/dV pass as the default's."""
+    _skip_unless_hopper()
+    check_case(case, rng, dq_atomic=False, tile=H.Q_ONE_WG[H._bucket(case[6])])
 
 
 def _anticorrelated(rng, shape):

@@ -66,6 +66,7 @@ class BwdTile:
     kv_stages: int
     bn: int        # keys per tile of the dQ pass
     q_stages: int
+    q_wg: int = 2  # compute warpgroups of the dQ pass (its owner box: 64 queries each)
 
 
 # Register budget per compute thread: dK, dV (D each) + S^T, dP^T (bq / 2 each); dQ (D / 2)
@@ -73,6 +74,33 @@ class BwdTile:
 DEFAULT = {64: BwdTile(64, 3, 128, 2), 128: BwdTile(64, 2, 64, 3)}
 # The owner box per rank (128 rows), the forward's query boxes.
 OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
+# The dQ pass with one compute warpgroup (``q_wg`` 1, no bias): 64-query boxes, as the
+# forward's (1-D 64, 2-D 8 x 8, 3-D 2 x 4 x 8), two CTAs an SM: at head dim 128 in two
+# stages (three would hold 130 KB, one CTA an SM). Compiled without spills (NVRTC 13.0, 128
+# registers at entry, 40 / 216 after setmaxnreg). Not a default until measured: Q_ONE_WG
+# (the tiles to run where ``one_wg_q`` says so) is None; bench/probes/fused_times.py's
+# ``+q1`` times it.
+Q_BOX_ONE_WG = {1: (64, 1, 1), 2: (8, 8, 1), 3: (2, 4, 8)}
+Q_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1), 128: BwdTile(64, 2, 64, 2, 1)}
+Q_ONE_WG_UP_TO = None   # largest window (neighbors) the default takes it for; None: never
+
+
+def q_box(rank, tile):
+    """The dQ pass's owner box of ``tile``."""
+    return OWNER_BOX[rank] if tile.q_wg == 2 else Q_BOX_ONE_WG[rank]
+
+
+def default_tile(problem):
+    """The BwdTile a problem runs without an override."""
+    dp = _bucket(problem.head_dim)
+    return Q_ONE_WG[dp] if one_wg_q(problem) else DEFAULT[dp]
+
+
+def one_wg_q(problem):
+    """Whether the default dQ pass of ``problem`` takes one compute warpgroup (never while
+    ``Q_ONE_WG_UP_TO`` is None)."""
+    return (Q_ONE_WG_UP_TO is not None and not problem.has_rpb
+            and problem.num_neighbors <= Q_ONE_WG_UP_TO)
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
 # natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
@@ -135,6 +163,8 @@ def _configure(problem, tile, dq_atomic):
                 "backward's shared memory")
     if problem.has_rpb and dq_atomic:
         return "a bias gradient comes from the dQ pass: dq_atomic must be off"
+    if problem.has_rpb and tile is not None and tile.q_wg != 2:
+        return "with a bias the dQ pass takes two compute warpgroups (q_wg=2)"
     return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
@@ -144,12 +174,13 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
+    qbox = ", ".join(str(t) for t in q_box(rank, tile))
     flag = lambda x: "true" if x else "false"
     kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
           f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
-          f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {box}, "
-          f"{flag(bias)}>")
+          f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {qbox}, "
+          f"{flag(bias)}{', 1' if tile.q_wg == 1 else ''}>")
     return f"natten::na_bwd_hopper_delta<{ct}, {dp}>", kv, dq
 
 
@@ -164,6 +195,7 @@ def instantiations():
                     if rank == 1 and not bias:
                         out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
                                                    tma=True)[1]))
+                out.append((SOURCE, _names(dtype, dp, rank, Q_ONE_WG[dp])[2]))
     return sorted(set(out))
 
 
@@ -198,9 +230,9 @@ def _pass_smem(problem, tile=None):
     pass's box, its gradient box, each region key's place, and per compute warp a float32
     scratch tile of 16 x (bn + 8) dS and its 16 row terms (16-byte aligned)."""
     dp = _bucket(problem.head_dim)
-    tile = tile or DEFAULT[dp]
+    tile = tile or default_tile(problem)
     kv = smem_bytes(dp, tile.bq, tile.kv_stages, True)
-    dq = smem_bytes(dp, tile.bn, tile.q_stages, False)
+    dq = smem_bytes(dp, tile.bn, tile.q_stages, False, own=64 * tile.q_wg)
     if problem.has_rpb:
         ext = _bias_extents(problem)
         nd = problem.rank > 1
@@ -210,20 +242,21 @@ def _pass_smem(problem, tile=None):
     return kv, dq
 
 
-def smem_bytes(dp, rows, stages, values, ds=False):
-    """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners, stages, the atomic
-    variant's dS^T tiles (two sets at head dim 128) and dQ staging tiles, lse/delta vectors,
-    mbarriers, 1 KiB to align the tiles."""
+def smem_bytes(dp, rows, stages, values, ds=False, own=OWNER_ROWS):
+    """Dynamic shared memory of a pass (``BwdSmem`` in the .cu): owners (``own`` rows each),
+    stages, the atomic variant's dS^T tiles (two sets at head dim 128) and dQ staging tiles,
+    lse/delta vectors, mbarriers, 1 KiB to align the tiles."""
     vec = rows * 4 if values else 0
     ds_tiles = (2 if dp > 64 else 1) * 2 * 64 * rows * 2 if ds else 0
     staging = 2 * 64 * 64 * 4 if ds else 0
-    return (2 * OWNER_ROWS * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + ds_tiles
+    return (2 * own * dp * 2 + stages * (2 * rows * dp * 2 + 2 * vec) + ds_tiles
             + staging + 16 * stages + 1024)
 
 
-def owner_ctas(problem):
-    """CTAs per (batch, head) of both passes: dilation groups x owner boxes of the longest."""
-    box = OWNER_BOX[problem.rank]
+def owner_ctas(problem, box=None):
+    """CTAs per (batch, head) of a pass: dilation groups x owner boxes (default: both passes'
+    128-row boxes) of the longest."""
+    box = box or OWNER_BOX[problem.rank]
     n = 1
     for a in range(problem.rank):
         L, d = problem.spatial[a], problem.dilation[a]
@@ -236,7 +269,7 @@ def _geometry(problem, tile):
     """(head-dim bucket, tile, owner boxes per (batch, head), delta blocks) of ``tile`` (None:
     the default), shared by the decisions of both dQ variants."""
     dp = _bucket(problem.head_dim)
-    tile = tile or DEFAULT[dp]
+    tile = tile or default_tile(problem)
     rows = problem.batch * problem.heads * int(numpy.prod(problem.spatial))
     delta_blocks = -(-rows * (dp // 8) // DELTA_THREADS)
     return dp, tile, owner_ctas(problem), delta_blocks
@@ -257,6 +290,9 @@ class Tiling:
     entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
     kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none)
     kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
+    q_ctas: int         # the dQ pass's owner boxes per (batch, head) (its grid x)
+    q_box: tuple        # its owner box per axis
+    q_threads: int      # its threads (the loader and q_wg compute warpgroups)
 
 
 def _tiling(problem, tile, dq_atomic, smem):
@@ -277,9 +313,11 @@ def _tiling(problem, tile, dq_atomic, smem):
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
+    qb = q_box(problem.rank, tile)
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
                   OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma,
-                  kv_tma_refusal)
+                  kv_tma_refusal, owner_ctas(problem, qb), qb[:problem.rank],
+                  128 * (tile.q_wg + 1))
 
 
 def _kv_tma_refusal(problem, tile):
@@ -341,9 +379,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     t = configure(problem, tile, dq_atomic)
     if isinstance(t, str):
         raise ValueError(t)
-    if t.ctas >= 2 ** 31:
-        raise ValueError(f"problem too large for one Hopper fused-backward launch ({t.ctas} "
-                         "tiles)")
+    if max(t.ctas, t.q_ctas) >= 2 ** 31:
+        raise ValueError(f"problem too large for one Hopper fused-backward launch "
+                         f"({max(t.ctas, t.q_ctas)} tiles)")
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta, rpb=rpb, d_rpb=d_rpb)
@@ -361,7 +399,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
     # dQ: a CTA per query head.
     kv_grid = (t.ctas, problem.kv_heads, problem.batch)
-    grid = (t.ctas, problem.heads, problem.batch)
+    grid = (t.q_ctas, problem.heads, problem.batch)
     kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
     want = (USE_TMA and _bucket(problem.head_dim) in TMA_HEAD_DIMS) if tma is None else tma
     maps = kv_tma_maps(problem, t, d_out, q) if want else ()
@@ -380,10 +418,10 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
         calls.append(KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
                                 (ws, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
     else:
-        calls.append(KernelCall(fn_dq, grid, (THREADS, 1, 1),
+        calls.append(KernelCall(fn_dq, grid, (t.q_threads, 1, 1),
                                 (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
                                 shared_mem=smem_dq, name="na_bwd_hopper_q", backend="fused",
-                                tile=t.box))
+                                tile=t.q_box))
     if t.bias is not None:
         calls.append(_bias_reduction(problem, t, p, PART, D_RPB))
     return Plan(tuple(calls),
