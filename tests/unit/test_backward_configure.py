@@ -294,7 +294,8 @@ def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
 def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monkeypatch):
     """The dQ pass with one compute warpgroup (Q_ONE_WG): 64-query boxes, 256 threads, two
     CTAs' shared memory within an SM's, its kernel among the instantiations; the dK/dV pass
-    as the default's; refused with a bias; the default only where Q_ONE_WG_UP_TO says."""
+    as the two-warpgroup tile's; refused with a bias; the default only where
+    Q_ONE_WG_UP_TO says."""
     spatial = {1: (300,), 2: (33, 41), 3: (9, 17, 13)}[rank]
     p = _problem(spatial, 3, head_dim=head_dim)
     tile = H.Q_ONE_WG[head_dim]
@@ -304,8 +305,8 @@ def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monk
     assert t.q_threads == 256 and t.q_ctas == H.owner_ctas(p, H.Q_BOX_ONE_WG[rank])
     assert 2 * t.smem[1] <= 228 * 1024 - 2 * 1024   # two CTAs an SM (1 KiB reserved each)
     assert t.smem[1] == H.smem_bytes(head_dim, tile.bn, tile.q_stages, False, own=64)
-    default = H.configure(p, None, False)
-    assert t.names[:2] == default.names[:2] and t.smem[0] == default.smem[0]
+    two = H.configure(p, H.DEFAULT[head_dim], False)
+    assert t.names[:2] == two.names[:2] and t.smem[0] == two.smem[0]
     assert t.names[2].endswith(", false, 1>") and (H.SOURCE, t.names[2]) in H.instantiations()
     plan = H.plan_backward(p, *_layouts(p), tile=tile, dq_atomic=False)
     dq = plan.calls[2]
@@ -314,7 +315,9 @@ def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monk
     assert plan.calls[1].grid == (t.ctas, p.kv_heads, p.batch)
     biased = _problem(spatial, 3, head_dim=head_dim, rpb=True)
     assert "two compute warpgroups" in H.configure(biased, tile, False)
-    # not a default unless switched on (then for windows up to the limit, no bias)
+    # the default for windows up to Q_ONE_WG_UP_TO neighbors without a bias (never at None)
+    assert H.Q_ONE_WG_UP_TO is None or H.default_tile(p) == tile
+    monkeypatch.setattr(H, "Q_ONE_WG_UP_TO", None)
     assert H.default_tile(p) == H.DEFAULT[head_dim]
     monkeypatch.setattr(H, "Q_ONE_WG_UP_TO", 27)
     assert H.default_tile(p) == tile and H.default_tile(biased) == H.DEFAULT[head_dim]

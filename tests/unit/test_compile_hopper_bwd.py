@@ -99,8 +99,8 @@ PLAN_CASES = [
 @pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
 def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
     """plan_backward on Layouts: three calls (delta, dK/dV, dQ), the delta workspace, owner
-    grids of 128-row boxes per dilation group, shared memory within sm_90's 227 KB, and the
-    operand order of each kernel's signature."""
+    grids of 128-row boxes per dilation group (the dQ pass's of 64 on small windows), shared
+    memory within sm_90's 227 KB, and the operand order of each kernel's signature."""
     from natten_cupy._launch import Operand
     shape, ks, st, dl, ca = case
     rank = len(shape) - 3
@@ -120,14 +120,20 @@ def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
         p = c.args[-1]
         assert p.dtype == PARAMS_DTYPE
     spatial, B, heads, D = shape[1:-2], shape[0], shape[-2], shape[-1]
-    box = H.OWNER_BOX[rank]
-    ctas = 1
-    for a in range(rank):
-        group = -(-spatial[a] // prob.dilation[a])
-        ctas *= prob.dilation[a] * -(-group // box[a])
-    assert kv.grid == q.grid == (ctas, heads, B)
-    assert kv.block == q.block == (H.THREADS, 1, 1)
+
+    def ctas(box):
+        n = 1
+        for a in range(rank):
+            group = -(-spatial[a] // prob.dilation[a])
+            n *= prob.dilation[a] * -(-group // box[a])
+        return n
+    # the dQ pass's box: 64 queries (one compute warpgroup) up to Q_ONE_WG_UP_TO neighbors
+    one = H.Q_ONE_WG_UP_TO is not None and prob.num_neighbors <= H.Q_ONE_WG_UP_TO
+    qbox = H.Q_BOX_ONE_WG[rank] if one else H.OWNER_BOX[rank]
+    assert kv.grid == (ctas(H.OWNER_BOX[rank]), heads, B) and q.grid == (ctas(qbox), heads, B)
+    assert kv.block == (H.THREADS, 1, 1) and q.block == (256 if one else H.THREADS, 1, 1)
     assert max(kv.shared_mem, q.shared_mem) <= 227 * 1024
+    assert not one or 2 * q.shared_mem <= 226 * 1024   # two CTAs an SM
     dp = H._bucket(D)
     rows = B * heads * int(numpy.prod(spatial))
     assert delta.grid[0] * H.DELTA_THREADS >= rows * dp // 8

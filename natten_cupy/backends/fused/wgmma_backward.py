@@ -77,12 +77,13 @@ OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 # The dQ pass with one compute warpgroup (``q_wg`` 1, no bias): 64-query boxes, as the
 # forward's (1-D 64, 2-D 8 x 8, 3-D 2 x 4 x 8), two CTAs an SM: at head dim 128 in two
 # stages (three would hold 130 KB, one CTA an SM). Compiled without spills (NVRTC 13.0, 128
-# registers at entry, 40 / 216 after setmaxnreg). Not a default until measured: Q_ONE_WG
-# (the tiles to run where ``one_wg_q`` says so) is None; bench/probes/fused_times.py's
-# ``+q1`` times it.
+# registers at entry, 40 / 216 after setmaxnreg). The default without a bias up to windows of
+# Q_ONE_WG_UP_TO neighbors (None: never): measured on an H100 (NOTES-hopper-bwd.md, kernels
+# alone, bench/results/hopper_bwd_q1_ab.json), whole backward with it / without: 1-D at head
+# dim 128 windows 15-119 -6 to -7%, 511 -2%, 1013 +3%; 2-D 7x7 at 64 -11%; 1-D 511 at 64 -2%.
 Q_BOX_ONE_WG = {1: (64, 1, 1), 2: (8, 8, 1), 3: (2, 4, 8)}
 Q_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1), 128: BwdTile(64, 2, 64, 2, 1)}
-Q_ONE_WG_UP_TO = None   # largest window (neighbors) the default takes it for; None: never
+Q_ONE_WG_UP_TO = 767   # largest window (neighbors) the default takes it for; None: never
 
 
 def q_box(rank, tile):
