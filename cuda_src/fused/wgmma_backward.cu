@@ -523,19 +523,11 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   } else {
     if constexpr (ATOMIC && SPLIT) named_sync(10, 256);
     const float sk[2] = {p.scale, p.scale}, sv[2] = {1.f, 1.f};
-    store_tile_rows<T, D>(acc_dk, sk, k_wg, 128 * 128, 8 + wg, hd, [&](int r) -> T* {
-      int c[3];
-      bool valid;
-      G.own_row(wg * 64 + r, c, valid);
-      return valid ? dk + b * p.dk[0] + hk * p.dk[4] + G.offset(p, p.dk, c[0], c[1], c[2])
-                   : nullptr;
+    store_tile_rows<T, D>(acc_dk, sk, k_wg, 128 * 128, 8 + wg, hd, [&](int r) {
+      return G.row_at(p, dk + b * p.dk[0] + hk * p.dk[4], p.dk, wg * 64 + r);
     });
-    store_tile_rows<T, D>(acc_dv, sv, v_wg, 128 * 128, 8 + wg, hd, [&](int r) -> T* {
-      int c[3];
-      bool valid;
-      G.own_row(wg * 64 + r, c, valid);
-      return valid ? dv + b * p.dv[0] + hk * p.dv[4] + G.offset(p, p.dv, c[0], c[1], c[2])
-                   : nullptr;
+    store_tile_rows<T, D>(acc_dv, sv, v_wg, 128 * 128, 8 + wg, hd, [&](int r) {
+      return G.row_at(p, dv + b * p.dv[0] + hk * p.dv[4], p.dv, wg * 64 + r);
     });
   }
 }
@@ -831,12 +823,8 @@ __device__ __forceinline__ void bwd_q(const T* __restrict__ q, const T* __restri
   // dQ through this warpgroup's own Q rows in shared memory (epilogue.cuh; its GEMMs are
   // done with them).
   const float sq[2] = {p.scale, p.scale};
-  T* const dqb = dq + b * p.dq[0] + h * p.dq[4];
-  store_tile_rows<T, D>(acc_dq, sq, q_wg, OWN * 128, 8 + wg, hd, [&](int r) -> T* {
-    int c[3];
-    bool valid;
-    G.own_row(wg * 64 + r, c, valid);
-    return valid ? dqb + G.offset(p, p.dq, c[0], c[1], c[2]) : nullptr;
+  store_tile_rows<T, D>(acc_dq, sq, q_wg, OWN * 128, 8 + wg, hd, [&](int r) {
+    return G.row_at(p, dq + b * p.dq[0] + h * p.dq[4], p.dq, wg * 64 + r);
   });
 }
 

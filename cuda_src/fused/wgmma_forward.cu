@@ -664,12 +664,8 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
           lse[b * p.lse[0] + h * p.lse[4] + G.offset(p, p.lse, c[0], c[1], c[2])] =
               (rb.m[r] * sl + __log2f(sum)) * 0.6931471805599453f;
       }
-      T* const ob = o + b * p.o[0] + h * p.o[4];
-      store_tile_rows<T, D>(rb.acc_o, inv, q_wg, BM * 128, 8 + wg, hd, [&](int r) -> T* {
-        int c[3];
-        bool valid;
-        G.own_row(wg * 64 + r, c, valid);
-        return valid ? ob + G.offset(p, p.o, c[0], c[1], c[2]) : nullptr;
+      store_tile_rows<T, D>(rb.acc_o, inv, q_wg, BM * 128, 8 + wg, hd, [&](int r) {
+        return G.row_at(p, o + b * p.o[0] + h * p.o[4], p.o, wg * 64 + r);
       });
     } else {
 #pragma unroll

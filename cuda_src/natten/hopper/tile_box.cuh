@@ -43,6 +43,16 @@ struct TileBox {
     return off;
   }
 
+  // Row r of the box in the tensor at `base` (this batch and head) of strides st; nullptr
+  // where the row lies outside the group.
+  template <typename T>
+  __device__ __forceinline__ T* row_at(const NAParams& p, T* base, const i64* st, int r) const {
+    int c[3];
+    bool valid;
+    own_row(r, c, valid);
+    return valid ? base + offset(p, st, c[0], c[1], c[2]) : nullptr;
+  }
+
   // In-group coordinates of row r of the box (valid: inside the group on every axis).
   __device__ __forceinline__ void own_row(int r, int (&c)[3], bool& valid) const {
     const int l[3] = {r / (T1 * T2), (r / T2) % T1, r % T2};
