@@ -9,7 +9,9 @@ Deterministic (bitwise reproducible; ``deterministic=True`` always runs it), thr
    the queries whose windows hold its keys (the box of per-axis inverse ranges) in 64-query
    tiles, recomputing P^T from q, k and the saved lse, dP^T from v and dO, and accumulates
    dV += P^T dO, dK += dS^T Q in registers;
-3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys.
+3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys (128
+   queries, two compute warpgroups; on windows up to ``Q_ONE_WG_UP_TO`` neighbors without a
+   bias 64 queries, one compute warpgroup, two CTAs an SM).
 
 With dQ added in the dK/dV pass (``dq_atomic``; where ``atomic_pays``, for
 ``deterministic=False``): the delta launch also zeroes a float32 dQ workspace, the dK/dV pass
@@ -84,6 +86,18 @@ OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 Q_BOX_ONE_WG = {1: (64, 1, 1), 2: (8, 8, 1), 3: (2, 4, 8)}
 Q_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1), 128: BwdTile(64, 2, 64, 2, 1)}
 Q_ONE_WG_UP_TO = 767   # largest window (neighbors) the default takes it for; None: never
+SMEM_LIMIT = SM90_SMEM_PER_BLOCK
+# The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
+# natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
+# measured 2-4% faster at 128 and 4% slower at 64 (H100, kernels by events, medians of three
+# interleaved rounds: M6 6.24 -> 6.14 ms, dense 16K D128 13.10 -> 12.62, W1 2.57 -> 2.66;
+# bench/results/hopper_bwd_tma_rounds.json). USE_TMA = False switches it off (the probes).
+USE_TMA = True
+TMA_HEAD_DIMS = (128,)
+
+
+def _bucket(head_dim):
+    return head_dim_bucket(head_dim, BUCKETS)
 
 
 def q_box(rank, tile):
@@ -102,18 +116,6 @@ def one_wg_q(problem):
     ``Q_ONE_WG_UP_TO`` is None)."""
     return (Q_ONE_WG_UP_TO is not None and not problem.has_rpb
             and problem.num_neighbors <= Q_ONE_WG_UP_TO)
-SMEM_LIMIT = SM90_SMEM_PER_BLOCK
-# The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
-# natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
-# measured 2-4% faster at 128 and 4% slower at 64 (H100, kernels by events, medians of three
-# interleaved rounds: M6 6.24 -> 6.14 ms, dense 16K D128 13.10 -> 12.62, W1 2.57 -> 2.66;
-# bench/results/hopper_bwd_tma_rounds.json). USE_TMA = False switches it off (the probes).
-USE_TMA = True
-TMA_HEAD_DIMS = (128,)
-
-
-def _bucket(head_dim):
-    return head_dim_bucket(head_dim, BUCKETS)
 
 
 def _compute_capability():
