@@ -26,7 +26,7 @@ template <> struct PassBox<true> { typedef KeyBiasBox type; };
 
 namespace {
 
-template <int RANK, int T0, int T1, int T2, bool INV, int N>
+template <int RANK, int T0, int T1, int T2, bool INV, int N, int WG = 2>
 long long run(const NAParams& p, int ctas, int* pairs, long long points, long long* stats) {
   const int L[3] = {(int)p.extent[0], (int)p.extent[1], (int)p.extent[2]};
   auto flat = [&](const BwdGeom<RANK, T0, T1, T2, INV>& G, const int (&c)[3]) {
@@ -46,7 +46,7 @@ long long run(const NAParams& p, int ctas, int* pairs, long long points, long lo
     if (G.total > stats[5]) stats[5] = G.total;
     const int tiles = (G.total + N - 1) / N;
     stats[1] += tiles;
-    for (int tid = 0; tid < 256; ++tid) {  // the two compute warpgroups
+    for (int tid = 0; tid < 128 * WG; ++tid) {  // the compute warpgroups
       const int wg = tid / 128, lane = tid % 32, quad = lane % 4;
       const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
       int wl[2][3], wn[2][3];
@@ -105,6 +105,19 @@ extern "C" long long emu_bwd_pairs(int rank, int inv, int n, const NAParams* p, 
   NA_CASE(1, 128, 1, 1, 1, 64) NA_CASE(1, 128, 1, 1, 0, 64) NA_CASE(1, 128, 1, 1, 0, 128)
   NA_CASE(2, 8, 16, 1, 1, 64) NA_CASE(2, 8, 16, 1, 0, 64) NA_CASE(2, 8, 16, 1, 0, 128)
   NA_CASE(3, 2, 8, 8, 1, 64) NA_CASE(3, 2, 8, 8, 0, 64) NA_CASE(3, 2, 8, 8, 0, 128)
+#undef NA_CASE
+  return -1;
+}
+
+// The same for the dQ pass with one compute warpgroup (64-query boxes, wgmma_backward's
+// Q_BOX_ONE_WG).
+extern "C" long long emu_bwd_pairs_one_wg(int rank, int n, const NAParams* p, int ctas,
+                                          int* pairs, long long points, long long* stats) {
+#define NA_CASE(R, T0, T1, T2, NN) \
+  if (rank == R && n == NN) return run<R, T0, T1, T2, false, NN, 1>(*p, ctas, pairs, points, stats);
+  NA_CASE(1, 64, 1, 1, 64) NA_CASE(1, 64, 1, 1, 128)
+  NA_CASE(2, 8, 8, 1, 64) NA_CASE(2, 8, 8, 1, 128)
+  NA_CASE(3, 2, 4, 8, 64) NA_CASE(3, 2, 4, 8, 128)
 #undef NA_CASE
   return -1;
 }

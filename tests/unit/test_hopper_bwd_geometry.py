@@ -1,6 +1,7 @@
 """The geometry of the Hopper fused backward (cuda_src/natten/hopper/bwd_geom.cuh), compiled
 for the CPU: for every CTA, thread and tile that the dK/dV pass (keys own, inverse windows)
-and the dQ pass (queries own, windows) run, the (owner, other) pairs whose scores survive the
+and the dQ pass (queries own, windows; 128-query boxes, and the 64-query boxes of its one
+compute warpgroup variant) run, the (owner, other) pairs whose scores survive the
 masks must be exactly the SPEC neighborhood (tests/oracle.py), each once; no unmasked score
 may fall past the region or outside a dilation group. This covers the grid decode, the owner
 rows of the wgmma accumulator layout, the region boxes, the flat tile walk, needs_mask and
@@ -43,6 +44,10 @@ def lib(tmp_path_factory):
     so.emu_bwd_pairs.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
                                  ctypes.c_void_p]
+    so.emu_bwd_pairs_one_wg.restype = ctypes.c_longlong
+    so.emu_bwd_pairs_one_wg.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
+                                        ctypes.c_void_p]
     assert so.emu_params_size() == PARAMS_DTYPE.itemsize
     return so
 
@@ -84,8 +89,10 @@ def _problem(spatial, ks, st, dl, ca):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-s{c[2]}-"
                          f"d{c[3]}-c{c[4]}")
-@pytest.mark.parametrize("side", ["kv", "q64", "q128"])
+@pytest.mark.parametrize("side", ["kv", "q64", "q128", "q64-one-wg", "q128-one-wg"])
 def test_surviving_scores_are_the_neighborhood(lib, case, side):
+    """side: the dK/dV pass, or the dQ pass with key tiles of 64 or 128 (its 128-query boxes
+    of two compute warpgroups, or "-one-wg": 64-query boxes of one)."""
     spatial = case[0]
     prob = _problem(*case)
     mask = oracle.neighborhood_mask(*case)  # [query, key]
@@ -94,14 +101,22 @@ def test_surviving_scores_are_the_neighborhood(lib, case, side):
     pairs = numpy.zeros((points, points), numpy.int32)
     stats = numpy.zeros(6, numpy.int64)
     p = numpy.array(make_params(prob))
-    inv, n = (1, 64) if side == "kv" else (0, int(side[1:]))
-    errors = lib.emu_bwd_pairs(len(spatial), inv, n, p.ctypes.data, H.owner_ctas(prob),
-                               pairs.ctypes.data, points, stats.ctypes.data)
+    one_wg = side.endswith("-one-wg")
+    inv, n = (1, 64) if side == "kv" else (0, int(side[1:].split("-")[0]))
+    if one_wg:
+        ctas = H.owner_ctas(prob, H.Q_BOX_ONE_WG[len(spatial)])
+        errors = lib.emu_bwd_pairs_one_wg(len(spatial), n, p.ctypes.data, ctas,
+                                          pairs.ctypes.data, points, stats.ctypes.data)
+    else:
+        errors = lib.emu_bwd_pairs(len(spatial), inv, n, p.ctypes.data, H.owner_ctas(prob),
+                                   pairs.ctypes.data, points, stats.ctypes.data)
     assert errors == 0, f"{errors} unmasked scores past the region or a group"
     assert pairs.max() <= 1, "a pair counted twice"
     missing = numpy.argwhere(expect & (pairs == 0))
     extra = numpy.argwhere(~expect & (pairs > 0))
     assert not len(missing) and not len(extra), (missing[:5], extra[:5], stats)
+    if one_wg:   # (no bias there)
+        return
     if all(st == 1 for st in prob.stride):   # a bias takes stride 1 only
         assert stats[3] == 0, f"{stats[3]} pairs read a wrong bias entry or one outside the box"
     # the launcher's shared memory for the bias parts holds every CTA's box and region
