@@ -58,32 +58,25 @@ __device__ __forceinline__ i64 dq_ws_group(const NAParams& p, const i64 (&c)[5],
 // past the last row (c then row 0's). 32-bit divisions wherever the rows fit: with 64-bit ones
 // the delta launch, a streaming kernel, was issue-bound (76% SM throughput at 68% of the DRAM
 // bandwidth on a 1-D head-dim-128 backward, NOTES-hopper-bwd.md).
+template <typename I>
+__device__ __forceinline__ void split_row(I x, const NAParams& p, i64 (&c)[5]) {
+  c[4] = x % (I)p.heads;
+  x /= (I)p.heads;
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    c[1 + a] = x % (I)p.extent[a];
+    x /= (I)p.extent[a];
+  }
+  c[0] = x;
+}
 __device__ __forceinline__ bool row_coords(i64 row, const NAParams& p, i64 (&c)[5]) {
   const i64 rows = p.batch * p.extent[0] * p.extent[1] * p.extent[2] * p.heads;
   const bool live = row < rows;
   if (!live) row = 0;
-  if (rows <= 0xFFFFFFFFll) {
-    unsigned x = (unsigned)row;
-    const unsigned heads = (unsigned)p.heads;
-    c[4] = x % heads;
-    x /= heads;
-#pragma unroll
-    for (int a = 2; a >= 0; --a) {
-      const unsigned e = (unsigned)p.extent[a];
-      c[1 + a] = x % e;
-      x /= e;
-    }
-    c[0] = x;
-  } else {
-    c[4] = row % p.heads;
-    row /= p.heads;
-#pragma unroll
-    for (int a = 2; a >= 0; --a) {
-      c[1 + a] = row % p.extent[a];
-      row /= p.extent[a];
-    }
-    c[0] = row;
-  }
+  if (rows <= 0xFFFFFFFFll)
+    split_row<unsigned>((unsigned)row, p, c);
+  else
+    split_row<i64>(row, p, c);
   return live;
 }
 
