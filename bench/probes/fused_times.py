@@ -14,8 +14,8 @@ forward with 64-query boxes, ``SMALL_BOX``, and ``wgmma+smallN`` with N stages;
 with N keys a tile / N compute warpgroups; ``+tma`` /
 ``+cpasync``: the Hopper forward's loader, ``+boxes`` / ``+flat``: its key
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
-query-tile loads, ``+kvN``: its dK/dV pass with N stages, ``+q1``: its dQ pass with one
-compute warpgroup (``Q_ONE_WG``); ``+b160`` / ``+b256``: the mma.sync
+query-tile loads, ``+kvN``: its dK/dV pass with N stages, ``+q1`` / ``+q2``: its dQ pass with one
+compute warpgroup (``Q_ONE_WG``) / two; ``+b160`` / ``+b256``: the mma.sync
 backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
 ``+qcN`` / ``+kvcN``: its dQ / dK-dV pass in head-dim chunks of N columns at every bucket
 from N up; ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
@@ -169,9 +169,10 @@ def _run(wid, dtype, family, reps, forward_only=False):
                 box["walk_boxes"] = mod == "boxes"
             if mod in ("btma", "bcp"):   # the Hopper backward's dK/dV query-tile loads
                 way["tma"] = mod == "btma"
-            if mod == "q1":   # the dQ pass with one compute warpgroup (Q_ONE_WG)
-                way.update(tile=bpart.Q_ONE_WG[bpart._bucket(problem.head_dim)],
-                           dq_atomic=False)
+            if mod in ("q1", "q2"):   # the dQ pass with one compute warpgroup (Q_ONE_WG) /
+                # two (DEFAULT's tile), deterministic
+                way.update(tile=(bpart.Q_ONE_WG if mod == "q1" else bpart.DEFAULT)[
+                    bpart._bucket(problem.head_dim)], dq_atomic=False)
             if mod[:2] == "kv" and mod[2:].isdigit():   # kvN: its dK/dV pass with N stages
                 way["tile"] = dataclasses.replace(bpart.DEFAULT[bpart._bucket(problem.head_dim)],
                                                   kv_stages=int(mod[2:]))
