@@ -208,10 +208,12 @@ def _device(fam, x):
     return x.data.device_id if fam == "cupy" else x.device.index
 
 
-def _build(sel, fam, inputs, outputs, order=None, rows=None):
+def _build(sel, fam, inputs, outputs, order=None, rows=None, hidden=0):
     """The Entry of a validated call whose backend is selected (``sel``, a ``Selection``),
     or _SLOW (None: not yet, see autotune). ``inputs``: the op's input arrays (None for an
-    absent optional one); ``outputs``: (shape, numpy dtype) each. The plan takes the inputs
+    absent optional one); ``outputs``: (shape, numpy dtype) each, the last ``hidden`` of
+    them written by the kernels but not returned (memory like a workspace's, no array made:
+    the forward's lse where the caller does not ask for it). The plan takes the inputs
     then the outputs, or with ``order`` the operands at those indices of (inputs, outputs)
     (see ``ext_order``); ``rows``: the inputs read by 16-byte rows (default: the selection's
     ``row_inputs``)."""
@@ -235,7 +237,7 @@ def _build(sel, fam, inputs, outputs, order=None, rows=None):
     if sel.problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
         if order is not None:
             return _SLOW   # (a bias's gradient is zeroed there: the general path does it)
-        e = Entry(sel, Plan(()), device, (), tuple(outputs), ())
+        e = Entry(sel, Plan(()), device, (), tuple(outputs[:len(outputs) - hidden]), ())
     else:
         import cupy
         if order is not None:
@@ -248,7 +250,9 @@ def _build(sel, fam, inputs, outputs, order=None, rows=None):
         if order is not None:   # then the workspaces, after the inputs and outputs
             n = len(inputs) + len(outputs)
             order = tuple(order) + tuple(range(n, n + len(plan.workspaces)))
-        e = Entry(sel, plan, device, copies, tuple(outputs), plan.workspaces, order)
+        shown = len(outputs) - hidden
+        e = Entry(sel, plan, device, copies, tuple(outputs[:shown]),
+                  tuple(outputs[shown:]) + tuple(plan.workspaces), order)
     if fam == "torch":
         e.torch_out = _torch_specs(e.outputs + e.workspaces)
         e.torch_device = present[0].device
@@ -425,6 +429,8 @@ def _first_call(op, rank, fam, names, arrays, options, backend, first):
         return _SLOW
     problem, outputs, *shape = got
     sel = select_backend(op, problem, array_module(list(zip(names, arrays))), backend)
+    if shape and isinstance(shape[-1], _Hidden):
+        return _build(sel, fam, arrays, outputs, hidden=shape[-1].n)
     return _build(sel, fam, arrays, outputs, *shape)
 
 
@@ -432,11 +438,24 @@ def _same(x, dt=None):
     return (tuple(x.shape), canonical_dtype(x.dtype) if dt is None else dt)
 
 
+class _Hidden:
+    """A first-call function's last item: the number of its outputs that are not returned."""
+    __slots__ = ("n",)
+
+    def __init__(self, n):
+        self.n = n
+
+
 def _first_fused_forward(rank, arrays, options):
     q, k, v = arrays
     problem = _args.check_fused(rank, q, k, v, *options)
     return problem, [(tuple(q.shape[:-1]) + (v.shape[-1],), problem.dtype),
                      (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))]
+
+
+def _first_fused_forward_out(rank, arrays, options):
+    """As ``_first_fused_forward``, lse not returned (return_lse False)."""
+    return (*_first_fused_forward(rank, arrays, options), _Hidden(1))
 
 
 def _first_fused_backward(rank, arrays, options):
@@ -552,9 +571,13 @@ _FIRST_EXT = {op: _first_ext(op) for op in _EXT_NAMES}
 def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale, backend,
                   return_lse, allow_tf32, deterministic, tile):
     """``ops.fused_forward`` for a signature the fast path serves, else None."""
+    # Without return_lse the kernels' lse is a workspace (no array made for it): its own
+    # signatures (tag), so each kind of call finds its entry by one lookup.
     res = _call("fused_forward", rank, ("q", "k", "v"), (q, k, v),
                 (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-                 deterministic, tile), backend, _first_fused_forward)
+                 deterministic, tile), backend,
+                _first_fused_forward if return_lse else _first_fused_forward_out,
+                None if return_lse else "fused_forward_out")
     if res is None:
         return None
     return tuple(res) if return_lse else res[0]

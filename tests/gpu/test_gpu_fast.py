@@ -70,10 +70,14 @@ def test_cupy_fast_equals_general(rng, monkeypatch, case, dtype, layout):
         grads = bwd(d_out, q, k, v, out, lse, kernel, **opts)
         got.append((out, lse, *grads))
     assert _fast.entries() == 2, "one entry for the forward and one for the backward"
+    # without return_lse: an entry of its own whose lse is a workspace, the same output
+    alone = [fwd(q, k, v, kernel, **opts) for _ in range(2)]
+    assert _fast.entries() == 3
     with monkeypatch.context() as m:
         _general(m)
         out, lse = fwd(q, k, v, kernel, return_lse=True, **opts)
         want = (out, lse, *bwd(d_out, q, k, v, out, lse, kernel, **opts))
+    got += [(o,) for o in alone]
     for run in got:
         for g, w in zip(run, want):
             assert isinstance(g, cupy.ndarray) and g.shape == w.shape and g.dtype == w.dtype
