@@ -213,7 +213,7 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // and the maps' bytes. Region rows past the group arrive as the tensor's rows (zeros past its
 // end), not zeros: their scores are masked, as those of rows outside a key's reach are.
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
-          bool BIAS, bool TMA = false>
+          bool BIAS, bool TMA = false, int WG = 2>
 __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const T* __restrict__ d_o,
                                        const float* __restrict__ lse,
@@ -221,14 +221,21 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
                                        T* __restrict__ dv, float* __restrict__ dq_ws,
                                        const T* __restrict__ rpb, const NAParams& p,
                                        const TmaMap* tq = nullptr, const TmaMap* tdo = nullptr) {
-  constexpr int NT = 128, WG = 2;
-  static_assert(T0 * T1 * T2 == 128 && (RANK > 1 || T0 == 128) && (RANK > 2 || T2 == 1),
-                "the key tile is 128 keys over the rank's axes");
+  constexpr int NT = 128, OWN = 64 * WG;
+  static_assert(T0 * T1 * T2 == OWN && (RANK > 1 || T0 == OWN) && (RANK > 2 || T2 == 1),
+                "the key tile is 64 * WG keys over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
   static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
   static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
-  typedef BwdSmem<D, BQ, STAGES, true, ATOMIC> Smem;
+  static_assert(WG == 2 || (WG == 1 && !ATOMIC && !BIAS && !TMA && D <= 64),
+                "one compute warpgroup: head dim 64, deterministic, no bias, cp.async loads");
+  typedef BwdSmem<D, BQ, STAGES, true, ATOMIC, OWN> Smem;
+  // Registers (loader, compute): two warpgroups one CTA an SM; one: two CTAs an SM, so
+  // loader + compute within 2 x 128.
+  constexpr int kLoaderRegs = WG == 1 ? 40 : BwdRegs::loader;
+  constexpr int kComputeRegs = WG == 1 ? 216 : BwdRegs::compute;
+  static_assert(WG != 1 || kLoaderRegs + kComputeRegs <= 2 * 128, "over the CTA's registers");
   extern __shared__ unsigned char smem_raw[];
   Smem sm;
   sm.init(smem_raw);
@@ -259,12 +266,12 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   const int num_tiles = (G.total + BQ - 1) / BQ;
 
   if (wg < 0) {  // the loader: K, V with tile 0, then each query tile once its slot is free
-    regs_dec<BwdRegs::loader>();
+    regs_dec<kLoaderRegs>();
     if (TMA && tid == 0) {
       tma_prefetch(tq);
       tma_prefetch(tdo);
     }
-    load_rows<T, D, 128, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
+    load_rows<T, D, OWN, NT>(sm.own0, kb, p.k, sm.own1, vb, p.v, G, p, -1, hd, tid);
     int j = 0;  // the step: query tile jt of head g, in walk order
     for (int g = 0; g < group; ++g)
       for (int jt = 0; jt < num_tiles; ++jt, ++j) {
@@ -290,7 +297,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     return;
   }
 
-  regs_inc<BwdRegs::compute>();
+  regs_inc<kComputeRegs>();
   // This thread's two key rows and the queries that reach them (region coordinates).
   const int row0 = wg * 64 + ((tid / 32) % 4) * 16 + lane / 4;
   int wl[2][3], wn[2][3];
@@ -350,8 +357,8 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     mbar_wait(sm.full + 8 * (jj % STAGES), (jj / STAGES) & 1);
     fence_proxy_async();
     wgmma_fence();
-    gemm_ss<T, D, BQ, 128>(acc_s, k_wg, sm.tile0(jj));
-    gemm_ss<T, D, BQ, 128>(acc_dp, v_wg, sm.tile1(jj));
+    gemm_ss<T, D, BQ, OWN>(acc_s, k_wg, sm.tile0(jj));
+    gemm_ss<T, D, BQ, OWN>(acc_dp, v_wg, sm.tile1(jj));
     wgmma_commit();
   };
   if (PIPE) issue_ss(0);
@@ -516,10 +523,10 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   } else {
     if constexpr (ATOMIC && SPLIT) named_sync(10, 256);
     const float sk[2] = {p.scale, p.scale}, sv[2] = {1.f, 1.f};
-    store_tile_rows<T, D>(acc_dk, sk, k_wg, 128 * 128, 8 + wg, hd, [&](int r) {
+    store_tile_rows<T, D>(acc_dk, sk, k_wg, OWN * 128, 8 + wg, hd, [&](int r) {
       return G.row_at(p, dk + b * p.dk[0] + hk * p.dk[4], p.dk, wg * 64 + r);
     });
-    store_tile_rows<T, D>(acc_dv, sv, v_wg, 128 * 128, 8 + wg, hd, [&](int r) {
+    store_tile_rows<T, D>(acc_dv, sv, v_wg, OWN * 128, 8 + wg, hd, [&](int r) {
       return G.row_at(p, dv + b * p.dv[0] + hk * p.dv[4], p.dv, wg * 64 + r);
     });
   }
@@ -837,14 +844,14 @@ na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, const NAPa
 }
 
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,
-          bool BIAS>
-__global__ void __launch_bounds__(384, 1)
+          bool BIAS, int WG = 2>
+__global__ void __launch_bounds__(128 * (WG + 1), WG == 1 ? 2 : 1)
 na_bwd_hopper_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ d_o, const float* __restrict__ lse,
                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                  float* __restrict__ dq_ws, const T* __restrict__ rpb, const NAParams p) {
-  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS>(q, k, v, d_o, lse, delta, dk,
-                                                                   dv, dq_ws, rpb, p);
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, ATOMIC, BIAS, false, WG>(
+      q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p);
 }
 
 // The same dK/dV pass with each query tile's Q and dO staged by TMA (rank 1): tq, tdo map q

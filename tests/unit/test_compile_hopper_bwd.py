@@ -29,8 +29,9 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
                   f"spill {r.spill_bytes}")
     # per dtype: delta and the dq store per head dim, two passes per rank and head dim, the
     # atomic dK/dV kernels (every rank and head dim), both passes with a bias, the rank-1
-    # dK/dV passes (both dQ variants) with TMA loads, and the one-warpgroup dQ passes
-    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2 + 2 * 3 * 2 + 2 * 2 + 3 * 2)
+    # dK/dV passes (both dQ variants) with TMA loads, the one-warpgroup dQ passes (every rank
+    # and head dim) and dK/dV passes (every rank, head dim 64)
+    assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2 + 2 * 3 * 2 + 2 * 2 + 3 * 2 + 3)
     assert not [r.name for r in reports if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in reports if "serialized" in r.log]
     assert not [r.name for r in reports if "C7508" in r.log or "setmaxnreg" in r.log.lower()]
@@ -75,6 +76,9 @@ def test_hopper_bwd_instantiations_cover_every_plan():
                 if rank == 1:
                     for atomic in (False, True):
                         assert H._names(dtype, dp, 1, dq_atomic=atomic, tma=True)[1] in names
+                assert H._names(dtype, dp, rank, H.Q_ONE_WG[dp])[2] in names
+                if dp in H.KV_ONE_WG:
+                    assert H._names(dtype, dp, rank, H.KV_ONE_WG[dp])[1] in names
 
 
 class _FakeKernel:
@@ -130,10 +134,15 @@ def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
     # the dQ pass's box: 64 queries (one compute warpgroup) up to Q_ONE_WG_UP_TO neighbors
     one = H.Q_ONE_WG_UP_TO is not None and prob.num_neighbors <= H.Q_ONE_WG_UP_TO
     qbox = H.Q_BOX_ONE_WG[rank] if one else H.OWNER_BOX[rank]
-    assert kv.grid == (ctas(H.OWNER_BOX[rank]), heads, B) and q.grid == (ctas(qbox), heads, B)
-    assert kv.block == (H.THREADS, 1, 1) and q.block == (256 if one else H.THREADS, 1, 1)
+    # the dK/dV pass's: 64 keys at head dim 64 up to KV_ONE_WG_UP_TO neighbors (deterministic)
+    kv1 = H.one_wg_kv(prob)
+    kbox = H.Q_BOX_ONE_WG[rank] if kv1 else H.OWNER_BOX[rank]
+    assert kv.grid == (ctas(kbox), heads, B) and q.grid == (ctas(qbox), heads, B)
+    assert kv.block == (256 if kv1 else H.THREADS, 1, 1)
+    assert q.block == (256 if one else H.THREADS, 1, 1)
     assert max(kv.shared_mem, q.shared_mem) <= 227 * 1024
     assert not one or 2 * q.shared_mem <= 226 * 1024   # two CTAs an SM
+    assert not kv1 or 2 * kv.shared_mem <= 226 * 1024
     dp = H._bucket(D)
     rows = B * heads * int(numpy.prod(spatial))
     assert delta.grid[0] * H.DELTA_THREADS >= rows * dp // 8

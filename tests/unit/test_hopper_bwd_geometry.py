@@ -45,9 +45,9 @@ def lib(tmp_path_factory):
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
                                  ctypes.c_void_p]
     so.emu_bwd_pairs_one_wg.restype = ctypes.c_longlong
-    so.emu_bwd_pairs_one_wg.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
-                                        ctypes.c_void_p]
+    so.emu_bwd_pairs_one_wg.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                        ctypes.c_longlong, ctypes.c_void_p]
     assert so.emu_params_size() == PARAMS_DTYPE.itemsize
     return so
 
@@ -89,23 +89,24 @@ def _problem(spatial, ks, st, dl, ca):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-s{c[2]}-"
                          f"d{c[3]}-c{c[4]}")
-@pytest.mark.parametrize("side", ["kv", "q64", "q128", "q64-one-wg", "q128-one-wg"])
+@pytest.mark.parametrize("side", ["kv", "q64", "q128", "kv-one-wg", "q64-one-wg",
+                                  "q128-one-wg"])
 def test_surviving_scores_are_the_neighborhood(lib, case, side):
-    """side: the dK/dV pass, or the dQ pass with key tiles of 64 or 128 (its 128-query boxes
-    of two compute warpgroups, or "-one-wg": 64-query boxes of one)."""
+    """side: the dK/dV pass, or the dQ pass with key tiles of 64 or 128 (128-row boxes of two
+    compute warpgroups, or "-one-wg": 64-row boxes of one)."""
     spatial = case[0]
     prob = _problem(*case)
     mask = oracle.neighborhood_mask(*case)  # [query, key]
-    expect = mask.T if side == "kv" else mask
+    expect = mask.T if side.startswith("kv") else mask
     points = mask.shape[0]
     pairs = numpy.zeros((points, points), numpy.int32)
     stats = numpy.zeros(6, numpy.int64)
     p = numpy.array(make_params(prob))
     one_wg = side.endswith("-one-wg")
-    inv, n = (1, 64) if side == "kv" else (0, int(side[1:].split("-")[0]))
+    inv, n = (1, 64) if side.startswith("kv") else (0, int(side[1:].split("-")[0]))
     if one_wg:
         ctas = H.owner_ctas(prob, H.Q_BOX_ONE_WG[len(spatial)])
-        errors = lib.emu_bwd_pairs_one_wg(len(spatial), n, p.ctypes.data, ctas,
+        errors = lib.emu_bwd_pairs_one_wg(len(spatial), inv, n, p.ctypes.data, ctas,
                                           pairs.ctypes.data, points, stats.ctypes.data)
     else:
         errors = lib.emu_bwd_pairs(len(spatial), inv, n, p.ctypes.data, H.owner_ctas(prob),

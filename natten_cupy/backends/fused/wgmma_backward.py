@@ -8,7 +8,8 @@ Deterministic (bitwise reproducible; ``deterministic=True`` always runs it), thr
    consecutive, 2-D 8 x 16, 3-D 2 x 8 x 8), its two compute warpgroups 64 keys each; it walks
    the queries whose windows hold its keys (the box of per-axis inverse ranges) in 64-query
    tiles, recomputing P^T from q, k and the saved lse, dP^T from v and dO, and accumulates
-   dV += P^T dO, dK += dS^T Q in registers;
+   dV += P^T dO, dK += dS^T Q in registers (``kv_wg`` 1, head dim 64 only: 64 keys, the
+   boxes of the one-warpgroup dQ pass, one compute warpgroup, two CTAs an SM);
 3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys (128
    queries, two compute warpgroups; on windows up to ``Q_ONE_WG_UP_TO`` neighbors without a
    bias 64 queries, one compute warpgroup, two CTAs an SM).
@@ -69,6 +70,7 @@ class BwdTile:
     bn: int        # keys per tile of the dQ pass
     q_stages: int
     q_wg: int = 2  # compute warpgroups of the dQ pass (its owner box: 64 queries each)
+    kv_wg: int = 2  # compute warpgroups of the dK/dV pass (its owner box: 64 keys each)
 
 
 # Register budget per compute thread: dK, dV (D each) + S^T, dP^T (bq / 2 each); dQ (D / 2)
@@ -86,6 +88,16 @@ OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 Q_BOX_ONE_WG = {1: (64, 1, 1), 2: (8, 8, 1), 3: (2, 4, 8)}
 Q_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1), 128: BwdTile(64, 2, 64, 2, 1)}
 Q_ONE_WG_UP_TO = 767   # largest window (neighbors) the default takes it for; None: never
+# The dK/dV pass with one compute warpgroup (``kv_wg`` 1: head dim 64, deterministic, no
+# bias, cp.async loads): 64-key owner boxes (the same boxes), two CTAs an SM (loader 40,
+# compute 216 registers: dK, dV, S^T and dP^T need 128 of them at head dim 64; at 128 the
+# 232 of two warpgroups are already taken). A small window's inverse region is then fewer
+# query tiles a key, and one CTA's prologue, loads and epilogue run under the other's GEMMs
+# (Nsight Compute on 1-D small windows: 8% of the pass's samples at the CTA-start barrier,
+# 13% waiting on stages, 12 warps an SM). Not a default until measured: KV_ONE_WG_UP_TO
+# None; bench/probes/fused_times.py's ``+kv1`` times it.
+KV_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1, 1)}
+KV_ONE_WG_UP_TO = None   # largest window (neighbors) the default takes it for; None: never
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
 # natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
@@ -105,10 +117,24 @@ def q_box(rank, tile):
     return OWNER_BOX[rank] if tile.q_wg == 2 else Q_BOX_ONE_WG[rank]
 
 
+def kv_box(rank, tile):
+    """The dK/dV pass's owner box of ``tile``."""
+    return OWNER_BOX[rank] if tile.kv_wg == 2 else Q_BOX_ONE_WG[rank]
+
+
 def default_tile(problem):
     """The BwdTile a problem runs without an override."""
     dp = _bucket(problem.head_dim)
-    return Q_ONE_WG[dp] if one_wg_q(problem) else DEFAULT[dp]
+    tile = Q_ONE_WG[dp] if one_wg_q(problem) else DEFAULT[dp]
+    return dataclasses.replace(tile, kv_wg=1) if one_wg_kv(problem) else tile
+
+
+def one_wg_kv(problem):
+    """Whether the default dK/dV pass of ``problem`` takes one compute warpgroup (never while
+    ``KV_ONE_WG_UP_TO`` is None; deterministic passes only, so not where ``atomic_pays``)."""
+    return (KV_ONE_WG_UP_TO is not None and not problem.has_rpb
+            and _bucket(problem.head_dim) in KV_ONE_WG
+            and problem.num_neighbors <= KV_ONE_WG_UP_TO and not atomic_pays(problem))
 
 
 def one_wg_q(problem):
@@ -168,6 +194,14 @@ def _configure(problem, tile, dq_atomic):
         return "a bias gradient comes from the dQ pass: dq_atomic must be off"
     if problem.has_rpb and tile is not None and tile.q_wg != 2:
         return "with a bias the dQ pass takes two compute warpgroups (q_wg=2)"
+    if tile is not None and tile.kv_wg != 2:
+        dp = _bucket(problem.head_dim)
+        if dp not in KV_ONE_WG:
+            return (f"the dK/dV pass with one compute warpgroup runs head dim 64 (bucket "
+                    f"{dp} needs kv_wg=2)")
+        if problem.has_rpb or dq_atomic:
+            return ("the dK/dV pass with one compute warpgroup runs without a bias and "
+                    "without dq_atomic (kv_wg=2)")
     return _tiling(problem, tile, dq_atomic, fit if tile is None else _pass_smem(problem, tile))
 
 
@@ -179,8 +213,11 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
     box = ", ".join(str(t) for t in OWNER_BOX[rank])
     qbox = ", ".join(str(t) for t in q_box(rank, tile))
     flag = lambda x: "true" if x else "false"
+    if tile.kv_wg == 1:
+        box = ", ".join(str(t) for t in kv_box(rank, tile))
     kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
-          f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}>")
+          f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}"
+          f"{', 1' if tile.kv_wg == 1 else ''}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
           f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {qbox}, "
           f"{flag(bias)}{', 1' if tile.q_wg == 1 else ''}>")
@@ -199,6 +236,8 @@ def instantiations():
                         out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
                                                    tma=True)[1]))
                 out.append((SOURCE, _names(dtype, dp, rank, Q_ONE_WG[dp])[2]))
+                if dp in KV_ONE_WG:
+                    out.append((SOURCE, _names(dtype, dp, rank, KV_ONE_WG[dp])[1]))
     return sorted(set(out))
 
 
@@ -234,7 +273,7 @@ def _pass_smem(problem, tile=None):
     scratch tile of 16 x (bn + 8) dS and its 16 row terms (16-byte aligned)."""
     dp = _bucket(problem.head_dim)
     tile = tile or default_tile(problem)
-    kv = smem_bytes(dp, tile.bq, tile.kv_stages, True)
+    kv = smem_bytes(dp, tile.bq, tile.kv_stages, True, own=64 * tile.kv_wg)
     dq = smem_bytes(dp, tile.bn, tile.q_stages, False, own=64 * tile.q_wg)
     if problem.has_rpb:
         ext = _bias_extents(problem)
@@ -284,10 +323,10 @@ class Tiling:
     tables of ``na_bwd_fused_rpb``)."""
     names: tuple        # (delta, dK/dV, dQ pass or with dq_atomic the dQ store) expressions
     dq_atomic: bool     # dQ added in the dK/dV pass into a float32 workspace
-    ctas: int           # owner boxes per (batch, head): both passes' grid x
+    ctas: int           # 128-row owner boxes per (batch, head) (the bias reduction's)
     delta_blocks: int   # grid x of the delta launch and of the dQ store
     smem: tuple         # dynamic shared memory of the (dK/dV, dQ) passes, bytes
-    box: tuple          # the owner box per axis (what the launches record)
+    box: tuple          # the dK/dV pass's owner box per axis (what its launch records)
     workspaces: tuple   # after delta: with dq_atomic the float32 dQ, with a bias the boxes
     bias: numpy.void    # with a bias: the BiasGeom of na_bwd_fused_rpb, else None
     entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
@@ -296,6 +335,8 @@ class Tiling:
     q_ctas: int         # the dQ pass's owner boxes per (batch, head) (its grid x)
     q_box: tuple        # its owner box per axis
     q_threads: int      # its threads (the loader and q_wg compute warpgroups)
+    kv_ctas: int        # the dK/dV pass's owner boxes per (batch, kv head) (its grid x)
+    kv_threads: int     # its threads (the loader and kv_wg compute warpgroups)
 
 
 def _tiling(problem, tile, dq_atomic, smem):
@@ -316,11 +357,11 @@ def _tiling(problem, tile, dq_atomic, smem):
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
-    qb = q_box(problem.rank, tile)
-    return Tiling(names, dq_atomic, ctas, delta_blocks, smem,
-                  OWNER_BOX[problem.rank][:problem.rank], workspaces, bias, entries, kv_tma,
-                  kv_tma_refusal, owner_ctas(problem, qb), qb[:problem.rank],
-                  128 * (tile.q_wg + 1))
+    qb, kb = q_box(problem.rank, tile), kv_box(problem.rank, tile)
+    return Tiling(names, dq_atomic, ctas, delta_blocks, smem, kb[:problem.rank], workspaces,
+                  bias, entries, kv_tma, kv_tma_refusal, owner_ctas(problem, qb),
+                  qb[:problem.rank], 128 * (tile.q_wg + 1), owner_ctas(problem, kb),
+                  128 * (tile.kv_wg + 1))
 
 
 def _kv_tma_refusal(problem, tile):
@@ -332,6 +373,8 @@ def _kv_tma_refusal(problem, tile):
         return "with a bias the dK/dV pass loads by cp.async"
     if tile.bq != 64:
         return f"query tiles of {tile.bq} rows (the maps' boxes are 64)"
+    if tile.kv_wg != 2:
+        return "the dK/dV pass with one compute warpgroup loads by cp.async"
     return None
 
 
@@ -382,9 +425,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     t = configure(problem, tile, dq_atomic)
     if isinstance(t, str):
         raise ValueError(t)
-    if max(t.ctas, t.q_ctas) >= 2 ** 31:
+    if max(t.ctas, t.q_ctas, t.kv_ctas) >= 2 ** 31:
         raise ValueError(f"problem too large for one Hopper fused-backward launch "
-                         f"({max(t.ctas, t.q_ctas)} tiles)")
+                         f"({max(t.ctas, t.q_ctas, t.kv_ctas)} tiles)")
     delta = Layout.contiguous(lse.shape, numpy.float32)
     p = make_params(problem, q=q, k=k, v=v, o=out, d_o=d_out, dq=dq, dk=dk, dv=dv, lse=lse,
                     delta=delta, rpb=rpb, d_rpb=d_rpb)
@@ -401,7 +444,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     smem_kv, smem_dq = t.smem
     # dK/dV: a CTA per kv head (it walks the queries of each of the kv head's query heads);
     # dQ: a CTA per query head.
-    kv_grid = (t.ctas, problem.kv_heads, problem.batch)
+    kv_grid = (t.kv_ctas, problem.kv_heads, problem.batch)
     grid = (t.q_ctas, problem.heads, problem.batch)
     kv_args = (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, p)
     want = (USE_TMA and _bucket(problem.head_dim) in TMA_HEAD_DIMS) if tma is None else tma
@@ -414,7 +457,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     calls = [
         KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
                    (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused"),
-        KernelCall(fn_kv, kv_grid, (THREADS, 1, 1), kv_args, shared_mem=smem_kv,
+        KernelCall(fn_kv, kv_grid, (t.kv_threads, 1, 1), kv_args, shared_mem=smem_kv,
                    name="na_bwd_hopper_kv", backend="fused", tile=t.box),
     ]
     if t.dq_atomic:
