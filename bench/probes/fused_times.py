@@ -16,7 +16,7 @@ with N keys a tile / N compute warpgroups; ``+tma`` /
 walk, e.g. ``wgmma+small+boxes``; ``+btma`` / ``+bcp``: the Hopper backward's dK/dV
 query-tile loads, ``+kvN``: its dK/dV pass with N stages, ``+q1`` / ``+q2``: its dQ pass with one
 compute warpgroup (``Q_ONE_WG``) / two, ``+kvwg1`` / ``+kvwg2``: its dK/dV pass with one
-(``KV_ONE_WG``, head dim 64) / two; ``+b160`` / ``+b256``: the mma.sync
+(``KV_ONE_WG``) / two; ``+b160`` / ``+b256``: the mma.sync
 backward with head dims 136-160 in its 160 bucket / padded to 256 (``BUCKET_160``);
 ``+qcN`` / ``+kvcN``: its dQ / dK-dV pass in head-dim chunks of N columns at every bucket
 from N up; ``+rpb``: with a random relative positional bias, d_rpb from the backward), on
@@ -178,7 +178,11 @@ def _run(wid, dtype, family, reps, forward_only=False):
                 # warpgroups (deterministic; the dQ pass from an earlier q1 / q2, else the
                 # default's)
                 tile = way.get("tile") or bpart.default_tile(problem)
-                way.update(tile=dataclasses.replace(tile, kv_wg=int(mod[4])), dq_atomic=False)
+                dp = bpart._bucket(problem.head_dim)
+                tile = (bpart.kv_one_wg(tile, dp) if mod == "kvwg1" else dataclasses.replace(
+                    tile, kv_wg=2, bq=bpart.DEFAULT[dp].bq,
+                    kv_stages=bpart.DEFAULT[dp].kv_stages))
+                way.update(tile=tile, dq_atomic=False)
             if mod[:2] == "kv" and mod[2:].isdigit():   # kvN: its dK/dV pass with N stages
                 way["tile"] = dataclasses.replace(bpart.DEFAULT[bpart._bucket(problem.head_dim)],
                                                   kv_stages=int(mod[2:]))

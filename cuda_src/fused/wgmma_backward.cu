@@ -228,8 +228,9 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
   static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
   static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
-  static_assert(WG == 2 || (WG == 1 && !ATOMIC && !BIAS && !TMA && D <= 64),
-                "one compute warpgroup: head dim 64, deterministic, no bias, cp.async loads");
+  static_assert(WG == 2 || (WG == 1 && !ATOMIC && !BIAS && !TMA && (D <= 64 || BQ <= 32)),
+                "one compute warpgroup: head dim 64 (128: 32-query tiles), deterministic, no "
+                "bias, cp.async loads");
   typedef BwdSmem<D, BQ, STAGES, true, ATOMIC, OWN> Smem;
   // Registers (loader, compute): two warpgroups one CTA an SM; one: two CTAs an SM, so
   // loader + compute within 2 x 128.

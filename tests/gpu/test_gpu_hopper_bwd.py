@@ -158,16 +158,13 @@ def test_hopper_backward_one_warpgroup_dq_pass(case, rng):
     check_case(case, rng, dq_atomic=False, tile=H.Q_ONE_WG[H._bucket(case[6])])
 
 
-# Every case's geometry at head dim 64 at most (the one-warpgroup dK/dV pass's head dims).
-KV1_CASES = [c if c[6] <= 64 else c[:6] + (64,) + c[7:] for c in CASES]
-
-
-@pytest.mark.parametrize("case", KV1_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_hopper_backward_one_warpgroup_kv_pass(case, rng):
     """The dK/dV pass with one compute warpgroup (wgmma_backward.KV_ONE_WG: 64-key boxes, two
-    CTAs an SM) on every case's geometry, with the one-warpgroup dQ pass."""
+    CTAs an SM; 32-query tiles at head dim 128) on every case, with the one-warpgroup dQ
+    pass."""
     _skip_unless_hopper()
-    check_case(case, rng, dq_atomic=False, tile=H.KV_ONE_WG[64])
+    check_case(case, rng, dq_atomic=False, tile=H.KV_ONE_WG[H._bucket(case[6])])
 
 
 def _anticorrelated(rng, shape):

@@ -110,7 +110,8 @@ extern "C" long long emu_bwd_pairs(int rank, int inv, int n, const NAParams* p, 
 }
 
 // The same for the passes with one compute warpgroup (64-row boxes, wgmma_backward's
-// Q_BOX_ONE_WG): the dQ pass (inv 0, key tiles of n) and the dK/dV pass (inv 1, n 64).
+// Q_BOX_ONE_WG): the dQ pass (inv 0, key tiles of n) and the dK/dV pass (inv 1, query
+// tiles of n: 64, or 32 as at head dim 128).
 extern "C" long long emu_bwd_pairs_one_wg(int rank, int inv, int n, const NAParams* p,
                                           int ctas, int* pairs, long long points,
                                           long long* stats) {
@@ -118,8 +119,11 @@ extern "C" long long emu_bwd_pairs_one_wg(int rank, int inv, int n, const NAPara
   if (rank == R && inv == INV && n == NN)                                       \
     return run<R, T0, T1, T2, INV == 1, NN, 1>(*p, ctas, pairs, points, stats);
   NA_CASE(1, 64, 1, 1, 0, 64) NA_CASE(1, 64, 1, 1, 0, 128) NA_CASE(1, 64, 1, 1, 1, 64)
+  NA_CASE(1, 64, 1, 1, 1, 32)
   NA_CASE(2, 8, 8, 1, 0, 64) NA_CASE(2, 8, 8, 1, 0, 128) NA_CASE(2, 8, 8, 1, 1, 64)
+  NA_CASE(2, 8, 8, 1, 1, 32)
   NA_CASE(3, 2, 4, 8, 0, 64) NA_CASE(3, 2, 4, 8, 0, 128) NA_CASE(3, 2, 4, 8, 1, 64)
+  NA_CASE(3, 2, 4, 8, 1, 32)
 #undef NA_CASE
   return -1;
 }

@@ -327,43 +327,50 @@ def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monk
 
 
 @pytest.mark.parametrize("rank", [1, 2, 3])
-def test_hopper_backward_one_warpgroup_kv_pass(rank, fake_device, monkeypatch):
-    """The dK/dV pass with one compute warpgroup (KV_ONE_WG, head dim 64): 64-key boxes (the
-    one-warpgroup dQ pass's), 256 threads, two CTAs' shared memory within an SM's, its kernel
-    among the instantiations; the dQ pass as the tile says; refused at head dim 128, with a
-    bias and with dq_atomic; the default only where KV_ONE_WG_UP_TO says."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_backward_one_warpgroup_kv_pass(rank, head_dim, fake_device, monkeypatch):
+    """The dK/dV pass with one compute warpgroup (KV_ONE_WG; 32-query tiles at head dim 128):
+    64-key boxes (the one-warpgroup dQ pass's), 256 threads, two CTAs' shared memory within
+    an SM's, its kernel among the instantiations; the dQ pass as the tile says; refused with
+    64-query tiles at 128, with a bias and with dq_atomic; the default only where
+    KV_ONE_WG_UP_TO says."""
     spatial = {1: (300,), 2: (33, 41), 3: (9, 17, 13)}[rank]
-    p = _problem(spatial, 3, head_dim=64)
-    tile = H.KV_ONE_WG[64]
+    p = _problem(spatial, 3, head_dim=head_dim)
+    tile = H.KV_ONE_WG[head_dim]
     t = H.configure(p, tile, False)
     assert isinstance(t, H.Tiling), t
     box = H.Q_BOX_ONE_WG[rank]
     assert t.box == box[:rank] and t.kv_threads == 256 and t.kv_ctas == H.owner_ctas(p, box)
     assert t.ctas == H.owner_ctas(p)   # (the 128-row boxes, the bias reduction's)
     assert 2 * t.smem[0] <= 228 * 1024 - 2 * 1024   # two CTAs an SM (1 KiB reserved each)
-    assert t.smem[0] == H.smem_bytes(64, tile.bq, tile.kv_stages, True, own=64)
+    assert t.smem[0] == H.smem_bytes(head_dim, tile.bq, tile.kv_stages, True, own=64)
     assert t.names[1].endswith(", false, false, 1>") and f", {rank}, " in t.names[1]
+    assert f", {head_dim}, {tile.bq}, {tile.kv_stages}, " in t.names[1]
     assert (H.SOURCE, t.names[1]) in H.instantiations()
-    assert t.names[2] == H.configure(p, dataclasses.replace(tile, kv_wg=2), False).names[2]
+    assert H.kv_one_wg(H.DEFAULT[head_dim], head_dim) == dataclasses.replace(
+        H.DEFAULT[head_dim], kv_wg=1, bq=tile.bq, kv_stages=tile.kv_stages)
     assert t.kv_tma_refusal and not t.kv_tma_name
     plan = H.plan_backward(p, *_layouts(p), tile=tile, dq_atomic=False)
     kv = plan.calls[1]
     assert kv.fn.name == t.names[1] and kv.block == (256, 1, 1) and kv.tile == t.box
     assert kv.grid == (t.kv_ctas, p.kv_heads, p.batch) and kv.shared_mem == t.smem[0]
-    wide = _problem(spatial, 3, head_dim=128)
-    assert "head dim 64" in H.configure(wide, dataclasses.replace(H.DEFAULT[128], kv_wg=1),
-                                        False)
-    biased = _problem(spatial, 3, head_dim=64, rpb=True)
+    if head_dim == 128:
+        wide = dataclasses.replace(tile, bq=64)
+        assert "query tiles of 32" in H.configure(p, wide, False)
+    biased = _problem(spatial, 3, head_dim=head_dim, rpb=True)
     assert "without a bias" in H.configure(biased, dataclasses.replace(tile, q_wg=2), False)
     assert "without dq_atomic" in H.configure(p, tile, True)
     # the default for windows up to KV_ONE_WG_UP_TO neighbors, deterministic passes only
     monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", None)
     assert H.default_tile(p).kv_wg == 2
     monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", 27)
-    assert H.default_tile(p).kv_wg == 1 and H.default_tile(biased).kv_wg == 2
-    assert H.default_tile(wide).kv_wg == 2
-    assert H.default_tile(_problem(spatial, 7 if rank > 1 else 29, head_dim=64)).kv_wg == 2
-
+    assert H.default_tile(biased).kv_wg == 2
+    assert H.default_tile(_problem(spatial, 7 if rank > 1 else 29, head_dim=head_dim)).kv_wg == 2
+    if H.atomic_pays(p):   # (head dim 128, ranks 2 and 3: the atomic dQ variant)
+        assert H.default_tile(p).kv_wg == 2
+    else:
+        got = H.default_tile(p)
+        assert (got.kv_wg, got.bq, got.kv_stages) == (1, tile.bq, tile.kv_stages)
 
 def test_hopper_backward_refusals_are_the_decision(fake_device):
     half = _problem((300,), 65, rpb=True)

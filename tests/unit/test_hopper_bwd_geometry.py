@@ -89,11 +89,11 @@ def _problem(spatial, ks, st, dl, ca):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-s{c[2]}-"
                          f"d{c[3]}-c{c[4]}")
-@pytest.mark.parametrize("side", ["kv", "q64", "q128", "kv-one-wg", "q64-one-wg",
-                                  "q128-one-wg"])
+@pytest.mark.parametrize("side", ["kv", "q64", "q128", "kv-one-wg", "kv32-one-wg",
+                                  "q64-one-wg", "q128-one-wg"])
 def test_surviving_scores_are_the_neighborhood(lib, case, side):
-    """side: the dK/dV pass, or the dQ pass with key tiles of 64 or 128 (128-row boxes of two
-    compute warpgroups, or "-one-wg": 64-row boxes of one)."""
+    """side: the dK/dV pass (query tiles of 64; "kv32": 32), or the dQ pass with key tiles of
+    64 or 128 (128-row boxes of two compute warpgroups, or "-one-wg": 64-row boxes of one)."""
     spatial = case[0]
     prob = _problem(*case)
     mask = oracle.neighborhood_mask(*case)  # [query, key]
@@ -103,7 +103,10 @@ def test_surviving_scores_are_the_neighborhood(lib, case, side):
     stats = numpy.zeros(6, numpy.int64)
     p = numpy.array(make_params(prob))
     one_wg = side.endswith("-one-wg")
-    inv, n = (1, 64) if side.startswith("kv") else (0, int(side[1:].split("-")[0]))
+    if side.startswith("kv"):   # query tiles of 64, or 32 (the one-warpgroup pass at 128)
+        inv, n = 1, 32 if side.startswith("kv32") else 64
+    else:
+        inv, n = 0, int(side[1:].split("-")[0])
     if one_wg:
         ctas = H.owner_ctas(prob, H.Q_BOX_ONE_WG[len(spatial)])
         errors = lib.emu_bwd_pairs_one_wg(len(spatial), inv, n, p.ctypes.data, ctas,

@@ -8,8 +8,9 @@ Deterministic (bitwise reproducible; ``deterministic=True`` always runs it), thr
    consecutive, 2-D 8 x 16, 3-D 2 x 8 x 8), its two compute warpgroups 64 keys each; it walks
    the queries whose windows hold its keys (the box of per-axis inverse ranges) in 64-query
    tiles, recomputing P^T from q, k and the saved lse, dP^T from v and dO, and accumulates
-   dV += P^T dO, dK += dS^T Q in registers (``kv_wg`` 1, head dim 64 only: 64 keys, the
-   boxes of the one-warpgroup dQ pass, one compute warpgroup, two CTAs an SM);
+   dV += P^T dO, dK += dS^T Q in registers (``kv_wg`` 1: 64 keys, the boxes of the
+   one-warpgroup dQ pass, one compute warpgroup, two CTAs an SM; 32-query tiles at head dim
+   128);
 3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys (128
    queries, two compute warpgroups; on windows up to ``Q_ONE_WG_UP_TO`` neighbors without a
    bias 64 queries, one compute warpgroup, two CTAs an SM).
@@ -88,15 +89,16 @@ OWNER_BOX = {1: (128, 1, 1), 2: (8, 16, 1), 3: (2, 8, 8)}
 Q_BOX_ONE_WG = {1: (64, 1, 1), 2: (8, 8, 1), 3: (2, 4, 8)}
 Q_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1), 128: BwdTile(64, 2, 64, 2, 1)}
 Q_ONE_WG_UP_TO = 767   # largest window (neighbors) the default takes it for; None: never
-# The dK/dV pass with one compute warpgroup (``kv_wg`` 1: head dim 64, deterministic, no
-# bias, cp.async loads): 64-key owner boxes (the same boxes), two CTAs an SM (loader 40,
-# compute 216 registers: dK, dV, S^T and dP^T need 128 of them at head dim 64; at 128 the
-# 232 of two warpgroups are already taken). A small window's inverse region is then fewer
+# The dK/dV pass with one compute warpgroup (``kv_wg`` 1: deterministic, no bias, cp.async
+# loads): 64-key owner boxes (the same boxes), two CTAs an SM (loader 40, compute 216
+# registers: dK, dV, S^T and dP^T take 128 of them at head dim 64 with 64-query tiles, 160
+# at 128 with 32-query tiles, wgmma m64n32). A small window's inverse region is then fewer
 # query tiles a key, and one CTA's prologue, loads and epilogue run under the other's GEMMs
 # (Nsight Compute on 1-D small windows: 8% of the pass's samples at the CTA-start barrier,
-# 13% waiting on stages, 12 warps an SM). Not a default until measured: KV_ONE_WG_UP_TO
-# None; bench/probes/fused_times.py's ``+kv1`` times it.
-KV_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1, 1)}
+# 13% waiting on stages, 12 warps an SM). Compiled without spills (NVRTC 13.0). Not a
+# default until measured: KV_ONE_WG_UP_TO None; bench/probes/fused_times.py's ``+kvwg1``
+# times it.
+KV_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1, 1), 128: BwdTile(32, 4, 64, 2, 1, 1)}
 KV_ONE_WG_UP_TO = None   # largest window (neighbors) the default takes it for; None: never
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
@@ -126,14 +128,20 @@ def default_tile(problem):
     """The BwdTile a problem runs without an override."""
     dp = _bucket(problem.head_dim)
     tile = Q_ONE_WG[dp] if one_wg_q(problem) else DEFAULT[dp]
-    return dataclasses.replace(tile, kv_wg=1) if one_wg_kv(problem) else tile
+    return kv_one_wg(tile, dp) if one_wg_kv(problem) else tile
+
+
+def kv_one_wg(tile, dp):
+    """``tile`` with the dK/dV pass of ``KV_ONE_WG`` (its query tiles and stages), the dQ
+    pass's as it was."""
+    one = KV_ONE_WG[dp]
+    return dataclasses.replace(tile, kv_wg=1, bq=one.bq, kv_stages=one.kv_stages)
 
 
 def one_wg_kv(problem):
     """Whether the default dK/dV pass of ``problem`` takes one compute warpgroup (never while
     ``KV_ONE_WG_UP_TO`` is None; deterministic passes only, so not where ``atomic_pays``)."""
     return (KV_ONE_WG_UP_TO is not None and not problem.has_rpb
-            and _bucket(problem.head_dim) in KV_ONE_WG
             and problem.num_neighbors <= KV_ONE_WG_UP_TO and not atomic_pays(problem))
 
 
@@ -195,10 +203,9 @@ def _configure(problem, tile, dq_atomic):
     if problem.has_rpb and tile is not None and tile.q_wg != 2:
         return "with a bias the dQ pass takes two compute warpgroups (q_wg=2)"
     if tile is not None and tile.kv_wg != 2:
-        dp = _bucket(problem.head_dim)
-        if dp not in KV_ONE_WG:
-            return (f"the dK/dV pass with one compute warpgroup runs head dim 64 (bucket "
-                    f"{dp} needs kv_wg=2)")
+        if _bucket(problem.head_dim) > 64 and tile.bq > 32:
+            return ("the dK/dV pass with one compute warpgroup takes query tiles of 32 above "
+                    f"head dim 64 (got bq={tile.bq})")
         if problem.has_rpb or dq_atomic:
             return ("the dK/dV pass with one compute warpgroup runs without a bias and "
                     "without dq_atomic (kv_wg=2)")
@@ -236,8 +243,7 @@ def instantiations():
                         out.append((SOURCE, _names(dtype, dp, rank, dq_atomic=atomic,
                                                    tma=True)[1]))
                 out.append((SOURCE, _names(dtype, dp, rank, Q_ONE_WG[dp])[2]))
-                if dp in KV_ONE_WG:
-                    out.append((SOURCE, _names(dtype, dp, rank, KV_ONE_WG[dp])[1]))
+                out.append((SOURCE, _names(dtype, dp, rank, KV_ONE_WG[dp])[1]))
     return sorted(set(out))
 
 
