@@ -361,9 +361,9 @@ def test_hopper_backward_one_warpgroup_kv_pass(rank, head_dim, fake_device, monk
     assert "without a bias" in H.configure(biased, dataclasses.replace(tile, q_wg=2), False)
     assert "without dq_atomic" in H.configure(p, tile, True)
     # the default for windows up to KV_ONE_WG_UP_TO neighbors, deterministic passes only
-    monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", None)
+    monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", {64: None, 128: None})
     assert H.default_tile(p).kv_wg == 2
-    monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", 27)
+    monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", {64: 27, 128: 27})
     assert H.default_tile(biased).kv_wg == 2
     assert H.default_tile(_problem(spatial, 7 if rank > 1 else 29, head_dim=head_dim)).kv_wg == 2
     if H.atomic_pays(p):   # (head dim 128, ranks 2 and 3: the atomic dQ variant)

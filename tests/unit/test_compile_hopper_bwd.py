@@ -133,7 +133,7 @@ def test_hopper_bwd_plan_on_layouts(case, monkeypatch):
     # the dQ pass's box: 64 queries (one compute warpgroup) up to Q_ONE_WG_UP_TO neighbors
     one = H.Q_ONE_WG_UP_TO is not None and prob.num_neighbors <= H.Q_ONE_WG_UP_TO
     qbox = H.Q_BOX_ONE_WG[rank] if one else H.OWNER_BOX[rank]
-    # the dK/dV pass's: 64 keys at head dim 64 up to KV_ONE_WG_UP_TO neighbors (deterministic)
+    # the dK/dV pass's: 64 keys up to its bucket's KV_ONE_WG_UP_TO neighbors (deterministic)
     kv1 = H.one_wg_kv(prob)
     kbox = H.Q_BOX_ONE_WG[rank] if kv1 else H.OWNER_BOX[rank]
     assert kv.grid == (ctas(kbox), heads, B) and q.grid == (ctas(qbox), heads, B)

@@ -96,10 +96,11 @@ Q_ONE_WG_UP_TO = 767   # largest window (neighbors) the default takes it for; No
 # query tiles a key, and one CTA's prologue, loads and epilogue run under the other's GEMMs
 # (Nsight Compute on 1-D small windows: 8% of the pass's samples at the CTA-start barrier,
 # 13% waiting on stages, 12 warps an SM). Compiled without spills (NVRTC 13.0). Not a
-# default until measured: KV_ONE_WG_UP_TO None; bench/probes/fused_times.py's ``+kvwg1``
-# times it.
+# default until measured: KV_ONE_WG_UP_TO None per head-dim bucket; bench/probes/
+# fused_times.py's ``+kvwg1`` times it.
 KV_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1, 1), 128: BwdTile(32, 4, 64, 2, 1, 1)}
-KV_ONE_WG_UP_TO = None   # largest window (neighbors) the default takes it for; None: never
+# Per head-dim bucket: the largest window (neighbors) the default takes it for; None: never.
+KV_ONE_WG_UP_TO = {64: None, 128: None}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
 # natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
@@ -140,9 +141,11 @@ def kv_one_wg(tile, dp):
 
 def one_wg_kv(problem):
     """Whether the default dK/dV pass of ``problem`` takes one compute warpgroup (never while
-    ``KV_ONE_WG_UP_TO`` is None; deterministic passes only, so not where ``atomic_pays``)."""
-    return (KV_ONE_WG_UP_TO is not None and not problem.has_rpb
-            and problem.num_neighbors <= KV_ONE_WG_UP_TO and not atomic_pays(problem))
+    the bucket's ``KV_ONE_WG_UP_TO`` is None; deterministic passes only, so not where
+    ``atomic_pays``)."""
+    up_to = KV_ONE_WG_UP_TO.get(_bucket(problem.head_dim))
+    return (up_to is not None and not problem.has_rpb and problem.num_neighbors <= up_to
+            and not atomic_pays(problem))
 
 
 def one_wg_q(problem):
