@@ -399,3 +399,63 @@ def test_mma_forward_runs_a_large_batch_in_chunks(monkeypatch):
     for c in plan.calls:
         (bias,) = [a for a in c.args if isinstance(a, Operand) and a.index == 5]
         assert bias.offset == 0
+
+
+class _FakeSelection:
+    """A Selection whose plan launches one fake kernel over every operand it is given."""
+    has_plans = True
+    row_inputs = (0, 1, 2)
+
+    def __init__(self, problem):
+        self.problem = problem
+        self.layouts = []
+
+    def tuned(self):
+        return self
+
+    def plan(self, layouts):
+        self.layouts.append(list(layouts))
+        args = tuple(map(Operand, range(len(layouts))))
+        return Plan((KernelCall(_FakeKernel(), (1, 1, 1), (32, 1, 1), args),))
+
+
+def test_forward_without_lse_keeps_it_a_workspace(monkeypatch, fake_allocator):
+    """A warm fused forward without return_lse: its own entry, out returned alone, and the
+    kernels still get an lse of their own (a fresh allocation past out, not an array), in
+    the plan's operand order (q, k, v, out, lse)."""
+    import contextlib
+    calls = _launched(monkeypatch)
+    made = []
+    monkeypatch.setattr(_fast, "select_backend",
+                        lambda op, problem, xp, backend: made.append(_FakeSelection(problem))
+                        or made[-1])
+    monkeypatch.setattr(_fast, "_one_gpu", True)
+    arrays = []   # (shape, dtype) of every array a call makes
+    maker = _fast._array_maker(cupy)
+    monkeypatch.setattr(_fast, "_new_cupy_array",
+                        lambda shape, dtype, *mem: arrays.append((shape, dtype))
+                        or maker(shape, dtype, *mem))
+    monkeypatch.setattr(_fast, "_cupy_alloc", cupy.cuda.memory.alloc)
+    monkeypatch.setattr(_fast, "_cupy_stream", lambda device: type("S", (), {"ptr": 3})())
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
+    shape = (2, 9, 9, 2, 32)
+    q, k, v = (_device_array(shape, ptr=p) for p in (0x10000, 0x20000, 0x30000))
+    _fast.clear()
+    args = (3, 1, 1, False, None, "fused", False, False, None)
+    for _ in range(2):   # the first call builds the entry, the second is warm
+        arrays.clear()
+        out = _fast.fused_forward(2, q, k, v, *args[:5], args[5], False, *args[6:])
+        assert arrays == [(shape, numpy.dtype(numpy.float16))]   # out alone
+        assert isinstance(out, cupy.ndarray) and out.shape == shape
+        ptrs = [int.from_bytes(_arg(calls[-1]["params"], i, 8), "little") for i in range(5)]
+        assert ptrs[:4] == [0x10000, 0x20000, 0x30000, out.data.ptr]
+        lse_at = ptrs[4]   # 2 x 9 x 9 x 2 float32, apart from out's 2 x 9 x 9 x 2 x 32 halves
+        assert not (out.data.ptr <= lse_at < out.data.ptr + out.nbytes) and lse_at >= 0x100000
+    assert _fast.entries() == 1 and len(made) == 1
+    assert [(lay.shape, lay.dtype) for lay in made[0].layouts[0][3:]] == [
+        (shape, numpy.dtype(numpy.float16)), (shape[:-1], numpy.dtype(numpy.float32))]
+    out, lse = _fast.fused_forward(2, q, k, v, *args[:5], args[5], True, *args[6:])
+    assert _fast.entries() == 2 and lse.shape == shape[:-1] and lse.dtype == numpy.float32
+    ptrs = [int.from_bytes(_arg(calls[-1]["params"], i, 8), "little") for i in range(5)]
+    assert ptrs[3:] == [out.data.ptr, lse.data.ptr]
+    _fast.clear()
