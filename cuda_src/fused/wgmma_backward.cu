@@ -197,6 +197,9 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // queries of their inverse windows, walked in BQ-query tiles: per tile S^T = K Q^T and dP^T =
 // V dO^T (wgmma from shared memory), P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T
 // (dP^T - delta), dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q N-major).
+// WG 1 (deterministic, no bias, cp.async loads): 64-key boxes (1-D 64, 2-D 8 x 8, 3-D 2 x 4
+// x 8), one compute warpgroup, two CTAs an SM (at head dim 128 in 32-query tiles, so that
+// dK, dV, S^T and dP^T fit the 216 registers two CTAs leave a compute thread).
 // ATOMIC: also dQ += dS K for the tile's queries, added to the float32 workspace dq_ws by
 // bulk reductions: no dQ pass, but the sums' order varies from run to run. dS^T goes through
 // shared memory (wgmma reads it and K MN-major, as stored). Head dim 64: each warpgroup adds
