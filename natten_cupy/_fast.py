@@ -234,10 +234,11 @@ def _build(sel, fam, inputs, outputs, order=None, rows=None, hidden=0):
     layouts = [Layout.contiguous(lay.shape, lay.dtype) if i in copies else lay
                for i, lay in enumerate(layouts)]
     layouts += [Layout.contiguous(s, d) for s, d in outputs]
+    shown = len(outputs) - hidden
     if sel.problem.is_empty:   # zero batch or heads: outputs, no launch (SPEC 5)
         if order is not None:
             return _SLOW   # (a bias's gradient is zeroed there: the general path does it)
-        e = Entry(sel, Plan(()), device, (), tuple(outputs[:len(outputs) - hidden]), ())
+        e = Entry(sel, Plan(()), device, (), tuple(outputs[:shown]), ())
     else:
         import cupy
         if order is not None:
@@ -250,7 +251,6 @@ def _build(sel, fam, inputs, outputs, order=None, rows=None, hidden=0):
         if order is not None:   # then the workspaces, after the inputs and outputs
             n = len(inputs) + len(outputs)
             order = tuple(order) + tuple(range(n, n + len(plan.workspaces)))
-        shown = len(outputs) - hidden
         e = Entry(sel, plan, device, copies, tuple(outputs[:shown]),
                   tuple(outputs[shown:]) + tuple(plan.workspaces), order)
     if fam == "torch":
@@ -393,12 +393,13 @@ def _run(fam, e, inputs, *more):
 
 # ---- array-level calls ------------------------------------------------------------------
 
-def _call(op, rank, names, arrays, options, backend, first, tag=None):
+def _call(op, rank, names, arrays, options, backend, first, tag=None, hidden=0):
     """One array-level call through the fast path: the outputs (a list), or None where the
     general path must run it. ``first(rank, arrays, options)``, on a signature's first
     call, validates (raising what the general path raises) and returns the problem and the
     outputs' (shape, numpy dtype), or with the plan's operand order and row inputs too
-    (``ext_order``). ``tag``: the signature's op name where it is not ``op``."""
+    (``ext_order``). ``tag``: the signature's op name where it is not ``op``; ``hidden``:
+    how many of the last outputs are not returned (``_build``)."""
     if not enabled:
         return None
     fam, key = _signature(tag or op, rank, arrays, options)
@@ -409,7 +410,7 @@ def _call(op, rank, names, arrays, options, backend, first, tag=None):
     except TypeError:   # an unhashable option
         return None
     if e is None:
-        e = _first_call(op, rank, fam, names, arrays, options, backend, first)
+        e = _first_call(op, rank, fam, names, arrays, options, backend, first, hidden)
         if e is None:
             return None
         _remember(key, e)
@@ -420,7 +421,7 @@ def _call(op, rank, names, arrays, options, backend, first, tag=None):
     return _run(fam, e, arrays)
 
 
-def _first_call(op, rank, fam, names, arrays, options, backend, first):
+def _first_call(op, rank, fam, names, arrays, options, backend, first, hidden=0):
     """The Entry for a signature's first call (_SLOW for mixed frameworks), or None."""
     if any(x is not None and _family(x) != fam for x in arrays):
         return _SLOW
@@ -429,21 +430,11 @@ def _first_call(op, rank, fam, names, arrays, options, backend, first):
         return _SLOW
     problem, outputs, *shape = got
     sel = select_backend(op, problem, array_module(list(zip(names, arrays))), backend)
-    if shape and isinstance(shape[-1], _Hidden):
-        return _build(sel, fam, arrays, outputs, hidden=shape[-1].n)
-    return _build(sel, fam, arrays, outputs, *shape)
+    return _build(sel, fam, arrays, outputs, *shape, hidden=hidden)
 
 
 def _same(x, dt=None):
     return (tuple(x.shape), canonical_dtype(x.dtype) if dt is None else dt)
-
-
-class _Hidden:
-    """A first-call function's last item: the number of its outputs that are not returned."""
-    __slots__ = ("n",)
-
-    def __init__(self, n):
-        self.n = n
 
 
 def _first_fused_forward(rank, arrays, options):
@@ -451,11 +442,6 @@ def _first_fused_forward(rank, arrays, options):
     problem = _args.check_fused(rank, q, k, v, *options)
     return problem, [(tuple(q.shape[:-1]) + (v.shape[-1],), problem.dtype),
                      (tuple(q.shape[:-1]), accumulator_dtype(q.dtype))]
-
-
-def _first_fused_forward_out(rank, arrays, options):
-    """As ``_first_fused_forward``, lse not returned (return_lse False)."""
-    return (*_first_fused_forward(rank, arrays, options), _Hidden(1))
 
 
 def _first_fused_backward(rank, arrays, options):
@@ -575,9 +561,8 @@ def fused_forward(rank, q, k, v, kernel_size, stride, dilation, is_causal, scale
     # signatures (tag), so each kind of call finds its entry by one lookup.
     res = _call("fused_forward", rank, ("q", "k", "v"), (q, k, v),
                 (kernel_size, stride, dilation, is_causal, scale, backend, allow_tf32,
-                 deterministic, tile), backend,
-                _first_fused_forward if return_lse else _first_fused_forward_out,
-                None if return_lse else "fused_forward_out")
+                 deterministic, tile), backend, _first_fused_forward,
+                None if return_lse else "fused_forward_out", 0 if return_lse else 1)
     if res is None:
         return None
     return tuple(res) if return_lse else res[0]

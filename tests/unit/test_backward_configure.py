@@ -290,6 +290,17 @@ def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
         == other.smem[0]
 
 
+def _one_warpgroup(rank, head_dim, tiles):
+    """(spatial, problem, tile, its Tiling) of a small window at ``rank`` with the tile of
+    ``tiles`` (Q_ONE_WG or KV_ONE_WG) for ``head_dim``, deterministic passes."""
+    spatial = {1: (300,), 2: (33, 41), 3: (9, 17, 13)}[rank]
+    p = _problem(spatial, 3, head_dim=head_dim)
+    tile = tiles[head_dim]
+    t = H.configure(p, tile, False)
+    assert isinstance(t, H.Tiling), t
+    return spatial, p, tile, t
+
+
 @pytest.mark.parametrize("rank", [1, 2, 3])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monkeypatch):
@@ -297,11 +308,7 @@ def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monk
     CTAs' shared memory within an SM's, its kernel among the instantiations; the dK/dV pass
     as the two-warpgroup tile's; refused with a bias; the default only where
     Q_ONE_WG_UP_TO says."""
-    spatial = {1: (300,), 2: (33, 41), 3: (9, 17, 13)}[rank]
-    p = _problem(spatial, 3, head_dim=head_dim)
-    tile = H.Q_ONE_WG[head_dim]
-    t = H.configure(p, tile, False)
-    assert isinstance(t, H.Tiling), t
+    spatial, p, tile, t = _one_warpgroup(rank, head_dim, H.Q_ONE_WG)
     assert t.q_box == H.Q_BOX_ONE_WG[rank][:rank] and math.prod(H.Q_BOX_ONE_WG[rank]) == 64
     assert t.q_threads == 256 and t.q_ctas == H.owner_ctas(p, H.Q_BOX_ONE_WG[rank])
     assert 2 * t.smem[1] <= 228 * 1024 - 2 * 1024   # two CTAs an SM (1 KiB reserved each)
@@ -334,11 +341,7 @@ def test_hopper_backward_one_warpgroup_kv_pass(rank, head_dim, fake_device, monk
     an SM's, its kernel among the instantiations; the dQ pass as the tile says; refused with
     64-query tiles at 128, with a bias and with dq_atomic; the default only where
     KV_ONE_WG_UP_TO says."""
-    spatial = {1: (300,), 2: (33, 41), 3: (9, 17, 13)}[rank]
-    p = _problem(spatial, 3, head_dim=head_dim)
-    tile = H.KV_ONE_WG[head_dim]
-    t = H.configure(p, tile, False)
-    assert isinstance(t, H.Tiling), t
+    spatial, p, tile, t = _one_warpgroup(rank, head_dim, H.KV_ONE_WG)
     box = H.Q_BOX_ONE_WG[rank]
     assert t.box == box[:rank] and t.kv_threads == 256 and t.kv_ctas == H.owner_ctas(p, box)
     assert t.ctas == H.owner_ctas(p)   # (the 128-row boxes, the bias reduction's)
@@ -371,6 +374,7 @@ def test_hopper_backward_one_warpgroup_kv_pass(rank, head_dim, fake_device, monk
     else:
         got = H.default_tile(p)
         assert (got.kv_wg, got.bq, got.kv_stages) == (1, tile.bq, tile.kv_stages)
+
 
 def test_hopper_backward_refusals_are_the_decision(fake_device):
     half = _problem((300,), 65, rpb=True)

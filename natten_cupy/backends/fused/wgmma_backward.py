@@ -115,14 +115,9 @@ def _bucket(head_dim):
     return head_dim_bucket(head_dim, BUCKETS)
 
 
-def q_box(rank, tile):
-    """The dQ pass's owner box of ``tile``."""
-    return OWNER_BOX[rank] if tile.q_wg == 2 else Q_BOX_ONE_WG[rank]
-
-
-def kv_box(rank, tile):
-    """The dK/dV pass's owner box of ``tile``."""
-    return OWNER_BOX[rank] if tile.kv_wg == 2 else Q_BOX_ONE_WG[rank]
+def owner_box(rank, wg):
+    """The owner box of a pass with ``wg`` compute warpgroups (``BwdTile.q_wg``, ``kv_wg``)."""
+    return OWNER_BOX[rank] if wg == 2 else Q_BOX_ONE_WG[rank]
 
 
 def default_tile(problem):
@@ -220,11 +215,9 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
     ``tma`` the dK/dV pass loads its query tiles by tensor maps."""
     tile = tile or DEFAULT[dp]
     ct = c_type(dtype)
-    box = ", ".join(str(t) for t in OWNER_BOX[rank])
-    qbox = ", ".join(str(t) for t in q_box(rank, tile))
+    box = ", ".join(str(t) for t in owner_box(rank, tile.kv_wg))
+    qbox = ", ".join(str(t) for t in owner_box(rank, tile.q_wg))
     flag = lambda x: "true" if x else "false"
-    if tile.kv_wg == 1:
-        box = ", ".join(str(t) for t in kv_box(rank, tile))
     kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
           f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}"
           f"{', 1' if tile.kv_wg == 1 else ''}>")
@@ -366,7 +359,7 @@ def _tiling(problem, tile, dq_atomic, smem):
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
-    qb, kb = q_box(problem.rank, tile), kv_box(problem.rank, tile)
+    qb, kb = owner_box(problem.rank, tile.q_wg), owner_box(problem.rank, tile.kv_wg)
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem, kb[:problem.rank], workspaces,
                   bias, entries, kv_tma, kv_tma_refusal, owner_ctas(problem, qb),
                   qb[:problem.rank], 128 * (tile.q_wg + 1), owner_ctas(problem, kb),
