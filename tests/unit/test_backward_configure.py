@@ -307,7 +307,8 @@ def test_hopper_backward_one_warpgroup_dq_pass(rank, head_dim, fake_device, monk
     """The dQ pass with one compute warpgroup (Q_ONE_WG): 64-query boxes, 256 threads, two
     CTAs' shared memory within an SM's, its kernel among the instantiations; the dK/dV pass
     as the two-warpgroup tile's; refused with a bias; the default only where
-    Q_ONE_WG_UP_TO says."""
+    Q_ONE_WG_UP_TO says (the dK/dV pass's own default off)."""
+    monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", {64: None, 128: None})
     spatial, p, tile, t = _one_warpgroup(rank, head_dim, H.Q_ONE_WG)
     assert t.q_box == H.Q_BOX_ONE_WG[rank][:rank] and math.prod(H.Q_BOX_ONE_WG[rank]) == 64
     assert t.q_threads == 256 and t.q_ctas == H.owner_ctas(p, H.Q_BOX_ONE_WG[rank])
@@ -374,6 +375,26 @@ def test_hopper_backward_one_warpgroup_kv_pass(rank, head_dim, fake_device, monk
     else:
         got = H.default_tile(p)
         assert (got.kv_wg, got.bq, got.kv_stages) == (1, tile.bq, tile.kv_stages)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_backward_explicit_loads_take_the_two_warpgroup_kv_pass(head_dim, fake_device,
+                                                                       monkeypatch):
+    """Where the default dK/dV pass has one compute warpgroup, an explicit dq_atomic=True or
+    tma=True (which it does not run) takes the two-warpgroup pass instead of failing."""
+    monkeypatch.setattr(H, "KV_ONE_WG_UP_TO", {64: 27, 128: 27})
+    p = _problem((300,), 3, head_dim=head_dim)
+    assert H.default_tile(p).kv_wg == 1
+    names = [c.fn.name for c in H.plan_backward(p, *_layouts(p), dq_atomic=False).calls]
+    assert names[1].endswith(", false, false, 1>")
+    plan = H.plan_backward(p, *_layouts(p), dq_atomic=True)
+    kv = plan.calls[1]
+    assert kv.fn.name.endswith(", true, false>") and kv.block == (384, 1, 1)
+    asked = []   # the Tiling the TMA maps are asked for (no driver here: no maps made)
+    monkeypatch.setattr(H, "kv_tma_maps", lambda problem, t, *ops: asked.append(t) or ())
+    kv = H.plan_backward(p, *_layouts(p), dq_atomic=False, tma=True).calls[1]
+    assert asked[-1].kv_threads == 384 and not asked[-1].kv_tma_refusal
+    assert kv.fn.name.endswith(", false, false>") and kv.block == (384, 1, 1)
 
 
 def test_hopper_backward_refusals_are_the_decision(fake_device):

@@ -8,9 +8,9 @@ Deterministic (bitwise reproducible; ``deterministic=True`` always runs it), thr
    consecutive, 2-D 8 x 16, 3-D 2 x 8 x 8), its two compute warpgroups 64 keys each; it walks
    the queries whose windows hold its keys (the box of per-axis inverse ranges) in 64-query
    tiles, recomputing P^T from q, k and the saved lse, dP^T from v and dO, and accumulates
-   dV += P^T dO, dK += dS^T Q in registers (``kv_wg`` 1: 64 keys, the boxes of the
-   one-warpgroup dQ pass, one compute warpgroup, two CTAs an SM; 32-query tiles at head dim
-   128);
+   dV += P^T dO, dK += dS^T Q in registers (on windows up to ``KV_ONE_WG_UP_TO`` neighbors
+   without a bias, ``kv_wg`` 1: 64 keys, the boxes of the one-warpgroup dQ pass, one compute
+   warpgroup, two CTAs an SM; 32-query tiles at head dim 128);
 3. ``na_bwd_hopper_q``: dQ, the forward's query boxes walking their windows' keys (128
    queries, two compute warpgroups; on windows up to ``Q_ONE_WG_UP_TO`` neighbors without a
    bias 64 queries, one compute warpgroup, two CTAs an SM).
@@ -95,12 +95,14 @@ Q_ONE_WG_UP_TO = 767   # largest window (neighbors) the default takes it for; No
 # at 128 with 32-query tiles, wgmma m64n32). A small window's inverse region is then fewer
 # query tiles a key, and one CTA's prologue, loads and epilogue run under the other's GEMMs
 # (Nsight Compute on 1-D small windows: 8% of the pass's samples at the CTA-start barrier,
-# 13% waiting on stages, 12 warps an SM). Compiled without spills (NVRTC 13.0). Not a
-# default until measured: KV_ONE_WG_UP_TO None per head-dim bucket; bench/probes/
-# fused_times.py's ``+kvwg1`` times it.
+# 13% waiting on stages, 12 warps an SM). Compiled without spills (NVRTC 13.0).
 KV_ONE_WG = {64: BwdTile(64, 3, 128, 2, 1, 1), 128: BwdTile(32, 4, 64, 2, 1, 1)}
 # Per head-dim bucket: the largest window (neighbors) the default takes it for; None: never.
-KV_ONE_WG_UP_TO = {64: None, 128: None}
+# Measured on an H100 (kernels alone, bench/results/hopper_bwd_kv1_ab.json), whole backward
+# with it / without: head dim 128 1-D windows 15-63 -5 to -9%, 119 -2%, 219-327 +2 to +4%, 511
+# and up +8 to +18%; head dim 64 1-D 31-63 -8 to -9%, 255-1023 -5 to -1.5%, 2047 +4%; 2-D/3-D
+# at 64 -10 to -12% (where the Hopper backward runs there).
+KV_ONE_WG_UP_TO = {64: 1023, 128: 127}
 SMEM_LIMIT = SM90_SMEM_PER_BLOCK
 # The rank-1 dK/dV pass stages its query tiles' Q and dO by TMA (one thread, tensor maps:
 # natten_cupy/_tma.py) at the head dims of TMA_HEAD_DIMS wherever the maps describe them:
@@ -120,11 +122,12 @@ def owner_box(rank, wg):
     return OWNER_BOX[rank] if wg == 2 else Q_BOX_ONE_WG[rank]
 
 
-def default_tile(problem):
-    """The BwdTile a problem runs without an override."""
+def default_tile(problem, kv_wg1=True):
+    """The BwdTile a problem runs without an override (``kv_wg1`` False: with the dK/dV pass
+    of two compute warpgroups, which an explicit dq_atomic or TMA request needs)."""
     dp = _bucket(problem.head_dim)
     tile = Q_ONE_WG[dp] if one_wg_q(problem) else DEFAULT[dp]
-    return kv_one_wg(tile, dp) if one_wg_kv(problem) else tile
+    return kv_one_wg(tile, dp) if kv_wg1 and one_wg_kv(problem) else tile
 
 
 def kv_one_wg(tile, dp):
@@ -173,7 +176,10 @@ def configure(problem, tile=None, dq_atomic=None):
     str saying why this part cannot run it on any device: the one place the part decides,
     read by ``refuse`` (which adds the device's compute capability) and ``plan_backward``.
     Cached per problem, tile and dQ variant (``atomic_pays`` where None)."""
-    return _configure(problem, tile, atomic_pays(problem) if dq_atomic is None else dq_atomic)
+    atomic = atomic_pays(problem) if dq_atomic is None else dq_atomic
+    if tile is None and atomic and one_wg_kv(problem):   # (the one-warpgroup pass is not atomic)
+        tile = default_tile(problem, kv_wg1=False)
+    return _configure(problem, tile, atomic)
 
 
 @functools.lru_cache(maxsize=512)
@@ -424,6 +430,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     ``TMA_HEAD_DIMS`` where the maps describe q and d_out)."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv)):
         return None
+    if tile is None and tma and one_wg_kv(problem):   # (the one-warpgroup pass loads by cp.async)
+        tile = default_tile(problem, kv_wg1=False)
     t = configure(problem, tile, dq_atomic)
     if isinstance(t, str):
         raise ValueError(t)
