@@ -136,15 +136,22 @@ def _hopper_fwd_pays(problem):
 
 def _hopper_bwd_pays(problem):
     """Whether the backward goes to the Hopper part: where it accepts the problem and was
-    measured faster than the mma.sync backward: head dims above 64 at every rank, and at
-    head dim 64 1-D windows from 160 (from 96 with a bias). At 64 the 128-key owner boxes
-    waste too much of each tile on smaller windows and on 2-D/3-D boxes. The timings:
-    NOTES-hopper-bwd.md, "Dispatch" (1-D at 64, kernels alone on an H100: window 127 mma.sync
-    1.07x faster, 255 the Hopper part 1.23x, bench/results/bwd1d_kernels.json)."""
+    measured faster than the mma.sync backward: head dims above 64 at every rank; at head
+    dims up to 64 1-D windows from 160 (from 96 with a bias), and above 32 without a bias,
+    where the dK/dV pass takes one compute warpgroup and 64-key boxes, 1-D windows from 48
+    and 2-D windows of 200 neighbors or more; 3-D stays on mma.sync. The timings:
+    NOTES-hopper-bwd.md, "Dispatch" and the seventeenth session (kernels alone on an H100,
+    head dim 64, bench/results/bwd_dispatch_d64_kv1.json: 1-D window 47 Hopper part 1.02x
+    faster, 63 causal 1.11x, 255 1.45x; 2-D 13 x 13 mma.sync 1.04x faster, 15 x 15 the Hopper
+    part 1.08x, 31 x 31 1.57x; 3-D 3 x 7 x 7 and 3 x 11 x 11 mma.sync 1.12x, 5 x 9 x 9 even)."""
     if not _hopper_serves(problem, "wgmma_backward"):
         return False
-    one_d_from = 96 if problem.has_rpb else 160
-    return problem.head_dim > 64 or (problem.rank == 1 and problem.kernel_size[0] >= one_d_from)
+    if problem.head_dim > 64:
+        return True
+    one_wg = problem.head_dim > 32 and not problem.has_rpb
+    if problem.rank == 1:
+        return problem.kernel_size[0] >= (48 if one_wg else 96 if problem.has_rpb else 160)
+    return one_wg and problem.rank == 2 and problem.num_neighbors >= 200
 
 
 def refuse(op, problem):
