@@ -385,7 +385,7 @@ def test_module_with_rel_pos_bias_uses_the_fused_op_and_matches_its_chain():
 def test_biased_backward_dispatch_on_hopper(monkeypatch):
     """On a compute capability 9.0 device (faked here), a biased backward goes to the Hopper
     part where it measured faster than the mma.sync one: 1-D head dim 64 from window 96 (the
-    unbiased rule starts at 1024), every rank above head dim 64; 2-D/3-D at 64 and
+    unbiased rule starts at 48), every rank above head dim 64; 2-D/3-D at 64 and
     deterministic=True stay on mma.sync."""
     from natten_cupy.backends import fused
     from natten_cupy.backends.fused import wgmma_forward
@@ -394,7 +394,8 @@ def test_biased_backward_dispatch_on_hopper(monkeypatch):
     one_d = lambda k, **kw: _problem(kernel=(k,), spatial=(4096,), **kw)
     assert part(one_d(63)) == "mma_backward"
     assert part(one_d(127)) == "wgmma_backward"
-    assert part(dataclasses.replace(one_d(127), has_rpb=False)) == "mma_backward"
+    assert part(dataclasses.replace(one_d(47), has_rpb=False)) == "mma_backward"
+    assert part(dataclasses.replace(one_d(63), has_rpb=False)) == "wgmma_backward"
     assert part(one_d(127, deterministic=True)) == "mma_backward"
     assert part(_problem(kernel=(15, 15), spatial=(96, 96))) == "mma_backward"
     wide = dataclasses.replace(_problem(kernel=(13, 13), spatial=(30, 30)), head_dim=128,
