@@ -131,16 +131,18 @@ def test_the_fast_path_builds_from_the_selection_before_any_gpu_work(monkeypatch
 
 def test_the_hopper_backward_takes_what_it_was_measured_faster_on(monkeypatch):
     """Where the Hopper part serves a problem (the device is sm_90), the fused backward goes
-    to it at head dims above 64; at head dims 40-64 without a bias for 1-D windows from 48 and
-    2-D windows of 200 neighbors or more; with a bias, or at head dim 32, for 1-D windows from
-    96 / 160; smaller windows and 3-D at 64 and below stay on mma.sync."""
+    to it at head dims above 64; at head dims 40-64 without a bias or additional tokens for
+    1-D windows from 48 and 2-D windows of 200 neighbors or more; with a bias, or at head dim
+    32, for 1-D windows from 96 / 160; smaller windows and 3-D at 64 and below stay on
+    mma.sync."""
     monkeypatch.setattr(fused, "_hopper_serves", lambda problem, part: True)
 
-    def part(rank, kernel, dim, rpb=False):
+    def part(rank, kernel, dim, rpb=False, tokens=0):
         spatial = (600,) if rank == 1 else (40,) * rank
         q = numpy.zeros((1, *spatial, 4, dim), numpy.float16)
         bias = numpy.zeros((4, *(2 * k - 1 for k in kernel)), numpy.float16) if rpb else None
         p = _args.check_fused(rank, q, q, q, kernel, 1, 1, False, None, "auto", rpb=bias)
+        p = dataclasses.replace(p, extra_tokens=tokens, extra_heads=4 if tokens else 0)
         return fused._parts_for("fused_backward", p)
 
     assert part(1, (47,), 64) == "mma_backward"
@@ -154,6 +156,7 @@ def test_the_hopper_backward_takes_what_it_was_measured_faster_on(monkeypatch):
     assert part(2, (13, 13), 64) == "mma_backward"
     assert part(2, (15, 15), 64) == part(2, (31, 31), 64) == "wgmma_backward"
     assert part(2, (15, 15), 32) == part(2, (15, 15), 64, rpb=True) == "mma_backward"
+    assert part(1, (129,), 64, tokens=256) == part(2, (15, 15), 64, tokens=4) == "mma_backward"
     assert part(3, (5, 9, 9), 64) == "mma_backward"
     assert part(2, (7, 7), 128) == "wgmma_backward"
 

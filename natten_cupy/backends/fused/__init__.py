@@ -137,9 +137,10 @@ def _hopper_fwd_pays(problem):
 def _hopper_bwd_pays(problem):
     """Whether the backward goes to the Hopper part: where it accepts the problem and was
     measured faster than the mma.sync backward: head dims above 64 at every rank; at head
-    dims up to 64 1-D windows from 160 (from 96 with a bias), and above 32 without a bias,
-    where the dK/dV pass takes one compute warpgroup and 64-key boxes, 1-D windows from 48
-    and 2-D windows of 200 neighbors or more; 3-D stays on mma.sync. The timings:
+    dims up to 64 1-D windows from 160 (from 96 with a bias), and above 32 without a bias or
+    additional tokens (the mma.sync backward takes those in its kernels), where the dK/dV
+    pass takes one compute warpgroup and 64-key boxes, 1-D windows from 48 and 2-D windows
+    of 200 neighbors or more; 3-D stays on mma.sync. The timings:
     NOTES-hopper-bwd.md, "Dispatch" and the seventeenth session (kernels alone on an H100,
     head dim 64, bench/results/bwd_dispatch_d64_kv1.json: 1-D window 47 Hopper part 1.02x
     faster, 63 causal 1.11x, 255 1.45x; 2-D 13 x 13 mma.sync 1.04x faster, 15 x 15 the Hopper
@@ -148,7 +149,7 @@ def _hopper_bwd_pays(problem):
         return False
     if problem.head_dim > 64:
         return True
-    one_wg = problem.head_dim > 32 and not problem.has_rpb
+    one_wg = problem.head_dim > 32 and not problem.has_rpb and not problem.has_extra
     if problem.rank == 1:
         return problem.kernel_size[0] >= (48 if one_wg else 96 if problem.has_rpb else 160)
     return one_wg and problem.rank == 2 and problem.num_neighbors >= 200
