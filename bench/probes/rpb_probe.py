@@ -107,20 +107,30 @@ def run_workload(wid, dtype, reps):
     t["bwd_mma"] = kernel_ms(mma_bwd, reps)
     t["bwd_rpb"] = kernel_ms(lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)
     # The biased backward on each part by itself, on the same biased out and lse.
-    parts = {"mma": mma_backward}
+    # The Hopper part as its default picks (``hopper``), and with the dQ pass summing d_rpb
+    # (``hopper_dq_pass``) and dQ added in the dK/dV pass with d_rpb from its dS workspace
+    # (``hopper_ds``), each where it takes the problem.
+    parts = {"mma": (mma_backward, {})}
     if wgmma_backward.refuse(biased) is None:
-        parts["hopper"] = wgmma_backward
+        parts["hopper"] = (wgmma_backward, {})
+        parts["hopper_dq_pass"] = (wgmma_backward, {"dq_atomic": False})
+        if wgmma_backward.ds_refusal(biased) is None:
+            parts["hopper_ds"] = (wgmma_backward, {"dq_atomic": True})
     part_grads = {}
-    for tag, part in parts.items():
+    for tag, (part, opts) in parts.items():
         g = [cupy.empty_like(x) for x in (q, k, v, rpb)]
 
-        def run_part(part=part, g=g):
-            part.backward(biased, q, k, v, out_b, lse_b, d_out, *g[:3], rpb=rpb, d_rpb=g[3])
+        def run_part(part=part, g=g, opts=opts):
+            part.backward(biased, q, k, v, out_b, lse_b, d_out, *g[:3], rpb=rpb, d_rpb=g[3],
+                          **opts)
         t[f"bwd_rpb_{tag}"] = kernel_ms(run_part, reps)
         part_grads[tag] = g
-    if "hopper" in part_grads:
-        row["err_hopper_vs_mma"] = {n: _rel(a, b) for n, a, b in zip(
-            ("dq", "dk", "dv", "d_rpb"), part_grads["hopper"], part_grads["mma"])}
+    for tag in ("hopper", "hopper_dq_pass", "hopper_ds"):
+        if tag in part_grads:
+            row[f"err_{tag}_vs_mma"] = {n: _rel(a, b) for n, a, b in zip(
+                ("dq", "dk", "dv", "d_rpb"), part_grads[tag], part_grads["mma"])}
+    if "hopper_ds" in parts:
+        row["ds_head_runs"] = len(wgmma_backward.ds_head_groups(biased))
     row["split_bwd"] = kernel_split(lambda: bwd(d_out, q, k, v, out, lse, ks, **kw))
     row["split_bwd_rpb"] = kernel_split(lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw,
                                                     rpb=rpb))

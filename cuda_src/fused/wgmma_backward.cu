@@ -131,6 +131,56 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
   pack_store(at + 6, b.z * sc, b.w * sc);
 }
 
+// The dS workspace of the dK/dV pass with dQ added in it and a bias (ATOMIC and BIAS):
+// [B, heads, tokens, kernel volume] for a run of consecutive query heads (the launch's kv
+// heads' query heads: a backward may take the heads in groups, one workspace), token rows row-major over the axes, each query's row holding
+// the slots of its window row-major over the axes (slot t of an axis: the window's t-th key),
+// as the unfused chain orders its attention weights. The slot of key c (in-group
+// coordinates) in query x's window [s, e) is sum over the axes of (c - s) times the later
+// axes' kernels: a key term plus a query term, each once per row.
+// A 16-bit store of the low half of x to at where pred is set (predicated, no branch).
+__device__ __forceinline__ void st_global_u16_if(unsigned short* at, unsigned x, unsigned pred) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %2, 0;\n @p st.global.b16 [%0], %1;\n}\n"
+               :: "l"(at), "h"((unsigned short)x), "r"(pred) : "memory");
+}
+
+struct DsWs {
+  // Key c's term: c's coordinates, row-major over the kernel's axes.
+  template <int RANK>
+  static __device__ __forceinline__ int key_term(const NAParams& p, const int (&c)[3]) {
+    int t = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a) t = t * (int)p.kernel[a] + c[a];
+    return t;
+  }
+  // Head h (of the workspace's `heads`) of batch b: its first row.
+  static __device__ __forceinline__ i64 head_row(const NAParams& p, i64 b, i64 h, i64 heads) {
+    return ((b * heads + h) * (p.extent[0] * p.extent[1] * p.extent[2])) * p.num_neighbors;
+  }
+  // Each region query's row within its head minus its window origin's term (dst[f], flat
+  // region index f; a head's rows hold fewer than 2^31 slots), by threads [t, nt) of the
+  // caller's.
+  template <int RANK, int T0, int T1, int T2, bool INV>
+  static __device__ __forceinline__ void stage(int* dst, const BwdGeom<RANK, T0, T1, T2, INV>& G,
+                                               const NAParams& p, int t, int nt) {
+    for (int f = t; f < G.total; f += nt) {
+      int c[3];
+      G.other(f, c);
+      i64 tok = 0;
+      int org = 0;
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        const Axis ax = axis_of(p, a);
+        int s0, e0;
+        ax.window(c[a], G.glen[a], s0, e0);
+        tok = tok * p.extent[a] + G.g[a] + (i64)ax.dilation * c[a];
+        org = org * ax.kernel + s0;
+      }
+      dst[f] = (int)(tok * p.num_neighbors - org);
+    }
+  }
+};
+
 // Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of OWN rows),
 // STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) the dS^T
 // tiles of 64 x ROWS, one per compute warpgroup (at head dim 128 two sets, by step parity:
@@ -210,6 +260,11 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // the region's last axis (1-D: one), waiting for their reads a step later.
 // BIAS: S^T gets rpb[h, key - query + kernel - 1] (KeyBiasBox, staged after the mbarriers for
 // each query head of the walk in turn, with each region query's place in it for rank 2, 3).
+// ATOMIC and BIAS (ds_ws): no dQ pass, so each score's dS (16-bit, as the GEMMs take it)
+// inside its key's window and group goes to the workspace ds_ws [B, H, tokens, kernel
+// volume] at its query's row and the key's slot in the query's window (DsWs), which
+// na_bwd_ds_rpb and na_bwd_ds_rpb_sum reduce into d_rpb: every slot of a window is written
+// once, by the CTA owning its key.
 // TMA (rank 1): thread 0 of the loader stages each tile's Q and dO by tensor maps (tq, tdo:
 // tma.cuh, 64-row boxes stepping the dilation), the loader's threads only the owner K, V
 // (once) and the tile's lse and delta; a stage is full after their 128 arrivals, thread 0's
@@ -223,13 +278,15 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
                                        const float* __restrict__ delta, T* __restrict__ dk,
                                        T* __restrict__ dv, float* __restrict__ dq_ws,
                                        const T* __restrict__ rpb, const NAParams& p,
-                                       const TmaMap* tq = nullptr, const TmaMap* tdo = nullptr) {
+                                       const TmaMap* tq = nullptr, const TmaMap* tdo = nullptr,
+                                       T* __restrict__ ds_ws = nullptr, int hk_base = 0,
+                                       int ws_heads = 0) {
   constexpr int NT = 128, OWN = 64 * WG;
   static_assert(T0 * T1 * T2 == OWN && (RANK > 1 || T0 == OWN) && (RANK > 2 || T2 == 1),
                 "the key tile is 64 * WG keys over the rank's axes");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(!ATOMIC || BQ == 64, "the dS^T tile is one 64-column block");
-  static_assert(!(ATOMIC && BIAS), "the bias gradient comes from the dQ pass");
+  static_assert(!(ATOMIC && BIAS) || !TMA, "the dS workspace variant loads by cp.async");
   static_assert(!TMA || (RANK == 1 && BQ == 64), "TMA loads rank 1's 64-row query tiles");
   static_assert(WG == 2 || (WG == 1 && !ATOMIC && !BIAS && !TMA && (D <= 64 || BQ <= 32)),
                 "one compute warpgroup: head dim 64 (128: 32-query tiles), deterministic, no "
@@ -251,7 +308,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
   // The CTA's keys belong to kv head hk; its walk visits the query tiles of each of the
   // kv head's `group` query heads in turn (GQA; group = 1 otherwise), so dK and dV sum over
   // them in registers, in a fixed order.
-  const int hk = blockIdx.y, b = blockIdx.z, hd = (int)p.head_dim;
+  const int hk = blockIdx.y + hk_base, b = blockIdx.z, hd = (int)p.head_dim;
   const int group = (int)p.heads_per_kv;
   const int tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
@@ -331,6 +388,13 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     if (RANK > 1)
       bb.stage_places(reinterpret_cast<int*>(smem_raw + (qidx - smem_u32(smem_raw))), G,
                       tid - 128, 256);
+    if constexpr (ATOMIC) {
+      // Each region query's workspace row minus its window origin's term, after the places
+      // (published by stage_bias(0)'s barrier).
+      const unsigned qb = qidx + (RANK > 1 ? 4 * G.total : 0);
+      DsWs::stage(reinterpret_cast<int*>(smem_raw + (qb - smem_u32(smem_raw))), G, p,
+                  tid - 128, 256);
+    }
   }
   // The box of query head h0 + g: staged once every compute thread is done with the last
   // (the box worked out again: kept over the walk it spilled).
@@ -377,6 +441,8 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
     // Column 8 i + 2 quad + e is query jt * BQ + that: its lse and delta from the slot.
     const float* lse_s = reinterpret_cast<const float*>(smem_raw + (sm.vec0(j) - smem_u32(smem_raw)));
     const float* dl_s = reinterpret_cast<const float*>(smem_raw + (sm.vec1(j) - smem_u32(smem_raw)));
+    // ATOMIC and BIAS: which of the thread's scores go to the dS workspace (bit i: score i).
+    unsigned wmask = 0;
     if constexpr (BIAS) {
       // P^T = exp2(S^T scale log2 e + bias - lse log2 e) inside each key's reach, else 0
       // (the bias read only there: branch-free, the D128 kernels stay within their registers).
@@ -387,6 +453,7 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
         const float pe = fast_exp2(fmaf(lse_s[col], -1.4426950408889634f, fmaf(acc_s[i], sl, b)));
         acc_s[i] = pe;
         acc_dp[i] = pe * (acc_dp[i] - dl_s[col]);
+        if constexpr (ATOMIC) wmask |= (in && own_ok[r] ? 1u : 0u) << i;
       };
       if (G.needs_mask(jt * BQ, BQ))
         walk_scores<BQ, RANK>(jt * BQ, quad, G.rk, G.inner, wl, wn, visit);
@@ -490,6 +557,40 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
                        st_wg + row * 256, 256u * (unsigned)len);
         }
         bulk_commit();
+      }
+      if constexpr (BIAS) {
+        // dS to the workspace, as the GEMMs took it: read back from this thread's own places
+        // in its warpgroup's dS^T tile (the tile is rewritten two steps on, by this thread:
+        // reading it here keeps the packed dS out of the registers over the dQ GEMM). Score i
+        // is half i % 2 of fragment (i / 8, (i / 2) % 4), query column jt * BQ + 8 (i / 4) +
+        // 2 quad + i % 2, key row (i / 2) % 2.
+        unsigned short* const ws_g = reinterpret_cast<unsigned short*>(ds_ws) +
+                                     DsWs::head_row(p, b, h0 + g - hk_base * group, ws_heads);
+        const unsigned qb = qidx + (RANK > 1 ? 4 * G.total : 0);
+        const int* rows = reinterpret_cast<const int*>(smem_raw + (qb - smem_u32(smem_raw)));
+        int kslot[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          int c[3];
+          bool valid;
+          G.own_row(wg * 64 + wrow + 8 * rr, c, valid);
+          kslot[rr] = DsWs::key_term<RANK>(p, c);
+        }
+        const unsigned ds_wg = sm.ds_tile(j, wg);
+#pragma unroll 1
+        for (int i8 = 0; i8 < BQ / 8; ++i8)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int row = rows[jt * BQ + 8 * i8 + 2 * quad + e];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int i = 4 * i8 + 2 * r + e, s8 = i / 8, x = (i / 2) % 4;
+              const unsigned w =
+                  lds_u32(ds_wg + swz128(wrow + 8 * (x % 2), 2 * s8 + x / 2) + 4 * quad);
+              st_global_u16_if(ws_g + (unsigned)(row + kslot[r]), e ? w >> 16 : w,
+                               (wmask >> i) & 1u);
+            }
+          }
       }
     }
     mbar_arrive(sm.empty + 8 * (j % STAGES));
@@ -845,6 +946,145 @@ template <typename T, int D>
 __global__ void __launch_bounds__(256)
 na_bwd_hopper_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, const NAParams p) {
   hopper::dq_rows<T, D>(dq_ws, dq, p);
+}
+
+// The dK/dV pass with dQ added in it and a bias: dS to the workspace ds_ws (DsWs) of the
+// query heads of kv heads [hk_base, hk_base + gridDim.y).
+template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2>
+__global__ void __launch_bounds__(384, 1)
+na_bwd_hopper_kv_ds(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ d_o, const float* __restrict__ lse,
+                    const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                    float* __restrict__ dq_ws, const T* __restrict__ rpb, T* __restrict__ ds_ws,
+                    const int hk_base, const NAParams p) {
+  hopper::bwd_kv<T, D, BQ, STAGES, RANK, T0, T1, T2, true, true, false, 2>(
+      q, k, v, d_o, lse, delta, dk, dv, dq_ws, rpb, p, nullptr, nullptr, ds_ws, hk_base,
+      (int)(gridDim.y * p.heads_per_kv));
+}
+
+// ---- The bias gradient from the dS workspace (hopper::DsWs) ----------------------------
+// Query x's slot t (per axis t_a < its window's length) is bias entry t + s(x) per axis,
+// s(x) = window start - x + kernel - 1 (in-group): a table offset sb(x) plus the slot's.
+// na_bwd_ds_rpb: CTA (chunk, slot range) of batch blockIdx.z, head h_base + blockIdx.y (the
+// workspace's head blockIdx.y of gridDim.y) sums the rows of tokens [chunk DS_CHUNK,
+// +DS_CHUNK) over slots [range DS_SLOTS, +DS_SLOTS) per table entry into part [B, H, chunks
+// x ranges, entries] (every entry written). Queries with the
+// interior's offset and a full window add in registers (each thread its slots), the others
+// one at a time into the CTA's table in shared memory, a barrier apart; then the registers
+// join the table: a fixed order, so the same workspace gives the same bits every run.
+constexpr int DS_CHUNK = 256, DS_THREADS = 256, DS_PER_THREAD = 4;
+constexpr int DS_SLOTS = DS_THREADS * DS_PER_THREAD;
+
+template <typename T>
+__global__ void __launch_bounds__(DS_THREADS)
+na_bwd_ds_rpb(const T* __restrict__ ws, float* __restrict__ part, const int entries,
+              const int h_base, const NAParams p) {
+  extern __shared__ float tab[];  // entries floats, then a record per query of the chunk
+  int4* rec = reinterpret_cast<int4*>(tab + ((entries + 3) & ~3));
+  const int kvol = (int)p.num_neighbors;
+  const int ranges = (kvol + DS_SLOTS - 1) / DS_SLOTS;
+  const int chunk = blockIdx.x / ranges, range = blockIdx.x - chunk * ranges;
+  const int h = h_base + blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const i64 tokens = p.extent[0] * p.extent[1] * p.extent[2];
+  int kern[3], ts[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) kern[a] = (int)p.kernel[a];
+  ts[2] = 1;
+  ts[1] = 2 * kern[2] - 1;
+  ts[0] = ts[1] * (2 * kern[1] - 1);
+  // The interior's offset: that of the middle of group 0 per axis.
+  int star = 0;
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    const Axis ax = axis_of(p, a);
+    const int glen = ax.group_len(0), mid = glen / 2;
+    int s0, e0;
+    ax.window(mid, glen, s0, e0);
+    star += (s0 - mid + kern[a] - 1) * ts[a];
+  }
+  for (int i = tid; i < entries; i += DS_THREADS) tab[i] = 0.f;
+  const i64 first = (i64)chunk * DS_CHUNK;
+  const int n = (int)min((i64)DS_CHUNK, tokens - first);
+  if (tid < n) {
+    i64 x = first + tid;
+    int c[3];
+    c[2] = (int)(x % p.extent[2]);
+    x /= p.extent[2];
+    c[1] = (int)(x % p.extent[1]);
+    c[0] = (int)(x / p.extent[1]);
+    int sb = 0, len[3];
+    bool full = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      const Axis ax = axis_of(p, a);
+      const int ig = ax.in_group(c[a]);
+      int s0, e0;
+      ax.window(ig, ax.group_len(ax.group_of(c[a])), s0, e0);
+      sb += (s0 - ig + kern[a] - 1) * ts[a];
+      len[a] = e0 - s0;
+      full = full && len[a] == kern[a];
+    }
+    rec[tid] = make_int4(full && sb == star ? -1 : sb, len[0], len[1], len[2]);
+  }
+  // This thread's slots t = range DS_SLOTS + tid + DS_THREADS u: per axis and as table offsets.
+  int sl[DS_PER_THREAD][3], so[DS_PER_THREAD], st[DS_PER_THREAD];
+  float acc[DS_PER_THREAD];
+#pragma unroll
+  for (int u = 0; u < DS_PER_THREAD; ++u) {
+    const int t = range * DS_SLOTS + tid + DS_THREADS * u;
+    st[u] = t < kvol ? t : -1;
+    const int tt = t < kvol ? t : 0;
+    sl[u][2] = tt % kern[2];
+    sl[u][1] = (tt / kern[2]) % kern[1];
+    sl[u][0] = tt / (kern[1] * kern[2]);
+    so[u] = sl[u][0] * ts[0] + sl[u][1] * ts[1] + sl[u][2];
+    acc[u] = 0.f;
+  }
+  __syncthreads();
+  const T* row = ws + ((i64)b * gridDim.y + blockIdx.y) * tokens * kvol + first * kvol;
+  for (int qi = 0; qi < n; ++qi, row += kvol) {
+    const int4 r = rec[qi];
+    if (r.x < 0) {
+#pragma unroll
+      for (int u = 0; u < DS_PER_THREAD; ++u)
+        if (st[u] >= 0) acc[u] += to_float(row[st[u]]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < DS_PER_THREAD; ++u)
+        if (st[u] >= 0 && sl[u][0] < r.y && sl[u][1] < r.z && sl[u][2] < r.w)
+          tab[r.x + so[u]] += to_float(row[st[u]]);
+      __syncthreads();
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < DS_PER_THREAD; ++u)
+    if (st[u] >= 0) tab[star + so[u]] += acc[u];
+  __syncthreads();
+  float* dst = part + (((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * entries;
+  for (int i = tid; i < entries; i += DS_THREADS) dst[i] = tab[i];
+}
+
+// d_rpb [H, 2k-1, ...] = the sum over batches and CTAs of part (na_bwd_ds_rpb's), in order:
+// a thread per table entry (grid x) and head (grid y); every entry written.
+template <typename T>
+__global__ void __launch_bounds__(128)
+na_bwd_ds_rpb_sum(const float* __restrict__ part, T* __restrict__ d_rpb, const int entries,
+                  const int parts, const NAParams p) {
+  const int e = blockIdx.x * 128 + threadIdx.x, h = blockIdx.y;
+  if (e >= entries) return;
+  float sum = 0.f;
+  for (int b = 0; b < (int)p.batch; ++b) {
+    const float* src = part + ((i64)b * p.heads + h) * parts * entries + e;
+    for (int c = 0; c < parts; ++c) sum += src[(i64)c * entries];
+  }
+  int n[3], o[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) n[a] = 2 * (int)p.kernel[a] - 1;
+  o[2] = e % n[2];
+  o[1] = (e / n[2]) % n[1];
+  o[0] = e / (n[1] * n[2]);
+  d_rpb[h * p.d_rpb[0] + o[0] * p.d_rpb[1] + o[1] * p.d_rpb[2] + o[2] * p.d_rpb[3]] =
+      store_as<T>(sum);
 }
 
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,

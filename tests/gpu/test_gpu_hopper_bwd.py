@@ -371,6 +371,7 @@ BIAS_CASES = [
     ((45, 50), (45, 50), 1, False, 1, 64, F16),  # 2-D self-attention
     ((7, 70), (3, 33), 1, (True, True), 2, 128, F16),
     ((64, 48), 21, 1, False, 1, 128, BF16),      # M5-like: whole interior tiles
+    ((48, 40), 21, 1, False, 4, 128, BF16),      # dS workspace in two runs of two heads
     ((40, 70), (9, 13), (1, 2), False, 2, 128, F16),   # dilation along the tile's long axis
     ((9, 17, 13), (3, 5, 4), (1, 2, 1), (False, False, True), 2, 64, F16),
     ((6, 10, 11), (3, 5, 5), 1, (True, False, False), 1, 64, BF16),
@@ -384,52 +385,103 @@ def _bias_id(c):
             f"{numpy.dtype(c[6]).name}")
 
 
-@pytest.mark.parametrize("case", BIAS_CASES, ids=_bias_id)
-def test_hopper_backward_with_bias_matches_reference(case, rng):
-    """dq, dk, dv and d_rpb of the Hopper backward with a relative positional bias (both
-    passes add it, the dQ pass sums d_rpb) against the float64 reference of the biased
-    forward and backward, NaN-poisoned outputs, the same error rule as above."""
+def _bias_check(case, rng, dq_atomic, kv_heads=None, repeats=1):
+    """The Hopper backward of ``case`` with a bias (``dq_atomic``: False the dQ pass sums
+    d_rpb, True the dK/dV pass writes the dS workspace and its reduction does; ``kv_heads``:
+    grouped k, v) against the float64 reference, NaN-poisoned outputs, the error rule above;
+    with ``repeats`` > 1 the later runs' d_rpb must equal the first's bitwise. Returns the
+    problem."""
     import cupy as cp
     _skip_unless_hopper()
     spatial, ks, dl, ca, heads, dim, dtype = case
     rank = len(spatial)
     kern = (ks,) * rank if isinstance(ks, int) else ks
     shape = (2,) + tuple(spatial) + (heads, dim)
-    q, k, v, d_out = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    kv_shape = shape[:-2] + (kv_heads or heads, dim)
+    q, d_out = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))
     rpb = (0.5 * rng.standard_normal((heads,) + tuple(2 * x - 1 for x in kern))).astype(dtype)
     ref = get_backend("reference")
 
-    def prob(x, r, det=False):
-        return _args.check_fused(rank, x, x, x, ks, 1, dl, ca, None, "fused", rpb=r,
+    def prob(x, kx, r, det=False):
+        return _args.check_fused(rank, x, kx, kx, ks, 1, dl, ca, None, "fused", rpb=r,
                                  deterministic=det)
 
     def backward(p, xs, out, lse, r):
-        grads = [numpy.empty(shape, xs[0].dtype) for _ in range(3)]
+        grads = [numpy.empty(x.shape, xs[0].dtype) for x in xs[:3]]
         d_rpb = numpy.empty(r.shape, xs[0].dtype)
         run_fused_backward(p, ref, xs[3], *xs[:3], out, lse, *grads, r, d_rpb)
         return [g.astype(F64) for g in (*grads, d_rpb)]
 
     h64 = [x.astype(F64) for x in (q, k, v, d_out)]
     r64 = rpb.astype(F64)
-    p64 = prob(h64[0], r64)
+    p64 = prob(h64[0], h64[1], r64)
     out64, lse64 = numpy.empty(shape, F64), numpy.empty(shape[:-1], F64)
     run_fused_forward(p64, ref, *h64[:3], out64, lse64, r64)
     truth = backward(p64, h64, out64, lse64, r64)
     out, lse = out64.astype(dtype), lse64.astype(F32)
-    low = backward(prob(q, rpb), (q, k, v, d_out), out, lse, rpb)
+    low = backward(prob(q, k, rpb), (q, k, v, d_out), out, lse, rpb)
 
-    problem = prob(q, rpb)
+    problem = prob(q, k, rpb)
     assert H.refuse(problem) is None, H.refuse(problem)
-    assert "deterministic" in H.refuse(prob(q, rpb, det=True))
+    assert "deterministic" in H.refuse(prob(q, k, rpb, det=True))
     dev = [upload(cp, x) for x in (q, k, v, d_out, out)]
-    grads = [upload(cp, numpy.full(shape, numpy.nan, dtype)) for _ in range(3)]
-    d_rpb = upload(cp, numpy.full(rpb.shape, numpy.nan, dtype))
-    H.backward(problem, *dev[:3], dev[4], cp.asarray(lse), dev[3], *grads, rpb=upload(cp, rpb),
-               d_rpb=d_rpb)
-    cp.cuda.get_current_stream().synchronize()
-    for name, g, t, y in zip(("dq", "dk", "dv", "d_rpb"), map(to_host, (*grads, d_rpb)), truth,
-                             low):
-        assert not numpy.isnan(g).any(), f"unwritten (NaN) elements in {name}"
-        err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
-        floor = FLOOR[q.dtype] * max(1.0, float(numpy.abs(t).max()))
-        assert err <= 3 * ref_err + floor, (name, err, ref_err, floor)
+    first = None
+    for _ in range(repeats):
+        grads = [upload(cp, numpy.full(x.shape, numpy.nan, dtype)) for x in (q, k, v)]
+        d_rpb = upload(cp, numpy.full(rpb.shape, numpy.nan, dtype))
+        H.backward(problem, *dev[:3], dev[4], cp.asarray(lse), dev[3], *grads,
+                   rpb=upload(cp, rpb), d_rpb=d_rpb, dq_atomic=dq_atomic)
+        cp.cuda.get_current_stream().synchronize()
+        for name, g, t, y in zip(("dq", "dk", "dv", "d_rpb"), map(to_host, (*grads, d_rpb)),
+                                 truth, low):
+            assert not numpy.isnan(g).any(), f"unwritten (NaN) elements in {name}"
+            err, ref_err = float(numpy.abs(g - t).max()), float(numpy.abs(y - t).max())
+            floor = FLOOR[q.dtype] * max(1.0, float(numpy.abs(t).max()))
+            assert err <= 3 * ref_err + floor, (name, err, ref_err, floor)
+        got = to_host(d_rpb)
+        if first is None:
+            first = got
+        else:
+            assert numpy.array_equal(got.view(numpy.uint16), first.view(numpy.uint16))
+    return problem
+
+
+@pytest.mark.parametrize("dq_atomic", [False, True], ids=["dq-pass", "ds-workspace"])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=_bias_id)
+def test_hopper_backward_with_bias_matches_reference(case, dq_atomic, rng):
+    """dq, dk, dv and d_rpb of the Hopper backward with a relative positional bias against
+    the float64 reference of the biased forward and backward, NaN-poisoned outputs, the same
+    error rule as above: both passes add the bias and the dQ pass sums d_rpb, or (dq_atomic)
+    the dK/dV pass adds dQ and writes dS to the workspace that gives d_rpb, wherever the
+    workspace fits (``ds_refusal``; else the refusal is checked)."""
+    if dq_atomic:
+        spatial, ks, dl, ca, heads, dim, dtype = case
+        x = numpy.zeros((1,) + tuple(spatial) + (heads, dim), dtype)
+        kern = (ks,) * len(spatial) if isinstance(ks, int) else ks
+        r = numpy.zeros((heads,) + tuple(2 * k - 1 for k in kern), dtype)
+        why = H.ds_refusal(_args.check_fused(len(spatial), x, x, x, ks, 1, dl, ca, None,
+                                             "fused", rpb=r))
+        if why:
+            assert "larger than the gradients" in why or "shared memory" in why, why
+            return
+    _bias_check(case, rng, dq_atomic)
+
+
+# GQA with the dS workspace: 15 x 15 windows at head dim 64 with 4 query heads on 2 kv heads
+# take one kv head (two query heads) a run, two runs; 1-D and 3-D with one run.
+DS_GQA_CASES = [
+    ((40, 36), 15, 1, False, 4, 64, BF16),
+    ((300,), 61, 1, True, 4, 128, F16),
+    ((6, 12, 10), (3, 5, 5), 1, (True, False, False), 4, 128, BF16),
+]
+
+
+@pytest.mark.parametrize("case", DS_GQA_CASES, ids=_bias_id)
+def test_hopper_backward_bias_ds_workspace_gqa_and_runs(case, rng):
+    """The dS-workspace variant with grouped k, v (2 kv heads for 4 query heads), d_rpb
+    the same bits in three runs (the workspace's slots are each written once and reduced
+    in a fixed order, though dQ's adds vary)."""
+    problem = _bias_check(case, rng, True, kv_heads=2, repeats=3)
+    if len(case[0]) == 2:
+        assert len(H.ds_head_groups(problem)) == 2

@@ -259,21 +259,27 @@ def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypa
     assert H.refuse(p) == ("the Hopper fused backward needs compute capability 9.0, this "
                            "device has 8.0")
     assert H.configure(p) is t
-    # the decision is what the pieces give
-    assert t.smem == (H._pass_smem(p) if bias or not t.dq_atomic else
-                      (H.smem_bytes(128, 64, 2, True, True), H._pass_smem(p)[1]))
-    assert t.ctas == H.owner_ctas(p) and t.dq_atomic == H.atomic_pays(p)
+    # the decision is what the pieces give (head dim 128 on 2-D: dQ added in the dK/dV pass,
+    # with a bias d_rpb from its dS workspace)
+    assert t.dq_atomic and t.dq_atomic == H.atomic_pays(p)
+    assert t.smem == ((H._ds_kv_smem(p, H.DEFAULT[128]) if bias else
+                       H.smem_bytes(128, 64, 2, True, True)), H._pass_smem(p)[1])
+    assert t.ctas == H.owner_ctas(p)
     assert t.names == H._names(p.dtype, 128, 2, None, t.dq_atomic, bias)
     plan = H.plan_backward(p, *_layouts(p))
-    delta, kv, dq = plan.calls[:3]
-    assert [c.fn.name for c in plan.calls[:3]] == list(t.names)
+    delta, kv = plan.calls[:2]
+    dq = next(c for c in plan.calls if c.name == "na_bwd_hopper_dq")
+    assert [c.fn.name for c in (delta, kv, dq)] == list(t.names)
     assert delta.grid == (t.delta_blocks, 1, 1)
     assert kv.grid == (t.kv_ctas, p.kv_heads, p.batch) and kv.shared_mem == t.smem[0]
     assert t.kv_ctas == t.ctas and t.kv_threads == H.THREADS   # (two warpgroups here)
     assert plan.workspaces[1:] == t.workspaces
     if bias:
-        assert not t.dq_atomic and dq.shared_mem == t.smem[1]
-        assert plan.calls[3].args[-1] is t.bias and plan.calls[3].grid == (t.entries, 2, 1)
+        assert [c.name for c in plan.calls] == ["na_bwd_hopper_delta", "na_bwd_hopper_kv",
+                                                "na_bwd_ds_rpb", "na_bwd_hopper_dq",
+                                                "na_bwd_ds_rpb_sum"]
+        assert t.bias is None and t.ds_parts == plan.calls[2].grid[0]
+        assert plan.calls[4].grid == (-(-t.entries // 128), 2, 1)
 
 
 def test_hopper_backward_overrides_are_their_own_decisions(fake_device):
@@ -405,8 +411,13 @@ def test_hopper_backward_refusals_are_the_decision(fake_device):
     huge = _problem((13000,), 12001, head_dim=128, heads=1, rpb=True)
     assert H.refuse(huge) == H.configure(huge) == (
         "the bias boxes of kernel (12001,) do not fit the Hopper fused backward's shared memory")
-    with pytest.raises(ValueError, match="dq_atomic must be off"):
-        H.plan_backward(half, *_layouts(half), dq_atomic=True)
+    # dQ added in the dK/dV pass needs the dS workspace for the bias gradient: refused where
+    # one kv head's would be larger than the gradients (255 slots a query against 3 x 64)
+    wide = _problem((600,), 255, heads=1, rpb=True)
+    assert "larger than the gradients" in H.configure(wide, dq_atomic=True)
+    assert isinstance(H.configure(wide), H.Tiling) and not H.configure(wide).dq_atomic
+    with pytest.raises(ValueError, match="dq_atomic off"):
+        H.plan_backward(wide, *_layouts(wide), dq_atomic=True)
     with pytest.raises(ValueError, match="deterministic=True"):
         H.plan_backward(det, *_layouts(det))
     big = dataclasses.replace(_problem((16, 16, 16), 3), spatial=(8192, 8192, 8192))

@@ -26,7 +26,12 @@ and the dQ pass also sums dS per table entry into a float32 box per CTA (shared-
 atomics, so the sums' order varies from run to run: ``deterministic=True`` takes the
 mma.sync backward, whose bias gradient is reproducible), written to a workspace [B, H, CTAs,
 box]; the mma.sync backward's ``na_bwd_fused_rpb`` then adds the boxes of each entry in a
-fixed order into d_rpb. Never with ``dq_atomic`` (the dQ pass makes the bias gradient).
+fixed order into d_rpb. With ``dq_atomic`` and a bias there is no dQ pass: the dK/dV pass
+(``na_bwd_hopper_kv_ds``) also writes each score's dS (16-bit, as its GEMMs take it) into a
+workspace [B, H, tokens, kernel volume] laid out as the unfused chain's attention weights
+(every slot of every window written once, by the CTA owning its key), and ``na_bwd_ds_rpb``
+and ``na_bwd_ds_rpb_sum`` reduce it into d_rpb in a fixed order (``ds_workspace``; only
+where the workspace is no larger than the gradients, ``ds_fits``).
 
 ``configure`` decides once per problem, tile and dQ variant (cached): the Tiling or why this
 part refuses the problem on any device; ``refuse`` adds the device's compute capability and
@@ -203,7 +208,9 @@ def _configure(problem, tile, dq_atomic):
         return (f"the bias boxes of kernel {problem.kernel_size} do not fit the Hopper fused "
                 "backward's shared memory")
     if problem.has_rpb and dq_atomic:
-        return "a bias gradient comes from the dQ pass: dq_atomic must be off"
+        why = ds_refusal(problem)
+        if why:
+            return why
     if problem.has_rpb and tile is not None and tile.q_wg != 2:
         return "with a bias the dQ pass takes two compute warpgroups (q_wg=2)"
     if tile is not None and tile.kv_wg != 2:
@@ -224,9 +231,13 @@ def _names(dtype, dp, rank, tile=None, dq_atomic=False, bias=False, tma=False):
     box = ", ".join(str(t) for t in owner_box(rank, tile.kv_wg))
     qbox = ", ".join(str(t) for t in owner_box(rank, tile.q_wg))
     flag = lambda x: "true" if x else "false"
-    kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
-          f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}"
-          f"{', 1' if tile.kv_wg == 1 else ''}>")
+    if dq_atomic and bias:
+        kv = (f"natten::na_bwd_hopper_kv_ds<{ct}, {dp}, {tile.bq}, {tile.kv_stages}, {rank}, "
+              f"{box}>")
+    else:
+        kv = (f"natten::na_bwd_hopper_kv{'_tma' if tma else ''}<{ct}, {dp}, {tile.bq}, "
+              f"{tile.kv_stages}, {rank}, {box}, {flag(dq_atomic)}, {flag(bias)}"
+              f"{', 1' if tile.kv_wg == 1 else ''}>")
     dq = (f"natten::na_bwd_hopper_dq<{ct}, {dp}>" if dq_atomic else
           f"natten::na_bwd_hopper_q<{ct}, {dp}, {tile.bn}, {tile.q_stages}, {rank}, {qbox}, "
           f"{flag(bias)}{', 1' if tile.q_wg == 1 else ''}>")
@@ -238,7 +249,8 @@ def instantiations():
     for dtype in HALF_TYPES:
         for dp in BUCKETS:
             for rank in (1, 2, 3):
-                for atomic, bias in ((False, False), (True, False), (False, True)):
+                for atomic, bias in ((False, False), (True, False), (False, True),
+                                     (True, True)):
                     out += [(SOURCE, n) for n in _names(dtype, dp, rank, dq_atomic=atomic,
                                                         bias=bias)]
                     if rank == 1 and not bias:
@@ -246,7 +258,14 @@ def instantiations():
                                                    tma=True)[1]))
                 out.append((SOURCE, _names(dtype, dp, rank, Q_ONE_WG[dp])[2]))
                 out.append((SOURCE, _names(dtype, dp, rank, KV_ONE_WG[dp])[1]))
+        out += [(SOURCE, n) for n in _ds_names(dtype)]
     return sorted(set(out))
+
+
+def _ds_names(dtype):
+    """The bias-gradient reduction of the dS workspace: per chunk, then the sum."""
+    ct = c_type(dtype)
+    return f"natten::na_bwd_ds_rpb<{ct}>", f"natten::na_bwd_ds_rpb_sum<{ct}>"
 
 
 @functools.lru_cache(maxsize=512)
@@ -290,6 +309,79 @@ def _pass_smem(problem, tile=None):
         dq += 8 * math.prod(e[1] for e in ext) + (4 * math.prod(e[0] for e in ext) if nd else 0)
         dq += 15 + 8 * (16 * (tile.bn + 8) * 4 + 64)
     return kv, dq
+
+
+def _ds_kv_smem(problem, tile):
+    """Dynamic shared memory of ``na_bwd_hopper_kv_ds``: the atomic variant's (dS^T and
+    staging tiles), its bias box and (rank 2, 3) the region queries' places after the
+    mbarriers, then each region query's workspace row (int32, 64 past the region: a tile's
+    columns past it read one)."""
+    dp = _bucket(problem.head_dim)
+    ext = _bias_extents(problem)
+    region = math.prod(e[2] for e in ext)
+    return (smem_bytes(dp, tile.bq, tile.kv_stages, True, True)
+            + 4 * math.prod(e[3] for e in ext) + (4 * region if problem.rank > 1 else 0)
+            + 4 * (region + 64))
+
+
+# na_bwd_ds_rpb (the .cu's DS_CHUNK, DS_THREADS, DS_SLOTS): tokens, threads and slots a CTA.
+DS_CHUNK, DS_THREADS, DS_SLOTS = 256, 256, 1024
+DS_SMEM_LIMIT = 48 * 1024
+
+
+def _tokens(problem):
+    return math.prod(problem.spatial)
+
+
+def ds_head_groups(problem):
+    """The runs of kv heads (first, count) that ``na_bwd_hopper_kv_ds`` takes one launch
+    each, so that the dS workspace of one run's query heads is no larger than the
+    gradients dq, dk, dv (it is reused run after run); () where one kv head's query heads
+    alone would exceed that."""
+    grads = problem.heads * problem.head_dim + 2 * problem.kv_heads * problem.head_dim
+    per_kv = problem.heads_per_kv * problem.num_neighbors   # slots a token, per kv head
+    most = min(grads // per_kv, problem.kv_heads)
+    if most < 1:
+        return ()
+    runs = -(-problem.kv_heads // most)
+    size = -(-problem.kv_heads // runs)
+    return tuple((h, min(size, problem.kv_heads - h)) for h in range(0, problem.kv_heads, size))
+
+
+def ds_workspace(problem):
+    """(shape, dtype) of the dS workspace of ``na_bwd_hopper_kv_ds``: [B, heads, tokens,
+    kernel volume] in the problem's dtype, heads those of the largest run of
+    ``ds_head_groups``."""
+    heads = max(n for _, n in ds_head_groups(problem)) * problem.heads_per_kv
+    return ((problem.batch, heads, _tokens(problem), problem.num_neighbors), problem.dtype)
+
+
+def _ds_smem(problem):
+    """Dynamic shared memory of ``na_bwd_ds_rpb``: the bias table (float32, padded to 16
+    bytes) and a 16-byte record per token of its chunk."""
+    entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+    return 4 * (-(-entries // 4) * 4) + 16 * DS_CHUNK
+
+
+def ds_refusal(problem, tile=None):
+    """Why the dK/dV pass cannot give the bias gradient through the dS workspace (dq_atomic
+    with a bias), or None: the workspace of one kv head's query heads larger than the
+    gradients, a head's rows
+    past 2^31 slots, the reduction's table or the pass's shared memory too large. (Larger
+    workspaces than that are taken in runs of heads, ``ds_head_groups``.)"""
+    tokens, kvol = _tokens(problem), problem.num_neighbors
+    if not ds_head_groups(problem):
+        return (f"the dS workspace ({kvol} slots a query) of one kv head's query heads would "
+                "be larger than the gradients: the bias gradient comes from the dQ pass "
+                "(dq_atomic off)")
+    if tokens * kvol >= 2 ** 31:
+        return f"the dS workspace's rows of one head hold {tokens * kvol} slots (2^31 at most)"
+    if _ds_smem(problem) > DS_SMEM_LIMIT:
+        return f"the bias table of kernel {problem.kernel_size} is too large for its reduction"
+    if _ds_kv_smem(problem, tile or DEFAULT[_bucket(problem.head_dim)]) > SMEM_LIMIT:
+        return (f"the bias boxes of kernel {problem.kernel_size} do not fit the dK/dV pass's "
+                "shared memory beside the dQ tiles")
+    return None
 
 
 def smem_bytes(dp, rows, stages, values, ds=False, own=OWNER_ROWS):
@@ -345,6 +437,7 @@ class Tiling:
     q_threads: int      # its threads (the loader and q_wg compute warpgroups)
     kv_ctas: int        # the dK/dV pass's owner boxes per (batch, kv head) (its grid x)
     kv_threads: int     # its threads (the loader and kv_wg compute warpgroups)
+    ds_parts: int = 0   # dq_atomic with a bias: na_bwd_ds_rpb's CTAs per (batch, head)
 
 
 def _tiling(problem, tile, dq_atomic, smem):
@@ -353,11 +446,20 @@ def _tiling(problem, tile, dq_atomic, smem):
     dp, tile, ctas, delta_blocks = _geometry(problem, tile)
     names = _names(problem.dtype, dp, problem.rank, tile, dq_atomic, problem.has_rpb)
     if dq_atomic:
-        smem = (smem_bytes(dp, tile.bq, tile.kv_stages, True, True), smem[1])
+        smem = (_ds_kv_smem(problem, tile) if problem.has_rpb else
+                smem_bytes(dp, tile.bq, tile.kv_stages, True, True), smem[1])
     workspaces = (dq_workspace(problem, dp),) if dq_atomic else ()
-    bias, entries = None, 0
+    bias, entries, ds_parts = None, 0, 0
+    if problem.has_rpb and dq_atomic:
+        # The dS workspace and the reduction's partial tables [B, H, CTAs, entries].
+        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+        ds_parts = (-(-_tokens(problem) // DS_CHUNK)
+                    * -(-problem.num_neighbors // DS_SLOTS))
+        workspaces += (ds_workspace(problem),
+                       ((problem.batch * problem.heads * ds_parts * entries,),
+                        numpy.dtype(numpy.float32)))
     # BiasGeom's fields are int32: a launch too large to run (plan_backward says so) has none.
-    if problem.has_rpb and ctas < 2 ** 31:
+    elif problem.has_rpb and ctas < 2 ** 31:
         bias = _bias_geometry(problem)
         assert int(bias["ctas"]) == ctas
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
@@ -369,7 +471,7 @@ def _tiling(problem, tile, dq_atomic, smem):
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem, kb[:problem.rank], workspaces,
                   bias, entries, kv_tma, kv_tma_refusal, owner_ctas(problem, qb),
                   qb[:problem.rank], 128 * (tile.q_wg + 1), owner_ctas(problem, kb),
-                  128 * (tile.kv_wg + 1))
+                  128 * (tile.kv_wg + 1), ds_parts)
 
 
 def _kv_tma_refusal(problem, tile):
@@ -408,18 +510,23 @@ def atomic_pays(problem):
     1-D windows under ATOMIC_1D_FROM, where the dQ pass measured as fast or faster (H100,
     bench/results/dispatch_r1_1d_d128.json, causal windows: 63 2.77 vs 3.01 ms, 119 1.50 vs
     1.49, 327 3.64 vs 3.75); at 64 it measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window
-    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80)."""
-    return (not problem.deterministic and not problem.has_rpb
-            and _bucket(problem.head_dim) == 128
-            and (problem.rank > 1 or problem.kernel_size[0] >= ATOMIC_1D_FROM))
+    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80). With a bias: at head dim 128 on 2-D and 3-D
+    windows, where the dS workspace fits (``ds_refusal``; the bias gradient then comes from
+    it, not from the dQ pass)."""
+    if problem.deterministic or _bucket(problem.head_dim) != 128:
+        return False
+    if problem.has_rpb:
+        return problem.rank > 1 and ds_refusal(problem) is None
+    return problem.rank > 1 or problem.kernel_size[0] >= ATOMIC_1D_FROM
 
 
 def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb=None,
                   tile=None, dq_atomic=None, tma=None):
     """The Plan of one backward on the current device for operand layouts (in this order;
     with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
-    workspaces: delta, with ``dq_atomic`` the float32 dQ, with a bias the dQ CTAs' bias-gradient
-    boxes), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
+    workspaces: delta, with ``dq_atomic`` the float32 dQ (and with a bias then the dS
+    workspace and the reduction's partial tables), with a bias otherwise the dQ CTAs'
+    bias-gradient boxes), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
     contract of ``natten_cupy._launch``).
 
     Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
@@ -443,10 +550,15 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                     delta=delta, rpb=rpb, d_rpb=d_rpb)
     D_OUT, Q, K, V, OUT, LSE, DQ, DK, DV = map(Operand, range(9))
     no_ws = numpy.uint64(0)  # a null pointer
-    # The float32 dQ workspace (dq_atomic, never with a bias), else a null pointer.
+    # The float32 dQ workspace (dq_atomic), else a null pointer; with a bias and dq_atomic
+    # the dS workspace and the reduction's partial tables, without dq_atomic the dQ CTAs'
+    # bias-gradient boxes.
     if problem.has_rpb:
-        RPB, D_RPB, DELTA, PART = map(Operand, range(9, 13))
-        ws = no_ws
+        RPB, D_RPB, DELTA = map(Operand, range(9, 12))
+        if t.dq_atomic:
+            ws, DSW, PART = map(Operand, range(12, 15))
+        else:
+            ws, PART = no_ws, Operand(12)
     else:
         RPB, PART, DELTA = no_ws, no_ws, Operand(9)
         ws = Operand(10) if t.dq_atomic else no_ws
@@ -464,12 +576,27 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     if isinstance(maps, tuple) and maps:
         fn_kv = get_kernel(SOURCE, t.kv_tma_name, extra_options=OPTIONS)
         kv_args += maps
-    calls = [
-        KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
-                   (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused"),
-        KernelCall(fn_kv, kv_grid, (t.kv_threads, 1, 1), kv_args, shared_mem=smem_kv,
-                   name="na_bwd_hopper_kv", backend="fused", tile=t.box),
-    ]
+    calls = [KernelCall(fn_delta, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
+                        (D_OUT, OUT, DELTA, ws, p), name="na_bwd_hopper_delta", backend="fused")]
+    if problem.has_rpb and t.dq_atomic:
+        # A run of kv heads at a time: its dK/dV pass fills the dS workspace, the first
+        # reduction empties it into the run's partial tables.
+        ds_rpb = get_kernel(SOURCE, _ds_names(problem.dtype)[0], extra_options=OPTIONS)
+        for h, n in ds_head_groups(problem):
+            calls += [
+                KernelCall(fn_kv, (t.kv_ctas, n, problem.batch), (t.kv_threads, 1, 1),
+                           (Q, K, V, D_OUT, LSE, DELTA, DK, DV, ws, RPB, DSW,
+                            numpy.int32(h), p), shared_mem=smem_kv,
+                           name="na_bwd_hopper_kv", backend="fused", tile=t.box),
+                KernelCall(ds_rpb, (t.ds_parts, n * problem.heads_per_kv, problem.batch),
+                           (DS_THREADS, 1, 1),
+                           (DSW, PART, numpy.int32(t.entries),
+                            numpy.int32(h * problem.heads_per_kv), p),
+                           shared_mem=_ds_smem(problem), name="na_bwd_ds_rpb", backend="fused")]
+    else:
+        calls.append(KernelCall(fn_kv, kv_grid, (t.kv_threads, 1, 1), kv_args,
+                                shared_mem=smem_kv, name="na_bwd_hopper_kv", backend="fused",
+                                tile=t.box))
     if t.dq_atomic:
         calls.append(KernelCall(fn_dq, (t.delta_blocks, 1, 1), (DELTA_THREADS, 1, 1),
                                 (ws, DQ, p), name="na_bwd_hopper_dq", backend="fused"))
@@ -478,7 +605,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                                 (Q, K, V, D_OUT, LSE, DELTA, DQ, RPB, PART, p),
                                 shared_mem=smem_dq, name="na_bwd_hopper_q", backend="fused",
                                 tile=t.q_box))
-    if t.bias is not None:
+    if problem.has_rpb and t.dq_atomic:
+        calls.append(_ds_sum(problem, t, p, PART, D_RPB))
+    elif t.bias is not None:
         calls.append(_bias_reduction(problem, t, p, PART, D_RPB))
     return Plan(tuple(calls),
                 workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)), *t.workspaces))
@@ -501,6 +630,15 @@ def _bias_reduction(problem, t, p, part, d_rpb):
     return KernelCall(get_kernel(mb.SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
                       (t.entries, problem.heads, 1), (128, 1, 1), (part, d_rpb, tab, p, t.bias),
                       name="na_bwd_fused_rpb", backend="fused")
+
+
+def _ds_sum(problem, t, p, part, d_rpb):
+    """The launch that sums the partial tables of ``na_bwd_ds_rpb`` into d_rpb, in a fixed
+    order."""
+    ds_sum = get_kernel(SOURCE, _ds_names(problem.dtype)[1], extra_options=OPTIONS)
+    return KernelCall(ds_sum, (-(-t.entries // 128), problem.heads, 1), (128, 1, 1),
+                      (part, d_rpb, numpy.int32(t.entries), numpy.int32(t.ds_parts), p),
+                      name="na_bwd_ds_rpb_sum", backend="fused")
 
 
 def dq_workspace(problem, dp):
