@@ -259,27 +259,52 @@ def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypa
     assert H.refuse(p) == ("the Hopper fused backward needs compute capability 9.0, this "
                            "device has 8.0")
     assert H.configure(p) is t
-    # the decision is what the pieces give (head dim 128 on 2-D: dQ added in the dK/dV pass,
-    # with a bias d_rpb from its dS workspace)
-    assert t.dq_atomic and t.dq_atomic == H.atomic_pays(p)
-    assert t.smem == ((H._ds_kv_smem(p, H.DEFAULT[128]) if bias else
-                       H.smem_bytes(128, 64, 2, True, True)), H._pass_smem(p)[1])
+    # the decision is what the pieces give (head dim 128 on 2-D: dQ added in the dK/dV pass;
+    # with a bias where BIAS_DS is on, d_rpb then from its dS workspace, else the dQ pass)
+    assert t.dq_atomic == (H.BIAS_DS or not bias) and t.dq_atomic == H.atomic_pays(p)
+    if t.dq_atomic:
+        assert t.smem == ((H._ds_kv_smem(p, H.DEFAULT[128]) if bias else
+                           H.smem_bytes(128, 64, 2, True, True)), H._pass_smem(p)[1])
+    else:
+        assert t.smem == H._pass_smem(p)
     assert t.ctas == H.owner_ctas(p)
     assert t.names == H._names(p.dtype, 128, 2, None, t.dq_atomic, bias)
     plan = H.plan_backward(p, *_layouts(p))
     delta, kv = plan.calls[:2]
-    dq = next(c for c in plan.calls if c.name == "na_bwd_hopper_dq")
+    dq = next(c for c in plan.calls if c.name in ("na_bwd_hopper_dq", "na_bwd_hopper_q"))
     assert [c.fn.name for c in (delta, kv, dq)] == list(t.names)
     assert delta.grid == (t.delta_blocks, 1, 1)
     assert kv.grid == (t.kv_ctas, p.kv_heads, p.batch) and kv.shared_mem == t.smem[0]
     assert t.kv_ctas == t.ctas and t.kv_threads == H.THREADS   # (two warpgroups here)
     assert plan.workspaces[1:] == t.workspaces
-    if bias:
+    if bias and t.dq_atomic:
         assert [c.name for c in plan.calls] == ["na_bwd_hopper_delta", "na_bwd_hopper_kv",
                                                 "na_bwd_ds_rpb", "na_bwd_hopper_dq",
                                                 "na_bwd_ds_rpb_sum"]
         assert t.bias is None and t.ds_parts == plan.calls[2].grid[0]
         assert plan.calls[4].grid == (-(-t.entries // 128), 2, 1)
+    elif bias:
+        assert dq.shared_mem == t.smem[1]
+        assert plan.calls[3].args[-1] is t.bias and plan.calls[3].grid == (t.entries, 2, 1)
+
+
+def test_hopper_backward_bias_ds_default_switch(fake_device, monkeypatch):
+    """BIAS_DS on: a biased 2-D problem at head dim 128 takes the dS-workspace variant by
+    default (dq_atomic), off: the dQ pass; a 1-D one and one at head dim 64 the dQ pass
+    either way; deterministic=True is refused by this part either way."""
+    p2 = _problem((33, 41), (7, 5), head_dim=128, rpb=True)
+    p1 = _problem((300,), 33, head_dim=128, rpb=True)
+    p64 = _problem((33, 41), (7, 5), head_dim=64, rpb=True)
+    for on in (False, True):
+        monkeypatch.setattr(H, "BIAS_DS", on)
+        H._configure.cache_clear()
+        assert H.atomic_pays(p2) == on and not H.atomic_pays(p1) and not H.atomic_pays(p64)
+        t = H.configure(p2)
+        assert t.dq_atomic == on and ("na_bwd_hopper_kv_ds" in t.names[1]) == on
+        names = [c.name for c in H.plan_backward(p2, *_layouts(p2)).calls]
+        assert ("na_bwd_ds_rpb_sum" in names) == on and ("na_bwd_fused_rpb" in names) != on
+        assert "deterministic=True" in H.configure(dataclasses.replace(p2, deterministic=True))
+    H._configure.cache_clear()
 
 
 def test_hopper_backward_overrides_are_their_own_decisions(fake_device):

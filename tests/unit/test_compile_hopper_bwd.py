@@ -323,8 +323,8 @@ def test_hopper_bwd_bias_ds_workspace_plan(case, monkeypatch):
     assert ws["parts"] == ((shape[0] * shape[-2] * parts * entries,), numpy.dtype(numpy.float32))
     grads = 2 * shape[0] * tokens * (shape[-2] + 2 * kv_heads) * shape[-1]
     assert 2 * numpy.prod(ws["ds"][0]) <= grads
-    # the default takes it at head dim 128 on 2-D and 3-D windows
-    assert H.atomic_pays(prob) == (rank > 1 and shape[-1] == 128)
+    # the default takes it at head dim 128 on 2-D and 3-D windows (once BIAS_DS is on)
+    assert H.atomic_pays(prob) == (H.BIAS_DS and rank > 1 and shape[-1] == 128)
 
 
 def test_hopper_bwd_plan_refuses_unreadable_rows(monkeypatch):

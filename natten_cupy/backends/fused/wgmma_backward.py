@@ -30,8 +30,9 @@ fixed order into d_rpb. With ``dq_atomic`` and a bias there is no dQ pass: the d
 (``na_bwd_hopper_kv_ds``) also writes each score's dS (16-bit, as its GEMMs take it) into a
 workspace [B, H, tokens, kernel volume] laid out as the unfused chain's attention weights
 (every slot of every window written once, by the CTA owning its key), and ``na_bwd_ds_rpb``
-and ``na_bwd_ds_rpb_sum`` reduce it into d_rpb in a fixed order (``ds_workspace``; only
-where the workspace is no larger than the gradients, ``ds_fits``).
+and ``na_bwd_ds_rpb_sum`` reduce it into d_rpb in a fixed order (``ds_workspace``; the kv
+heads in runs, ``ds_head_groups``, so that the workspace is no larger than the gradients).
+The default takes it only with ``BIAS_DS`` (not yet run on a GPU).
 
 ``configure`` decides once per problem, tile and dQ variant (cached): the Tiling or why this
 part refuses the problem on any device; ``refuse`` adds the device's compute capability and
@@ -500,6 +501,12 @@ def kv_tma_maps(problem, t, d_out, q):
 
 # 1-D windows from which the atomic dQ variant pays at head dim 128 (below, the dQ pass).
 ATOMIC_1D_FROM = 1024
+# With a bias, where ``atomic_pays`` would take the atomic variant: dQ added in the dK/dV pass
+# and d_rpb from its dS workspace (``na_bwd_hopper_kv_ds``), instead of the dQ pass summing
+# d_rpb. Built and checked without a GPU (compiled, plans tested), not yet run on one: off by
+# default until its GPU tests and bench/probes/rpb_probe.py have run (``dq_atomic=True`` asks
+# for it; NOTES-hopper-bwd.md, eighteenth session).
+BIAS_DS = False
 
 
 def atomic_pays(problem):
@@ -510,13 +517,13 @@ def atomic_pays(problem):
     1-D windows under ATOMIC_1D_FROM, where the dQ pass measured as fast or faster (H100,
     bench/results/dispatch_r1_1d_d128.json, causal windows: 63 2.77 vs 3.01 ms, 119 1.50 vs
     1.49, 327 3.64 vs 3.75); at 64 it measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window
-    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80). With a bias: at head dim 128 on 2-D and 3-D
-    windows, where the dS workspace fits (``ds_refusal``; the bias gradient then comes from
-    it, not from the dQ pass)."""
+    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80). With a bias: only with ``BIAS_DS``, at head
+    dim 128 on 2-D and 3-D windows, where the dS workspace fits (``ds_refusal``; the bias
+    gradient then comes from it, not from the dQ pass)."""
     if problem.deterministic or _bucket(problem.head_dim) != 128:
         return False
     if problem.has_rpb:
-        return problem.rank > 1 and ds_refusal(problem) is None
+        return BIAS_DS and problem.rank > 1 and ds_refusal(problem) is None
     return problem.rank > 1 or problem.kernel_size[0] >= ATOMIC_1D_FROM
 
 
