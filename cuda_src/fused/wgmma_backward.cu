@@ -131,55 +131,11 @@ __device__ __forceinline__ void dq_rows(const float* __restrict__ dq_ws, T* __re
   pack_store(at + 6, b.z * sc, b.w * sc);
 }
 
-// The dS workspace of the dK/dV pass with dQ added in it and a bias (ATOMIC and BIAS):
-// [B, heads, tokens, kernel volume] for a run of consecutive query heads (the launch's kv
-// heads' query heads: a backward may take the heads in groups, one workspace), token rows row-major over the axes, each query's row holding
-// the slots of its window row-major over the axes (slot t of an axis: the window's t-th key),
-// as the unfused chain orders its attention weights. The slot of key c (in-group
-// coordinates) in query x's window [s, e) is sum over the axes of (c - s) times the later
-// axes' kernels: a key term plus a query term, each once per row.
 // A 16-bit store of the low half of x to at where pred is set (predicated, no branch).
 __device__ __forceinline__ void st_global_u16_if(unsigned short* at, unsigned x, unsigned pred) {
   asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %2, 0;\n @p st.global.b16 [%0], %1;\n}\n"
                :: "l"(at), "h"((unsigned short)x), "r"(pred) : "memory");
 }
-
-struct DsWs {
-  // Key c's term: c's coordinates, row-major over the kernel's axes.
-  template <int RANK>
-  static __device__ __forceinline__ int key_term(const NAParams& p, const int (&c)[3]) {
-    int t = 0;
-#pragma unroll
-    for (int a = 0; a < RANK; ++a) t = t * (int)p.kernel[a] + c[a];
-    return t;
-  }
-  // Head h (of the workspace's `heads`) of batch b: its first row.
-  static __device__ __forceinline__ i64 head_row(const NAParams& p, i64 b, i64 h, i64 heads) {
-    return ((b * heads + h) * (p.extent[0] * p.extent[1] * p.extent[2])) * p.num_neighbors;
-  }
-  // Each region query's row within its head minus its window origin's term (dst[f], flat
-  // region index f; a head's rows hold fewer than 2^31 slots), by threads [t, nt) of the
-  // caller's.
-  template <int RANK, int T0, int T1, int T2, bool INV>
-  static __device__ __forceinline__ void stage(int* dst, const BwdGeom<RANK, T0, T1, T2, INV>& G,
-                                               const NAParams& p, int t, int nt) {
-    for (int f = t; f < G.total; f += nt) {
-      int c[3];
-      G.other(f, c);
-      i64 tok = 0;
-      int org = 0;
-#pragma unroll
-      for (int a = 0; a < 3; ++a) {
-        const Axis ax = axis_of(p, a);
-        int s0, e0;
-        ax.window(c[a], G.glen[a], s0, e0);
-        tok = tok * p.extent[a] + G.g[a] + (i64)ax.dilation * c[a];
-        org = org * ax.kernel + s0;
-      }
-      dst[f] = (int)(tok * p.num_neighbors - org);
-    }
-  }
-};
 
 // Shared-memory layout and mbarriers of both passes: the owner tiles (two tensors of OWN rows),
 // STAGES slots of two region tiles of ROWS rows each, then (DS: the atomic dQ variant) the dS^T
@@ -1012,18 +968,9 @@ na_bwd_ds_rpb(const T* __restrict__ ws, float* __restrict__ part, const int entr
     x /= p.extent[2];
     c[1] = (int)(x % p.extent[1]);
     c[0] = (int)(x / p.extent[1]);
-    int sb = 0, len[3];
-    bool full = true;
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-      const Axis ax = axis_of(p, a);
-      const int ig = ax.in_group(c[a]);
-      int s0, e0;
-      ax.window(ig, ax.group_len(ax.group_of(c[a])), s0, e0);
-      sb += (s0 - ig + kern[a] - 1) * ts[a];
-      len[a] = e0 - s0;
-      full = full && len[a] == kern[a];
-    }
+    int sb, len[3];
+    hopper::DsWs::query_entry(p, c, ts, sb, len);
+    const bool full = len[0] == kern[0] && len[1] == kern[1] && len[2] == kern[2];
     rec[tid] = make_int4(full && sb == star ? -1 : sb, len[0], len[1], len[2]);
   }
   // This thread's slots t = range DS_SLOTS + tid + DS_THREADS u: per axis and as table offsets.

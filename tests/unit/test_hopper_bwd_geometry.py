@@ -48,6 +48,9 @@ def lib(tmp_path_factory):
     so.emu_bwd_pairs_one_wg.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                         ctypes.c_longlong, ctypes.c_void_p]
+    so.emu_bwd_ds_slots.restype = ctypes.c_longlong
+    so.emu_bwd_ds_slots.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                    ctypes.c_void_p]
     assert so.emu_params_size() == PARAMS_DTYPE.itemsize
     return so
 
@@ -128,3 +131,24 @@ def test_surviving_scores_are_the_neighborhood(lib, case, side):
     box, region = (3, 2) if side == "kv" else (1, 0)
     assert stats[4] <= numpy.prod([e[box] for e in ext])
     assert stats[5] <= numpy.prod([e[region] for e in ext])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if all(
+    st == 1 for st in ((c[2],) * len(c[0]) if isinstance(c[2], int) else c[2]))],
+    ids=lambda c: f"{len(c[0])}d-{c[0]}-k{c[1]}-d{c[3]}-c{c[4]}")
+def test_ds_workspace_slots_are_each_window_once(lib, case):
+    """The dK/dV pass with a bias and dQ added in it (na_bwd_hopper_kv_ds): its surviving
+    pairs write the dS workspace at (query, the key's slot in the query's window as the
+    unfused chain numbers them), every slot of every window exactly once and no other; the
+    reduction's bias entry of each slot is the pair's offset (stride 1: a bias takes no
+    other)."""
+    prob = _problem(*case)
+    mask = oracle.neighborhood_mask(*case)  # [query, key]
+    points, kvol = mask.shape[0], prob.num_neighbors
+    hits = numpy.zeros((points, kvol), numpy.int32)
+    p = numpy.array(make_params(prob))
+    errors = lib.emu_bwd_ds_slots(len(case[0]), p.ctypes.data, H.owner_ctas(prob),
+                                  hits.ctypes.data)
+    assert errors == 0, f"{errors} pairs at a wrong slot or bias entry"
+    assert hits.max() <= 1, "a slot written twice"
+    assert (hits.sum(axis=1) == mask.sum(axis=1)).all(), "a window's slots not all written"

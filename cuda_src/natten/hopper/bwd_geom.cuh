@@ -4,7 +4,8 @@
 // A CTA owns a box of in-group coordinates of one dilation group per axis (the owner tile:
 // queries in the dQ pass, keys in the dK/dV pass) and walks the box of per-axis ranges that
 // its rows reach (the region: the keys of the queries' windows, or the queries of the keys'
-// inverse windows, both contiguous and monotone per axis), in flat row-major tiles.
+// inverse windows, both contiguous and monotone per axis), in flat row-major tiles. Also
+// where the dK/dV pass with a bias and dQ added in it puts each score's dS (DsWs).
 #pragma once
 
 #include "../common.cuh"
@@ -97,6 +98,67 @@ struct BwdGeom : TileBox<RANK, T0, T1, T2> {
     for (int a = RANK; a < 3; ++a) {
       wl[a] = 0;
       wn[a] = 1;
+    }
+  }
+};
+
+// The dS workspace of the dK/dV pass with dQ added in it and a bias (ATOMIC and BIAS):
+// [B, heads, tokens, kernel volume] for a run of consecutive query heads (the launch's kv
+// heads' query heads: a backward may take the heads in groups, one workspace), token rows row-major over the axes, each query's row holding
+// the slots of its window row-major over the axes (slot t of an axis: the window's t-th key),
+// as the unfused chain orders its attention weights. The slot of key c (in-group
+// coordinates) in query x's window [s, e) is sum over the axes of (c - s) times the later
+// axes' kernels: a key term plus a query term, each once per row.
+struct DsWs {
+  // Key c's term: c's coordinates, row-major over the kernel's axes.
+  template <int RANK>
+  static __device__ __forceinline__ int key_term(const NAParams& p, const int (&c)[3]) {
+    int t = 0;
+#pragma unroll
+    for (int a = 0; a < RANK; ++a) t = t * (int)p.kernel[a] + c[a];
+    return t;
+  }
+  // Head h (of the workspace's `heads`) of batch b: its first row.
+  static __device__ __forceinline__ i64 head_row(const NAParams& p, i64 b, i64 h, i64 heads) {
+    return ((b * heads + h) * (p.extent[0] * p.extent[1] * p.extent[2])) * p.num_neighbors;
+  }
+  // The bias entry of slot 0 of the window of query x (full-axis coordinates) as the table's
+  // row-major offset (per axis: window start - x + kernel - 1, in-group; table strides ts),
+  // and the window's length per axis: slot t of the query is entry sb + t's per-axis
+  // offsets dotted with ts, valid where t < len on every axis.
+  static __device__ __forceinline__ void query_entry(const NAParams& p, const int (&x)[3],
+                                                     const int (&ts)[3], int& sb, int (&len)[3]) {
+    sb = 0;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      const Axis ax = axis_of(p, a);
+      const int ig = ax.in_group(x[a]);
+      int s0, e0;
+      ax.window(ig, ax.group_len(ax.group_of(x[a])), s0, e0);
+      sb += (s0 - ig + ax.kernel - 1) * ts[a];
+      len[a] = e0 - s0;
+    }
+  }
+  // Each region query's row within its head minus its window origin's term (dst[f], flat
+  // region index f; a head's rows hold fewer than 2^31 slots), by threads [t, nt) of the
+  // caller's.
+  template <int RANK, int T0, int T1, int T2, bool INV>
+  static __device__ __forceinline__ void stage(int* dst, const BwdGeom<RANK, T0, T1, T2, INV>& G,
+                                               const NAParams& p, int t, int nt) {
+    for (int f = t; f < G.total; f += nt) {
+      int c[3];
+      G.other(f, c);
+      i64 tok = 0;
+      int org = 0;
+#pragma unroll
+      for (int a = 0; a < 3; ++a) {
+        const Axis ax = axis_of(p, a);
+        int s0, e0;
+        ax.window(c[a], G.glen[a], s0, e0);
+        tok = tok * p.extent[a] + G.g[a] + (i64)ax.dilation * c[a];
+        org = org * ax.kernel + s0;
+      }
+      dst[f] = (int)(tok * p.num_neighbors - org);
     }
   }
 };
