@@ -520,16 +520,22 @@ __device__ __forceinline__ void bwd_kv(const T* __restrict__ q, const T* __restr
         // reading it here keeps the packed dS out of the registers over the dQ GEMM). Score i
         // is half i % 2 of fragment (i / 8, (i / 2) % 4), query column jt * BQ + 8 (i / 4) +
         // 2 quad + i % 2, key row (i / 2) % 2.
+        // (Worked out from opaque copies, so that none of it is hoisted over the dQ GEMM's
+        // accumulators: there it spilled.)
+        int etid = tid, eh = h0 + g - hk_base * group;
+        unsigned eq = qidx;
+        asm volatile("" : "+r"(etid), "+r"(eh), "+r"(eq));
         unsigned short* const ws_g = reinterpret_cast<unsigned short*>(ds_ws) +
-                                     DsWs::head_row(p, b, h0 + g - hk_base * group, ws_heads);
-        const unsigned qb = qidx + (RANK > 1 ? 4 * G.total : 0);
+                                     DsWs::head_row(p, b, eh, ws_heads);
+        const unsigned qb = eq + (RANK > 1 ? 4 * G.total : 0);
         const int* rows = reinterpret_cast<const int*>(smem_raw + (qb - smem_u32(smem_raw)));
         int kslot[2];
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           int c[3];
           bool valid;
-          G.own_row(wg * 64 + wrow + 8 * rr, c, valid);
+          G.own_row((etid / 128 - 1) * 64 + ((etid / 32) % 4) * 16 + (etid % 32) / 4 + 8 * rr, c,
+                    valid);
           kslot[rr] = DsWs::key_term<RANK>(p, c);
         }
         const unsigned ds_wg = sm.ds_tile(j, wg);
