@@ -367,9 +367,9 @@ def _ds_smem(problem):
 def ds_refusal(problem, tile=None):
     """Why the dK/dV pass cannot give the bias gradient through the dS workspace (dq_atomic
     with a bias), or None: the workspace of one kv head's query heads larger than the
-    gradients, a head's rows
-    past 2^31 slots, the reduction's table or the pass's shared memory too large. (Larger
-    workspaces than that are taken in runs of heads, ``ds_head_groups``.)"""
+    gradients, a head's rows past 2^31 slots, the reduction's table or the pass's shared
+    memory too large. (Larger workspaces than that are taken in runs of heads,
+    ``ds_head_groups``.)"""
     tokens, kvol = _tokens(problem), problem.num_neighbors
     if not ds_head_groups(problem):
         return (f"the dS workspace ({kvol} slots a query) of one kv head's query heads would "
