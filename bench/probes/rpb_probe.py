@@ -7,7 +7,9 @@ Per workload, side by side in one process on the same inputs:
 * fused forward and backward with a bias (``rpb=``, d_rpb from the backward, as the dispatch
   picks the kernels), the mma.sync forward with the bias, and the biased backward on each
   part by itself: mma.sync (reproducible d_rpb) and, where it takes the problem, the Hopper
-  one (d_rpb summed with shared-memory atomics), with their differences;
+  one as its default picks (``hopper``), with its dQ pass summing d_rpb by shared-memory
+  atomics (``hopper_dq_pass``) and with dQ added in its dK/dV pass and d_rpb from the dS
+  workspace (``hopper_ds``, where that fits), with their differences to mma.sync's;
 * the unfused chain with the same bias (qk with rpb, softmax, av; backward: av, softmax and
   qk backwards with d_rpb), the way the bias ran before the fused kernels took it.
 
