@@ -1,6 +1,6 @@
-// Fused neighborhood-attention backward for Hopper (sm_90a), 1-D, 2-D and 3-D, on wgmma: delta = rowsum(dO * O), then dK, dV (key-parallel) and dQ (query-parallel), deterministic (no atomics).
+// Fused neighborhood-attention backward for Hopper (sm_90a), 1-D, 2-D and 3-D, on wgmma: delta = rowsum(dO * O), then dK, dV (key-parallel) and dQ (query-parallel), deterministic (no atomics), or dQ added in the dK/dV pass by float32 bulk reductions; with a bias, d_rpb.
 // delta: one group of D / 8 threads per query row. dK/dV: a CTA owns 128 in-group keys (1-D consecutive, 2-D 8x16, 3-D 2x8x8) of one dilation group, compute warpgroup w owns keys 64w..64w+63 and walks the queries of the keys' inverse windows in 64-query tiles; dQ: a CTA owns 128 queries (the forward's boxes) and walks their windows' keys in BN-key tiles. Warpgroup 0 of both loads (cp.async, mbarriers; the rank-1 dK/dV pass's Q and dO tiles by TMA in na_bwd_hopper_kv_tma).
-// Reads q, k, v, dO, out (last dim contiguous, rows 16-byte aligned), lse (natural log) and delta (float32); writes delta, dq, dk, dv (every element of the valid rows, padded head-dim columns never).
+// Reads q, k, v, dO, out (last dim contiguous, rows 16-byte aligned), lse (natural log) and delta (float32); writes delta, dq, dk, dv (every element of the valid rows, padded head-dim columns never) and d_rpb (every entry; from per-CTA boxes of the dQ pass, or in the atomic variant from a dS workspace reduced by na_bwd_ds_rpb).
 #include "natten/common.cuh"
 #include "natten/mma.cuh"
 #include "natten/hopper/wgmma.cuh"
