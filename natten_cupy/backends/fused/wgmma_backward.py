@@ -334,6 +334,11 @@ def _tokens(problem):
     return math.prod(problem.spatial)
 
 
+def _table_entries(problem):
+    """Entries of the bias table [H, 2k-1, ...] per head."""
+    return math.prod(2 * k - 1 for k in problem.kernel_size)
+
+
 def ds_head_groups(problem):
     """The runs of kv heads (first, count) that ``na_bwd_hopper_kv_ds`` takes one launch
     each, so that the dS workspace of one run's query heads is no larger than the
@@ -360,8 +365,7 @@ def ds_workspace(problem):
 def _ds_smem(problem):
     """Dynamic shared memory of ``na_bwd_ds_rpb``: the bias table (float32, padded to 16
     bytes) and a 16-byte record per token of its chunk."""
-    entries = math.prod(2 * k - 1 for k in problem.kernel_size)
-    return 4 * (-(-entries // 4) * 4) + 16 * DS_CHUNK
+    return 4 * (-(-_table_entries(problem) // 4) * 4) + 16 * DS_CHUNK
 
 
 def ds_refusal(problem, tile=None):
@@ -453,7 +457,7 @@ def _tiling(problem, tile, dq_atomic, smem):
     bias, entries, ds_parts = None, 0, 0
     if problem.has_rpb and dq_atomic:
         # The dS workspace and the reduction's partial tables [B, H, CTAs, entries].
-        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+        entries = _table_entries(problem)
         ds_parts = (-(-_tokens(problem) // DS_CHUNK)
                     * -(-problem.num_neighbors // DS_SLOTS))
         workspaces += (ds_workspace(problem),
@@ -465,7 +469,7 @@ def _tiling(problem, tile, dq_atomic, smem):
         assert int(bias["ctas"]) == ctas
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
         workspaces += (((size,), numpy.dtype(numpy.float32)),)
-        entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+        entries = _table_entries(problem)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
     qb, kb = owner_box(problem.rank, tile.q_wg), owner_box(problem.rank, tile.kv_wg)
@@ -533,8 +537,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; then the
     workspaces: delta, with ``dq_atomic`` the float32 dQ (and with a bias then the dS
     workspace and the reduction's partial tables), with a bias otherwise the dQ CTAs'
-    bias-gradient boxes), or None if an operand other than lse, rpb, d_rpb is not ``rows_ready`` (the plan
-    contract of ``natten_cupy._launch``).
+    bias-gradient boxes), or None if an operand other than lse, rpb, d_rpb is not
+    ``rows_ready`` (the plan contract of ``natten_cupy._launch``).
 
     Deterministic: delta, dK/dV, dQ passes. ``dq_atomic``: delta (zeroing the dQ workspace),
     dK/dV adding dQ into it (bulk float32 reductions), dq = scale * workspace; five GEMMs
