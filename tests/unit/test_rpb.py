@@ -401,3 +401,20 @@ def test_biased_backward_dispatch_on_hopper(monkeypatch):
     wide = dataclasses.replace(_problem(kernel=(13, 13), spatial=(30, 30)), head_dim=128,
                                v_dim=128)
     assert part(wide) == "wgmma_backward"
+    # Where the dS-workspace variant is switched on at head dim 64 (BIAS_DS_BUCKETS), a
+    # biased 2-D or 3-D problem there goes to the Hopper part as that variant; the 1-D rule,
+    # head dim 32 and deterministic=True stay as they were.
+    from natten_cupy.backends.fused import wgmma_backward as H
+    monkeypatch.setattr(H, "BIAS_DS", True)
+    monkeypatch.setattr(H, "BIAS_DS_BUCKETS", (64, 128))
+    H._configure.cache_clear()
+    video = _problem(kernel=(5, 9, 9), spatial=(8, 20, 20))
+    image = _problem(kernel=(15, 15), spatial=(96, 96))
+    for p in (video, image):
+        assert part(p) == "wgmma_backward" and H.configure(p).dq_atomic
+        assert part(dataclasses.replace(p, deterministic=True)) == "mma_backward"
+    assert part(dataclasses.replace(image, head_dim=32, v_dim=32)) == "mma_backward"
+    assert part(one_d(63)) == "mma_backward" and part(one_d(127)) == "wgmma_backward"
+    monkeypatch.setattr(H, "BIAS_DS_BUCKETS", (128,))
+    assert part(video) == "mma_backward" and part(image) == "mma_backward"
+    H._configure.cache_clear()

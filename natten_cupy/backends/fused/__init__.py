@@ -140,7 +140,8 @@ def _hopper_bwd_pays(problem):
     dims up to 64 1-D windows from 160 (from 96 with a bias), and above 32 without a bias or
     additional tokens (the mma.sync backward takes those in its kernels), where the dK/dV
     pass takes one compute warpgroup and 64-key boxes, 1-D windows from 48 and 2-D windows
-    of 200 neighbors or more; 3-D stays on mma.sync. The timings:
+    of 200 neighbors or more; 3-D stays on mma.sync; with a bias at ranks 2 and 3 where the
+    dS-workspace variant takes it (``wgmma_backward.atomic_pays``). The timings:
     NOTES-hopper-bwd.md, "Dispatch" and the seventeenth session (kernels alone on an H100,
     head dim 64, bench/results/bwd_dispatch_d64_kv1.json: 1-D window 47 Hopper part 1.02x
     faster, 63 causal 1.11x, 255 1.45x; 2-D 13 x 13 mma.sync 1.04x faster, 15 x 15 the Hopper
@@ -149,6 +150,8 @@ def _hopper_bwd_pays(problem):
         return False
     if problem.head_dim > 64:
         return True
+    if problem.has_rpb and problem.rank > 1:   # where its dS-workspace variant takes it
+        return _part("wgmma_backward").atomic_pays(problem)
     one_wg = problem.head_dim > 32 and not problem.has_rpb and not problem.has_extra
     if problem.rank == 1:
         return problem.kernel_size[0] >= (48 if one_wg else 96 if problem.has_rpb else 160)

@@ -511,6 +511,11 @@ ATOMIC_1D_FROM = 1024
 # default until its GPU tests and bench/probes/rpb_probe.py have run (``dq_atomic=True`` asks
 # for it; NOTES-hopper-bwd.md, eighteenth session).
 BIAS_DS = False
+# The head-dim buckets where it does (with ``BIAS_DS``). At 64 the mma.sync backward takes
+# biased 2-D and 3-D problems unless this holds 64 (``fused._hopper_bwd_pays``): the Hopper
+# dQ pass summing d_rpb measured far slower there (M4 13.8 ms against 9.07, rpb_probe.json),
+# the dS-workspace variant not yet.
+BIAS_DS_BUCKETS = (128,)
 
 
 def atomic_pays(problem):
@@ -521,13 +526,17 @@ def atomic_pays(problem):
     1-D windows under ATOMIC_1D_FROM, where the dQ pass measured as fast or faster (H100,
     bench/results/dispatch_r1_1d_d128.json, causal windows: 63 2.77 vs 3.01 ms, 119 1.50 vs
     1.49, 327 3.64 vs 3.75); at 64 it measured slower (dense 16K 9.97 vs 8.12 ms, 1-D window
-    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80). With a bias: only with ``BIAS_DS``, at head
-    dim 128 on 2-D and 3-D windows, where the dS workspace fits (``ds_refusal``; the bias
-    gradient then comes from it, not from the dQ pass)."""
-    if problem.deterministic or _bucket(problem.head_dim) != 128:
+    2047 3.38 vs 2.83, 3-D 5x9x9 8.20 vs 7.80). With a bias: only with ``BIAS_DS``, at the
+    head-dim buckets of ``BIAS_DS_BUCKETS`` on 2-D and 3-D windows, where the dS workspace
+    fits (``ds_refusal``; the bias gradient then comes from it, not from the dQ pass)."""
+    if problem.deterministic:
         return False
+    bucket = _bucket(problem.head_dim)
     if problem.has_rpb:
-        return BIAS_DS and problem.rank > 1 and ds_refusal(problem) is None
+        return (BIAS_DS and bucket in BIAS_DS_BUCKETS and problem.rank > 1
+                and ds_refusal(problem) is None)
+    if bucket != 128:
+        return False
     return problem.rank > 1 or problem.kernel_size[0] >= ATOMIC_1D_FROM
 
 
