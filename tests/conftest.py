@@ -48,3 +48,21 @@ def rng(request):
     """
     seed = zlib.crc32(re.sub(r"^tests/[^/]+/(?=test_)", "tests/", request.node.nodeid).encode())
     return numpy.random.default_rng(seed)
+
+
+@pytest.fixture(params=[False, True], ids=["rpb-one-launch", "rpb-two-launch"])
+def rpb_reduction(request, monkeypatch):
+    """Both reductions of the fused backward's bias-gradient boxes in turn (the mma.sync
+    backward's ``RPB_TWO_LAUNCH``, which the Hopper dQ pass's boxes take too): the decision
+    caches are cleared on the way in and out, so no Tiling of the other setting outlives the
+    test. Yields the setting."""
+    from natten_cupy.backends.fused import mma_backward, wgmma_backward
+
+    def clear():
+        mma_backward._configure.cache_clear()
+        wgmma_backward._configure.cache_clear()
+
+    monkeypatch.setattr(mma_backward, "RPB_TWO_LAUNCH", request.param)
+    clear()
+    yield request.param
+    clear()

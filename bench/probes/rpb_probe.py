@@ -10,6 +10,8 @@ Per workload, side by side in one process on the same inputs:
   one as its default picks (``hopper``), with its dQ pass summing d_rpb by shared-memory
   atomics (``hopper_dq_pass``) and with dQ added in its dK/dV pass and d_rpb from the dS
   workspace (``hopper_ds``, where that fits), with their differences to mma.sync's;
+* the default biased backward with the other reduction of the dQ CTAs' bias-gradient boxes
+  (``mma_backward.RPB_TWO_LAUNCH`` flipped: ``bwd_rpb_two_launch`` or ``bwd_rpb_one_launch``);
 * the unfused chain with the same bias (qk with rpb, softmax, av; backward: av, softmax and
   qk backwards with d_rpb), the way the bias ran before the fused kernels took it.
 
@@ -46,6 +48,16 @@ def _rel(a, b):
     import cupy
     a, b = a.astype(cupy.float64), b.astype(cupy.float64)
     return float(cupy.abs(a - b).max() / max(float(cupy.abs(b).max()), 1e-30))
+
+
+def _rpb_reduction(two):
+    """Sets mma_backward.RPB_TWO_LAUNCH and clears what cached the other setting."""
+    from natten_cupy import _fast
+    from natten_cupy.backends.fused import mma_backward, wgmma_backward
+    mma_backward.RPB_TWO_LAUNCH = two
+    mma_backward._configure.cache_clear()
+    wgmma_backward._configure.cache_clear()
+    _fast.clear()
 
 
 def run_workload(wid, dtype, reps):
@@ -136,6 +148,22 @@ def run_workload(wid, dtype, reps):
     row["split_bwd"] = kernel_split(lambda: bwd(d_out, q, k, v, out, lse, ks, **kw))
     row["split_bwd_rpb"] = kernel_split(lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw,
                                                     rpb=rpb))
+    # The default biased backward with the other reduction of the dQ CTAs' bias-gradient
+    # boxes (mma_backward.RPB_TWO_LAUNCH flipped; the decision caches and warm-call plans
+    # cleared both ways), where the default has such boxes; its d_rpb against the default's.
+    two = not mma_backward.RPB_TWO_LAUNCH
+    d_rpb_default = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)[3]
+    try:
+        _rpb_reduction(two)
+        tag = "two_launch" if two else "one_launch"
+        t[f"bwd_rpb_{tag}"] = kernel_ms(
+            lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)
+        row[f"split_bwd_rpb_{tag}"] = kernel_split(
+            lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb))
+        other = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)[3]
+        row[f"err_d_rpb_{tag}_vs_default"] = _rel(other, d_rpb_default)
+    finally:
+        _rpb_reduction(not two)
     dq, dk, dv, d_rpb = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)
     again = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)
     row["bitwise_repeat"] = all(bool((a.view(cupy.uint16 if a.itemsize == 2 else cupy.uint32)

@@ -832,6 +832,166 @@ na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
         store_as<T>(part[0]);
 }
 
+// ---- d_rpb from the dQ CTAs' boxes in two launches --------------------------------------
+// na_bwd_rpb_boxes: CTA (part, head, batch) adds the boxes of dQ CTAs [part * per, part * per
+// + per) of its (batch, head) into a table of the head's entries in shared memory: thread i
+// holds box entries i + kRpbThreads s (s < SLOTS) in registers across consecutive boxes of
+// one origin (the interior CTAs' boxes share it), and adds them into the table where the
+// origin changes (a barrier apart: in one such add the threads' entries differ). Runs of
+// RpbRun<SLOTS> boxes of the current origin load together (about 64 loads a thread in flight;
+// no branch per slot: entries past the box load as zeros). Writes the table (every entry) to
+// parts [B, H, parts, entries], which na_bwd_rpb_sum adds. The same fields of bg as
+// na_bwd_fused_rpb (the Hopper dQ pass's boxes too); boxes of up to kRpbThreads * SLOTS
+// entries, tables of up to the launcher's shared memory. Every entry's adds run in box order
+// whichever path takes a box, so the same boxes give the same bits.
+constexpr int kRpbThreads = 256;
+template <int SLOTS>
+struct RpbRun {
+  static constexpr int value = SLOTS >= 64 ? 1 : 64 / SLOTS;
+};
+
+// The origin (table coordinates of entry 0) of dQ CTA t's box, and whether that CTA exists
+// (false where its dilation group is shorter than the grid: it wrote no box).
+__device__ __forceinline__ bool rpb_box_origin(const int4* __restrict__ tab, const NAParams& p,
+                                               const bwd::BiasGeom& bg, int t, int (&o)[3]) {
+  unsigned bx = (unsigned)t;
+  int tix[3];
+  bool live = true;
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    tix[a] = (int)(bx % (unsigned)bg.ntile[a]);
+    bx /= (unsigned)bg.ntile[a];
+  }
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    const Axis axis = axis_of(p, a);
+    const int d = axis.dilation;
+    const int g = (int)(bx % (unsigned)d);
+    bx /= (unsigned)d;
+    const int glen = axis.group_len(g), org = tix[a] * bg.tile[a];
+    const int last = min(org + bg.tile[a] - 1, glen - 1);
+    live &= org < glen;
+    o[a] = org < glen ? tab[bg.tab_off[a] + g + d * last].x - last + (int)p.kernel[a] - 1 : 0;
+  }
+  return live;
+}
+
+template <int SLOTS>
+__global__ void __launch_bounds__(kRpbThreads)
+na_bwd_rpb_boxes(const float* __restrict__ bias_part, float* __restrict__ parts,
+                 const int4* __restrict__ tab, const NAParams p, const bwd::BiasGeom bg,
+                 const int per) {
+  constexpr int RUN = RpbRun<SLOTS>::value;
+  extern __shared__ float table[];            // bg.tvol floats
+  __shared__ int4 origin_s[kRpbThreads];      // per box of the turn: origin, live
+  const int tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z, vol = bg.vol;
+  int n[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) n[a] = 2 * (int)p.kernel[a] - 1;
+  for (int i = tid; i < bg.tvol; i += kRpbThreads) table[i] = 0.f;
+  float acc[SLOTS];
+  bool in[SLOTS];   // the slot lies in the box
+#pragma unroll
+  for (int s = 0; s < SLOTS; ++s) {
+    acc[s] = 0.f;
+    in[s] = tid + s * kRpbThreads < vol;
+  }
+  int cur[3] = {-1, -1, -1};   // origin of the registers' boxes (none yet)
+  // acc into the table at the current origin (entries past the table: none of its queries
+  // reach them, and the box holds zeros there), then a barrier.
+  auto flush = [&]() {
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      const int j = tid + s * kRpbThreads;
+      if (in[s]) {
+        const int l0 = j / bg.bst[0], r = j - l0 * bg.bst[0], l1 = r / bg.bst[1];
+        const int e0 = cur[0] + l0, e1 = cur[1] + l1, e2 = cur[2] + r - l1 * bg.bst[1];
+        if (e0 < n[0] && e1 < n[1] && e2 < n[2])
+          table[e0 * bg.tst[0] + e1 * bg.tst[1] + e2] += acc[s];
+      }
+      acc[s] = 0.f;
+    }
+    __syncthreads();
+  };
+  const int t0 = blockIdx.x * per, t1 = min(t0 + per, bg.ctas);
+  const float* src = bias_part + ((i64)b * p.heads + h) * bg.ctas * vol + tid;
+  __syncthreads();   // the table is zeroed
+  for (int tb = t0; tb < t1; tb += kRpbThreads) {
+    const int m = min(kRpbThreads, t1 - tb);
+    if (tid < m) {
+      int o[3];
+      const bool live = rpb_box_origin(tab, p, bg, tb + tid, o);
+      origin_s[tid] = make_int4(o[0], o[1], o[2], live);
+    }
+    __syncthreads();
+    for (int i = 0; i < m;) {
+      bool run = i + RUN <= m;
+      for (int u = 0; run && u < RUN; ++u) {
+        const int4 o = origin_s[i + u];
+        run = o.w && o.x == cur[0] && o.y == cur[1] && o.z == cur[2];
+      }
+      if (run) {   // RUN live boxes of the current origin: their loads first
+        const float* box = src + (i64)(tb + i) * vol;
+        float x[RUN][SLOTS];
+#pragma unroll
+        for (int u = 0; u < RUN; ++u)
+#pragma unroll
+          for (int s = 0; s < SLOTS; ++s)
+            x[u][s] = in[s] ? box[(i64)u * vol + s * kRpbThreads] : 0.f;
+#pragma unroll
+        for (int u = 0; u < RUN; ++u)
+#pragma unroll
+          for (int s = 0; s < SLOTS; ++s) acc[s] += x[u][s];
+        i += RUN;
+        continue;
+      }
+      const int4 o = origin_s[i];
+      if (o.w) {
+        if (o.x != cur[0] || o.y != cur[1] || o.z != cur[2]) {
+          if (cur[0] >= 0) flush();
+          cur[0] = o.x;
+          cur[1] = o.y;
+          cur[2] = o.z;
+        }
+        const float* box = src + (i64)(tb + i) * vol;
+#pragma unroll
+        for (int s = 0; s < SLOTS; ++s)
+          if (in[s]) acc[s] += box[s * kRpbThreads];
+      }
+      ++i;
+    }
+    __syncthreads();   // origin_s is rewritten next turn
+  }
+  if (cur[0] >= 0) flush();
+  float* dst = parts + (((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * bg.tvol;
+  for (int i = tid; i < bg.tvol; i += kRpbThreads) dst[i] = table[i];
+}
+
+// d_rpb [H, 2k-1, ...] = the sum over batches and parts of part [B, H, parts, entries]
+// (na_bwd_rpb_boxes', or the Hopper dS workspace's na_bwd_ds_rpb), in order: a thread per
+// table entry (grid x) and head (grid y); every entry written.
+template <typename T>
+__global__ void __launch_bounds__(128)
+na_bwd_rpb_sum(const float* __restrict__ part, T* __restrict__ d_rpb, const int entries,
+               const int parts, const NAParams p) {
+  const int e = blockIdx.x * 128 + threadIdx.x, h = blockIdx.y;
+  if (e >= entries) return;
+  float sum = 0.f;
+  for (int b = 0; b < (int)p.batch; ++b) {
+    const float* src = part + ((i64)b * p.heads + h) * parts * entries + e;
+#pragma unroll 8
+    for (int c = 0; c < parts; ++c) sum += src[(i64)c * entries];
+  }
+  int n[3], o[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) n[a] = 2 * (int)p.kernel[a] - 1;
+  o[2] = e % n[2];
+  o[1] = (e / n[2]) % n[1];
+  o[0] = e / (n[1] * n[2]);
+  d_rpb[h * p.d_rpb[0] + o[0] * p.d_rpb[1] + o[1] * p.d_rpb[2] + o[2] * p.d_rpb[3]] =
+      store_as<T>(sum);
+}
+
 // dK, dV of the additional tokens (every query attends to all of them): owners are extra
 // tokens, 16 per warp and 64 per CTA, gathered rows the query tokens of one split [z *
 // split_rows, ...) of the flattened extents, for each query head of the owner's extra head

@@ -220,7 +220,7 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // inside its key's window and group goes to the workspace ds_ws [B, ws_heads, tokens,
 // kernel volume] (the query heads of kv heads from hk_base on: the launch's) at its query's
 // row and the key's slot in the query's window (DsWs, bwd_geom.cuh), which
-// na_bwd_ds_rpb and na_bwd_ds_rpb_sum reduce into d_rpb: every slot of a window is written
+// na_bwd_ds_rpb and (mma_backward.cu's) na_bwd_rpb_sum reduce into d_rpb: every slot of a window is written
 // once, by the CTA owning its key.
 // TMA (rank 1): thread 0 of the loader stages each tile's Q and dO by tensor maps (tq, tdo:
 // tma.cuh, 64-row boxes stepping the dilation), the loader's threads only the owner K, V
@@ -931,11 +931,12 @@ na_bwd_hopper_kv_ds(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // na_bwd_ds_rpb: CTA (chunk, slot range) of batch blockIdx.z, head h_base + blockIdx.y (the
 // workspace's head blockIdx.y of gridDim.y) sums the rows of tokens [chunk DS_CHUNK,
 // +DS_CHUNK) over slots [range DS_SLOTS, +DS_SLOTS) per table entry into part [B, H, chunks
-// x ranges, entries] (every entry written). Queries with the
-// interior's offset and a full window add in registers (each thread its slots), the others
-// one at a time into the CTA's table in shared memory, a barrier apart; then the registers
-// join the table: a fixed order, so the same workspace gives the same bits every run.
-constexpr int DS_CHUNK = 256, DS_THREADS = 256, DS_PER_THREAD = 4;
+// x ranges, entries] (every entry written), which mma_backward.cu's na_bwd_rpb_sum adds up.
+// Queries with the interior's offset and a full window add in registers (each thread its
+// slots), the others one at a time into the CTA's table in shared memory, a barrier apart;
+// then the registers join the table: a fixed order, so the same workspace gives the same bits
+// every run. The rows' loads go DS_ROWS at a time, ahead of their adds.
+constexpr int DS_CHUNK = 256, DS_THREADS = 256, DS_PER_THREAD = 4, DS_ROWS = 8;
 constexpr int DS_SLOTS = DS_THREADS * DS_PER_THREAD;
 
 template <typename T>
@@ -996,18 +997,28 @@ na_bwd_ds_rpb(const T* __restrict__ ws, float* __restrict__ part, const int entr
   }
   __syncthreads();
   const T* row = ws + ((i64)b * gridDim.y + blockIdx.y) * tokens * kvol + first * kvol;
-  for (int qi = 0; qi < n; ++qi, row += kvol) {
-    const int4 r = rec[qi];
-    if (r.x < 0) {
+  // DS_ROWS rows at a time: their loads first (in flight together), then the adds in order.
+  for (int q0 = 0; q0 < n; q0 += DS_ROWS, row += DS_ROWS * kvol) {
+    float x[DS_ROWS][DS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < DS_ROWS; ++i)
 #pragma unroll
       for (int u = 0; u < DS_PER_THREAD; ++u)
-        if (st[u] >= 0) acc[u] += to_float(row[st[u]]);
-    } else {
+        x[i][u] = q0 + i < n && st[u] >= 0 ? to_float(row[i * kvol + st[u]]) : 0.f;
 #pragma unroll
-      for (int u = 0; u < DS_PER_THREAD; ++u)
-        if (st[u] >= 0 && sl[u][0] < r.y && sl[u][1] < r.z && sl[u][2] < r.w)
-          tab[r.x + so[u]] += to_float(row[st[u]]);
-      __syncthreads();
+    for (int i = 0; i < DS_ROWS; ++i) {
+      if (q0 + i >= n) break;
+      const int4 r = rec[q0 + i];
+      if (r.x < 0) {
+#pragma unroll
+        for (int u = 0; u < DS_PER_THREAD; ++u) acc[u] += x[i][u];
+      } else {
+#pragma unroll
+        for (int u = 0; u < DS_PER_THREAD; ++u)
+          if (st[u] >= 0 && sl[u][0] < r.y && sl[u][1] < r.z && sl[u][2] < r.w)
+            tab[r.x + so[u]] += x[i][u];
+        __syncthreads();
+      }
     }
   }
 #pragma unroll
@@ -1016,29 +1027,6 @@ na_bwd_ds_rpb(const T* __restrict__ ws, float* __restrict__ part, const int entr
   __syncthreads();
   float* dst = part + (((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * entries;
   for (int i = tid; i < entries; i += DS_THREADS) dst[i] = tab[i];
-}
-
-// d_rpb [H, 2k-1, ...] = the sum over batches and CTAs of part (na_bwd_ds_rpb's), in order:
-// a thread per table entry (grid x) and head (grid y); every entry written.
-template <typename T>
-__global__ void __launch_bounds__(128)
-na_bwd_ds_rpb_sum(const float* __restrict__ part, T* __restrict__ d_rpb, const int entries,
-                  const int parts, const NAParams p) {
-  const int e = blockIdx.x * 128 + threadIdx.x, h = blockIdx.y;
-  if (e >= entries) return;
-  float sum = 0.f;
-  for (int b = 0; b < (int)p.batch; ++b) {
-    const float* src = part + ((i64)b * p.heads + h) * parts * entries + e;
-    for (int c = 0; c < parts; ++c) sum += src[(i64)c * entries];
-  }
-  int n[3], o[3];
-#pragma unroll
-  for (int a = 0; a < 3; ++a) n[a] = 2 * (int)p.kernel[a] - 1;
-  o[2] = e % n[2];
-  o[1] = (e / n[2]) % n[1];
-  o[0] = e / (n[1] * n[2]);
-  d_rpb[h * p.d_rpb[0] + o[0] * p.d_rpb[1] + o[1] * p.d_rpb[2] + o[2] * p.d_rpb[3]] =
-      store_as<T>(sum);
 }
 
 template <typename T, int D, int BQ, int STAGES, int RANK, int T0, int T1, int T2, bool ATOMIC,

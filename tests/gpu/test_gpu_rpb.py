@@ -5,7 +5,7 @@ here larger ones reach what small ones cannot: many CTAs per axis and batch (the
 boxes of every CTA reduced into one table), border and interior tiles, key halos streamed in
 chunks, head dims 32 to 256, GQA, causal mixes and dilation, against the float64 reference
 with NaN-poisoned outputs. Further: the backward (d_rpb included) with deterministic=True is
-bitwise reproducible, a
+bitwise reproducible (the bias-gradient boxes reduced in one launch or in two), a
 bias too large for the fused kernels' shared memory runs on naive under ``auto``, autotune
 with a bias equals the default, and the torch layer's gradients and modules agree with the
 float64 CPU path.
@@ -59,6 +59,34 @@ def test_fused_rpb_against_reference(case):
 @pytest.mark.parametrize("case", CASES[::3], ids=[c.id for c in CASES[::3]])
 def test_fused_rpb_backward_is_bitwise_reproducible(case):
     """With deterministic=True (the default sums the Hopper backward's d_rpb with atomics)."""
+    gpu_cases.assert_runs_repeat(dataclasses.replace(case, deterministic=True), "fused")
+
+
+# The bias-gradient boxes reduced in two launches (mma_backward.RPB_TWO_LAUNCH): geometries
+# with more dQ CTAs per (batch, head) than one part of na_bwd_rpb_boxes takes, so that several
+# parts, runs of boxes and the border boxes' flushes all occur (2-D and 3-D on mma.sync, 1-D
+# at head dim 64 and 2-D at 128 on the Hopper dQ pass where the GPU has one), then every other
+# case above.
+TWO_LAUNCH = [
+    _case((2, (130, 100), (9, 9), (2, 1), (True, False), 32, 2, None, 2), "float16"),
+    _case((3, (6, 40, 44), (3, 7, 5), (1, 1, 2), (False, True, False), 64, 2, None, 1),
+          "bfloat16"),
+    _case((1, (20000,), (127,), (1,), (False,), 64, 2, 1, 1), "bfloat16"),
+    _case((2, (70, 90), (13, 11), (1, 1), (False, False), 128, 2, None, 1), "float16"),
+] + CASES[::2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rpb_reduction", [True], indirect=True)
+@pytest.mark.parametrize("case", TWO_LAUNCH, ids=[c.id for c in TWO_LAUNCH])
+def test_fused_rpb_boxes_reduced_in_two_launches(case, rpb_reduction):
+    """Against the float64 reference (NaN-poisoned outputs) with the boxes reduced by
+    na_bwd_rpb_boxes and na_bwd_rpb_sum (which the profile must show), and with
+    deterministic=True bitwise the same in three runs."""
+    with natten_cupy.profile() as prof:
+        assert gpu_cases.check_backend(case, "fused") is None
+    names = {r["name"] for r in prof.records}
+    assert {"na_bwd_rpb_boxes", "na_bwd_rpb_sum"} <= names and "na_bwd_fused_rpb" not in names
     gpu_cases.assert_runs_repeat(dataclasses.replace(case, deterministic=True), "fused")
 
 

@@ -105,7 +105,7 @@ def test_head_dim_chunks_tile_their_bucket(monkeypatch):
 
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{len(c['spatial'])}d-{c['spatial']}")
-def test_mma_backward_plan_binds_the_decision(case, fake_device, monkeypatch):
+def test_mma_backward_plan_binds_the_decision(case, fake_device, rpb_reduction, monkeypatch):
     p = _problem(**case)
     t = M.configure(p)
     assert isinstance(t, M.Tiling) and M.refuse(p) is None
@@ -138,12 +138,63 @@ def test_mma_backward_plan_binds_the_decision(case, fake_device, monkeypatch):
         (grid, geo), = ps.launches
         assert (c.grid, c.shared_mem, c.block) == (grid, ps.smem, (t.threads, 1, 1))
         assert c.args[-1] is geo and c.tile == t.tile
-    if p.has_rpb:
-        assert calls[2].name == "na_bwd_fused_rpb" and calls[2].args[-1] is t.bias
-        assert calls[2].grid == (t.entries, p.heads, 1)
-        assert plan.workspaces[1] == ((t.bias_boxes,), numpy.dtype(numpy.float32))
+    if p.has_rpb and not rpb_reduction:   # the dQ CTAs' boxes -> d_rpb in one launch
+        assert t.rpb_parts == 0 and [c.name for c in calls[2:]] == ["na_bwd_fused_rpb"]
+        assert calls[2].args[-1] is t.bias and calls[2].grid == (t.entries, p.heads, 1)
+        assert plan.workspaces[1:] == (((t.bias_boxes,), numpy.dtype(numpy.float32)),)
+    elif p.has_rpb:
+        # the dQ CTAs' boxes -> partial tables -> d_rpb, in two launches
+        boxes, total = calls[2:]
+        parts = -(-int(t.bias["ctas"]) // M.RPB_BOXES_PER_PART)
+        assert t.rpb_parts == parts == M.rpb_parts(p, t.bias) > 0
+        assert boxes.name == "na_bwd_rpb_boxes" and boxes.args[-2] is t.bias
+        assert boxes.grid == (parts, p.heads, p.batch) and boxes.shared_mem == 4 * t.entries
+        slots = int(boxes.fn.name.split("<")[1].rstrip(">"))
+        assert slots * M.RPB_THREADS >= int(t.bias["vol"]) > slots // 2 * M.RPB_THREADS
+        per = int(boxes.args[-1])
+        assert (parts - 1) * per < int(t.bias["ctas"]) <= parts * per
+        assert total.name == "na_bwd_rpb_sum" and total.grid == (-(-t.entries // 128), p.heads, 1)
+        assert [int(a) for a in total.args[2:4]] == [t.entries, parts]
+        assert [a.index for a in (boxes.args[0], boxes.args[1], total.args[0], total.args[1])] \
+            == [12, 13, 13, 10]   # boxes -> tables -> d_rpb
+        assert plan.workspaces[1:] == (((t.bias_boxes,), numpy.dtype(numpy.float32)),
+                                       ((p.batch * p.heads * parts * t.entries,),
+                                        numpy.dtype(numpy.float32)))
     else:
         assert len(calls) == 2 and len(plan.workspaces) == 1
+
+
+def test_rpb_reduction_in_two_launches_where_it_fits(fake_device, monkeypatch):
+    """``rpb_parts``: 0 (the one-launch reduction) with RPB_TWO_LAUNCH off; on, one CTA per
+    RPB_BOXES_PER_PART boxes of a (batch, head), and 0 where a box exceeds the kernel's
+    largest slot count, the table its shared memory, or the batch its grid z."""
+    p = _problem((40, 40), (7, 7), rpb=True)
+    bg = numpy.zeros((), M.BIAS_GEOM)
+    bg["ctas"], bg["vol"], bg["tvol"] = 1000, 289, 1089
+
+    def parts(batch=1, **fields):
+        g = bg.copy()
+        for name, value in fields.items():
+            g[name] = value
+        return M.rpb_parts(dataclasses.replace(p, batch=batch), g[()])
+
+    monkeypatch.setattr(M, "RPB_TWO_LAUNCH", False)
+    assert parts() == 0
+    monkeypatch.setattr(M, "RPB_TWO_LAUNCH", True)
+    assert parts() == -(-1000 // M.RPB_BOXES_PER_PART) == parts(ctas=1000, batch=65535)
+    assert parts(ctas=M.RPB_BOXES_PER_PART) == 1 and parts(ctas=0) == 0
+    most = M.RPB_THREADS * M.RPB_SLOTS[-1]
+    assert parts(vol=most) > 0 and parts(vol=most + 1) == 0
+    assert parts(tvol=M.RPB_TABLE_SMEM // 4) > 0 and parts(tvol=M.RPB_TABLE_SMEM // 4 + 1) == 0
+    assert parts(batch=65536) == 0
+    # the slot count a box takes: the fewest threads x slots holding it
+    for vol, slots in ((1, 1), (256, 1), (257, 2), (1025, 8), (most, M.RPB_SLOTS[-1])):
+        g = bg.copy()
+        g["vol"] = vol
+        null = numpy.uint64(0)
+        calls = M.rpb_reduction(p, g[()], 4, null, numpy.zeros((), M.PASS_GEOM)[()], null,
+                                null, null)
+        assert calls[0].fn.name == f"na_bwd_rpb_boxes<{slots}>"
 
 
 def test_mma_backward_one_launch(fake_device, monkeypatch):
@@ -248,7 +299,8 @@ def test_mma_backward_plan_refuses_a_grid_too_large(fake_device):
 # ---- Hopper backward ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypatch):
+def test_hopper_backward_decision_without_the_device(bias, fake_device, rpb_reduction,
+                                                     monkeypatch):
     """configure does not read the device: refuse adds the compute capability to it."""
     p = _problem((33, 41), (7, 5), head_dim=128, rpb=bias)
     t = H.configure(p)
@@ -280,12 +332,18 @@ def test_hopper_backward_decision_without_the_device(bias, fake_device, monkeypa
     if bias and t.dq_atomic:
         assert [c.name for c in plan.calls] == ["na_bwd_hopper_delta", "na_bwd_hopper_kv",
                                                 "na_bwd_ds_rpb", "na_bwd_hopper_dq",
-                                                "na_bwd_ds_rpb_sum"]
+                                                "na_bwd_rpb_sum"]
         assert t.bias is None and t.ds_parts == plan.calls[2].grid[0]
         assert plan.calls[4].grid == (-(-t.entries // 128), 2, 1)
     elif bias:
         assert dq.shared_mem == t.smem[1]
-        assert plan.calls[3].args[-1] is t.bias and plan.calls[3].grid == (t.entries, 2, 1)
+        if rpb_reduction:
+            assert [c.name for c in plan.calls[3:]] == ["na_bwd_rpb_boxes", "na_bwd_rpb_sum"]
+            assert plan.calls[3].args[-2] is t.bias
+            assert plan.calls[3].grid == (t.rpb_parts, 2, 1) and t.rpb_parts > 0
+        else:
+            assert [c.name for c in plan.calls[3:]] == ["na_bwd_fused_rpb"]
+            assert plan.calls[3].args[-1] is t.bias and plan.calls[3].grid == (t.entries, 2, 1)
 
 
 def test_hopper_backward_bias_ds_default_switch(fake_device, monkeypatch):
@@ -302,7 +360,7 @@ def test_hopper_backward_bias_ds_default_switch(fake_device, monkeypatch):
         t = H.configure(p2)
         assert t.dq_atomic == on and ("na_bwd_hopper_kv_ds" in t.names[1]) == on
         names = [c.name for c in H.plan_backward(p2, *_layouts(p2)).calls]
-        assert ("na_bwd_ds_rpb_sum" in names) == on and ("na_bwd_fused_rpb" in names) != on
+        assert ("na_bwd_ds_rpb" in names) == on and ("na_bwd_fused_rpb" in names) != on
         assert "deterministic=True" in H.configure(dataclasses.replace(p2, deterministic=True))
     H._configure.cache_clear()
 

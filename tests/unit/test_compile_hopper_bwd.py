@@ -44,9 +44,10 @@ def test_hopper_bwd_kernels_compile_for_sm90a(capsys):
     # atomic dK/dV kernels (every rank and head dim), both passes with a bias, the rank-1
     # dK/dV passes (both dQ variants) with TMA loads, the one-warpgroup dQ passes (every rank
     # and head dim) and dK/dV passes (every rank and head dim), the atomic dK/dV passes with
-    # a bias (every rank and head dim) and the two kernels that reduce their dS workspace
+    # a bias (every rank and head dim) and the kernel that reduces their dS workspace into
+    # partial tables (the mma.sync backward's na_bwd_rpb_sum adds those)
     assert len(reports) == 2 * (2 * 2 + 2 * 3 * 2 + 3 * 2 + 2 * 3 * 2 + 2 * 2 + 3 * 2 + 3 * 2
-                                + 3 * 2 + 2)
+                                + 3 * 2 + 1)
     over = [f"{r.name}: {r.spill_bytes} bytes" for r in reports
             if r.spill_bytes > DS_SPILLS.get(_ds_key(r.name), 0)
             or (r.stack_bytes and _ds_key(r.name) not in DS_SPILLS)]
@@ -213,18 +214,20 @@ BIAS_PLAN_CASES = [c for c in PLAN_CASES if c[2] == 1 and c[1] != 16384] + [
 
 
 @pytest.mark.parametrize("case", BIAS_PLAN_CASES, ids=lambda c: f"{len(c[0]) - 3}d-{c[0]}")
-def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
+def test_hopper_bwd_bias_plan_on_layouts(case, rpb_reduction, monkeypatch):
     """With a bias and the dQ pass (dq_atomic=False): the bias in both passes, the dQ pass
-    writing its CTAs' gradient boxes to a workspace that na_bwd_fused_rpb (told the Hopper
-    owner boxes) reduces into d_rpb; shared memory with the bias parts, within sm_90's 227
-    KB; the atomic variant refused where its dS workspace would be larger than the
-    gradients."""
+    writing its CTAs' gradient boxes to a workspace that the mma.sync backward's reduction
+    (told the Hopper owner boxes) adds into partial tables and those into d_rpb (one launch
+    where a box or the table is too large for that); shared memory with the bias parts,
+    within sm_90's 227 KB; the atomic variant refused where its dS workspace would be larger
+    than the gradients."""
     from natten_cupy._launch import Operand
     from natten_cupy.backends.fused import mma_backward
     shape, ks, st, dl, ca = case
     rank = len(shape) - 3
     prob = _problem(shape, rank, ks, st, dl, ca, rpb=True)
     monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    monkeypatch.setattr(mma_backward, "get_kernel", lambda *a, **k: _FakeKernel())
     monkeypatch.setattr(mma_backward, "_geometry", lambda p, t: (numpy.uint64(0), [0, 0, 0], {}))
     H._geometry.cache_clear()
     lay = Layout.contiguous(shape, numpy.float16)
@@ -233,24 +236,36 @@ def test_hopper_bwd_bias_plan_on_layouts(case, monkeypatch):
     rpb = Layout.contiguous((shape[-2],) + tuple(2 * k - 1 for k in kern), numpy.float16)
     args = (prob, lay, lay, lay, lay, lay, lse, lay, lay, lay, rpb, rpb)
     plan = H.plan_backward(*args, dq_atomic=False)
-    delta, kv, q, red = plan.calls
+    delta, kv, q, red, *total = plan.calls
     ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
     assert ops(delta) == (0, 4, 11)
     assert ops(kv) == (1, 2, 3, 0, 5, 11, 7, 8, 9)   # ..., dk, dv, rpb
     assert ops(q) == (1, 2, 3, 0, 5, 11, 6, 9, 12)   # ..., dq, rpb -> the boxes
-    assert ops(red) == (12, 10)                       # the boxes -> d_rpb
-    assert red.name == "na_bwd_fused_rpb"
-    assert red.grid == (int(numpy.prod([2 * k - 1 for k in kern])), shape[-2], 1)
-    bg = red.args[-1]
+    entries = int(numpy.prod([2 * k - 1 for k in kern]))
+    t = H.configure(prob, None, False)
+    if rpb_reduction:   # boxes -> partial tables -> d_rpb
+        total, = total
+        assert ops(red) == (12, 13) and ops(total) == (13, 10)
+        assert (red.name, total.name) == ("na_bwd_rpb_boxes", "na_bwd_rpb_sum")
+        assert red.grid == (t.rpb_parts, shape[-2], shape[0]) and red.shared_mem == 4 * entries
+        assert total.grid == (-(-entries // 128), shape[-2], 1)
+        assert [int(a) for a in total.args[2:4]] == [entries, t.rpb_parts]
+        assert t.rpb_parts == -(-H.owner_ctas(prob) // mma_backward.RPB_BOXES_PER_PART)
+        bg = red.args[-2]
+    else:               # boxes -> d_rpb
+        assert not total and ops(red) == (12, 10) and red.name == "na_bwd_fused_rpb"
+        assert red.grid == (entries, shape[-2], 1) and t.rpb_parts == 0
+        bg = red.args[-1]
     box = H.OWNER_BOX[rank]
     ctas = H.owner_ctas(prob)
     assert int(bg["ctas"]) == ctas == q.grid[0]
     assert tuple(bg["tile"]) == box
     dim = tuple(min(2 * k - 1, k + t - 1) for k, t in zip(kern + (1,) * (3 - rank), box))
     assert tuple(bg["dim"]) == dim and int(bg["vol"]) == numpy.prod(dim)
+    tables = (((shape[0] * shape[-2] * t.rpb_parts * entries,), numpy.dtype(numpy.float32)),)
     assert plan.workspaces == ((tuple(shape[:-1]), numpy.dtype(numpy.float32)),
                                ((shape[0] * shape[-2] * ctas * int(numpy.prod(dim)),),
-                                numpy.dtype(numpy.float32)))
+                                numpy.dtype(numpy.float32))) + (tables if t.rpb_parts else ())
     assert (kv.shared_mem, q.shared_mem) == H._pass_smem(prob)
     assert max(kv.shared_mem, q.shared_mem) <= 227 * 1024
     plain = H.plan_backward(dataclasses.replace(prob, has_rpb=False), *args[1:10],
@@ -280,6 +295,7 @@ def test_hopper_bwd_bias_ds_workspace_plan(case, monkeypatch):
     than the gradients; shared memory within sm_90's 227 KB."""
     from natten_cupy import _args
     from natten_cupy._launch import Operand
+    from natten_cupy.backends.fused import mma_backward
     shape, ks, dl, ca, kv_heads = case
     rank = len(shape) - 3
     kern = (ks,) * rank if isinstance(ks, int) else ks
@@ -289,6 +305,7 @@ def test_hopper_bwd_bias_ds_workspace_plan(case, monkeypatch):
     prob = _args.check_fused(rank, x, kx, kx, ks, 1, dl, ca, None, "fused", rpb=bias)
     assert H.ds_refusal(prob) is None
     monkeypatch.setattr(H, "get_kernel", lambda *a, **k: _FakeKernel())
+    monkeypatch.setattr(mma_backward, "get_kernel", lambda *a, **k: _FakeKernel())
     lay, kl = (Layout.contiguous(a.shape, numpy.float16) for a in (x, kx))
     lse = Layout.contiguous(shape[:-1], numpy.float32)
     rpb = Layout.contiguous(bias.shape, numpy.float16)
@@ -300,7 +317,7 @@ def test_hopper_bwd_bias_ds_workspace_plan(case, monkeypatch):
         {h for h, _ in runs})
     names = [c.name for c in plan.calls]
     assert names == (["na_bwd_hopper_delta"] + ["na_bwd_hopper_kv", "na_bwd_ds_rpb"] * len(runs)
-                     + ["na_bwd_hopper_dq", "na_bwd_ds_rpb_sum"])
+                     + ["na_bwd_hopper_dq", "na_bwd_rpb_sum"])
     ops = lambda c: tuple(a.index for a in c.args if isinstance(a, Operand))
     ints = lambda c: [int(a) for a in c.args if isinstance(a, numpy.int32)]
     assert ops(plan.calls[0]) == (0, 4, 11, 12)          # delta zeroes the dQ workspace

@@ -24,8 +24,10 @@ TF32 at head dim > 128 needs 171 KB of shared memory per CTA (sm_90 only).
 With a relative positional bias (``problem.has_rpb``) both passes add it to the scores, and
 the dQ pass also sums dS per bias-table entry over each CTA's queries: one shared-memory box
 per warp (the offsets the CTA's queries reach, ``bias_geometry``), summed in warp order into
-a float32 workspace of one box per CTA; a third launch, ``na_bwd_fused_rpb``, adds the boxes
-of each entry in a fixed order into d_rpb. So d_rpb is reproducible run to run as well.
+a float32 workspace of one box per CTA; ``na_bwd_rpb_boxes`` adds runs of boxes into partial
+tables and ``na_bwd_rpb_sum`` those into d_rpb (``rpb_reduction``; where a box or the table
+is too large for them, one launch, ``na_bwd_fused_rpb``), in a fixed order. So d_rpb is
+reproducible run to run as well.
 
 With additional tokens (``problem.has_extra``: every query also attends to T tokens ``[B,
 T, H_x, D]``) the dQ pass walks them after its window, and ``na_bwd_extra_kv`` computes
@@ -118,6 +120,65 @@ BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
 EXTRA_GEOM = numpy.dtype([("split_rows", numpy.int32), ("slab_rows", numpy.int32),
                           ("bh0", numpy.int32), ("splits", numpy.int32), ("dp", numpy.int32)],
                          align=True)
+
+
+# d_rpb from the dQ CTAs' boxes: in two launches (``na_bwd_rpb_boxes``, a CTA per
+# RPB_BOXES_PER_PART boxes of a (batch, head) summing them into a table of the head's
+# entries, then ``na_bwd_rpb_sum`` adding those tables in order) where a box fits the first
+# kernel's registers (RPB_THREADS, kRpbThreads of the .cu, times the largest of its slot
+# counts RPB_SLOTS) and the table its static shared-memory limit; else in one
+# (``na_bwd_fused_rpb``: a CTA per entry and head, each walking every box of its head; 0.41
+# ms of W2's backward, an H100, rpb_probe.json).
+# Built without a GPU and not yet run on one: off (the one launch) until its GPU tests and
+# bench/probes/rpb_probe.py have run (NOTES-fused-bwd.md, nineteenth session).
+RPB_TWO_LAUNCH = False
+RPB_THREADS, RPB_SLOTS = 256, (1, 2, 4, 8, 16, 32)
+RPB_BOXES_PER_PART = 128
+RPB_TABLE_SMEM = 44 * 1024   # (and 4 KiB of static memory: 48 KiB without opting in)
+
+
+def rpb_parts(problem, bg):
+    """CTAs per (batch, head) of ``na_bwd_rpb_boxes`` over the boxes of BiasGeom ``bg``, or 0
+    where the one-launch reduction runs instead (``RPB_TWO_LAUNCH`` off, or a box or the
+    table too large for it)."""
+    vol, tvol, ctas = int(bg["vol"]), int(bg["tvol"]), int(bg["ctas"])
+    if (not RPB_TWO_LAUNCH or ctas == 0 or vol > RPB_THREADS * RPB_SLOTS[-1] or 4 * tvol > RPB_TABLE_SMEM
+            or problem.batch > MAX_GRID_Y):
+        return 0
+    return -(-ctas // RPB_BOXES_PER_PART)
+
+
+def rpb_reduction(problem, bg, parts, tab, p, boxes, tables, d_rpb):
+    """The launches that add the dQ CTAs' bias-gradient boxes (operand ``boxes``, [B, H,
+    CTAs, box]) into d_rpb: with ``parts`` (``rpb_parts``) through the float32 workspace
+    ``tables`` [B, H, parts, entries]; else (0, ``tables`` unused) in one launch. ``tab``:
+    this backward's window tables (the ones ``bg`` indexes)."""
+    ct, entries = c_type(problem.dtype), int(bg["tvol"])
+    if not parts:
+        return [KernelCall(get_kernel(SOURCE, f"na_bwd_fused_rpb<{ct}>"),
+                           (entries, problem.heads, 1), (128, 1, 1), (boxes, d_rpb, tab, p, bg),
+                           name="na_bwd_fused_rpb", backend="fused")]
+    per = numpy.int32(-(-int(bg["ctas"]) // parts))
+    slots = next(n for n in RPB_SLOTS if n * RPB_THREADS >= int(bg["vol"]))
+    return [KernelCall(get_kernel(SOURCE, f"na_bwd_rpb_boxes<{slots}>"),
+                       (parts, problem.heads, problem.batch),
+                       (RPB_THREADS, 1, 1), (boxes, tables, tab, p, bg, per),
+                       shared_mem=4 * entries, name="na_bwd_rpb_boxes", backend="fused"),
+            rpb_sum(problem, p, tables, d_rpb, entries, parts)]
+
+
+def rpb_tables(problem, parts, entries):
+    """(shape, dtype) of the partial tables [B, H, parts, entries] that ``rpb_sum`` adds."""
+    return (problem.batch * problem.heads * parts * entries,), numpy.dtype(numpy.float32)
+
+
+def rpb_sum(problem, p, tables, d_rpb, entries, parts):
+    """The launch that adds partial tables [B, H, parts, entries] of d_rpb (operand
+    ``tables``) over batches and parts, in order, into d_rpb."""
+    return KernelCall(get_kernel(SOURCE, f"na_bwd_rpb_sum<{c_type(problem.dtype)}>"),
+                      (-(-entries // 128), problem.heads, 1), (128, 1, 1),
+                      (tables, d_rpb, numpy.int32(entries), numpy.int32(parts), p),
+                      name="na_bwd_rpb_sum", backend="fused")
 
 
 def _bias_table_dims(problem):
@@ -234,7 +295,9 @@ def instantiations():
             out.append((SOURCE, _extra_names(ct, dp)[0]))
         out.append((SOURCE, _extra_names(ct, 32)[1]))
         out.append((SOURCE, f"na_bwd_fused_rpb<{ct}>"))
+        out.append((SOURCE, f"na_bwd_rpb_sum<{ct}>"))
         out += [(SOURCE, _one_name(ct, dp)) for dp in D_BUCKETS if dp <= ONE_MAX_DIM]
+    out += [(SOURCE, f"na_bwd_rpb_boxes<{n}>") for n in RPB_SLOTS]
     return out
 
 
@@ -393,7 +456,8 @@ class Tiling:
     grid_x: int        # the larger pass's grid x (2**31 and up cannot launch)
     bias: numpy.void   # BiasGeom (all zero without a bias)
     bias_boxes: int    # floats of the dQ CTAs' bias-gradient boxes (0 without a bias)
-    entries: int       # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
+    entries: int       # bias-table entries (0 without a bias)
+    rpb_parts: int     # na_bwd_rpb_boxes' CTAs per (batch, head) (``rpb_parts``; 0: one launch)
     one: Pass = None   # both passes in one launch (na_bwd_fused_one), where it may run:
     #                    its launch's geometry is (dQ PassGeom, dK/dV PassGeom, dQ CTAs)
 
@@ -435,13 +499,14 @@ def _tiling(problem, tiles, bias_smem):
             launches.append(((gx, min(MAX_GRID_Y, bh - bh0), 1), g[()]))
         passes.append(Pass(name, smem, tuple(launches)))
     # BiasGeom's fields are int32: a launch too large to run (plan_backward says so) has none.
-    bg, boxes, entries = numpy.zeros((), BIAS_GEOM)[()], 0, 0
+    bg, boxes, entries, parts = numpy.zeros((), BIAS_GEOM)[()], 0, 0, 0
     if bias and grid_x < 2 ** 31:
         bg = bias_geometry(problem, tab_off, per_axis)
         boxes = problem.batch * problem.heads * int(bg["ctas"]) * int(bg["vol"])
         entries = math.prod(2 * k - 1 for k in problem.kernel_size)
+        parts = rpb_parts(problem, bg)
     return Tiling(tile, dp, 32 * nwarps, passes[0], passes[1], grid_x, bg, boxes, entries,
-                  _one_launch(problem, dp, passes))
+                  parts, _one_launch(problem, dp, passes))
 
 
 def _one_name(ctype, dp):
@@ -543,7 +608,8 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     """The Plan of one backward on the current device for operand layouts (in this order;
     with ``problem.has_rpb`` then rpb and d_rpb, element by element at any strides; with
     ``problem.has_extra`` (None in rpb's places) then xk, xv, dxk, dxv; then the workspaces:
-    delta, with a bias the dQ CTAs' bias-gradient boxes, with additional tokens the partial
+    delta, with a bias the dQ CTAs' bias-gradient boxes (and where ``t.rpb_parts`` the
+    partial tables of their two-launch reduction), with additional tokens the partial
     sums of their gradients), or None if an operand other than lse, rpb, d_rpb is not
     ``rows_ready``."""
     if not all(rows_ready(x) for x in (d_out, q, k, v, out, dq, dk, dv, xk, xv)
@@ -586,11 +652,10 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
                              shared_mem=ps.smem, name=ps.label, backend="fused", tile=t.tile)
                   for grid, geo in ps.launches]
     if bias:
-        calls.append(KernelCall(
-            get_kernel(SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
-            (t.entries, problem.heads, 1), (128, 1, 1), (PART, D_RPB, tab, p, t.bias),
-            name="na_bwd_fused_rpb", backend="fused"))
+        calls += rpb_reduction(problem, t.bias, t.rpb_parts, tab, p, PART, Operand(13), D_RPB)
         workspaces.append(((t.bias_boxes,), numpy.dtype(numpy.float32)))
+        if t.rpb_parts:
+            workspaces.append(rpb_tables(problem, t.rpb_parts, t.entries))
     if tokens:
         x = _extra_tiling(problem, _limits().sm_count)
         more, space = _extra_calls(x, p, (Q, D_OUT, LSE, DELTA, XK, XV, DXK, DXV, XPART))

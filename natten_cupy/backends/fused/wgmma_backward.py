@@ -25,12 +25,12 @@ CTA stages the part of its head's table that its scores reach, as the Hopper for
 and the dQ pass also sums dS per table entry into a float32 box per CTA (shared-memory
 atomics, so the sums' order varies from run to run: ``deterministic=True`` takes the
 mma.sync backward, whose bias gradient is reproducible), written to a workspace [B, H, CTAs,
-box]; the mma.sync backward's ``na_bwd_fused_rpb`` then adds the boxes of each entry in a
-fixed order into d_rpb. With ``dq_atomic`` and a bias there is no dQ pass: the dK/dV pass
+box]; the mma.sync backward's bias reduction (``rpb_reduction``) then adds the boxes into
+d_rpb in a fixed order. With ``dq_atomic`` and a bias there is no dQ pass: the dK/dV pass
 (``na_bwd_hopper_kv_ds``) also writes each score's dS (16-bit, as its GEMMs take it) into a
 workspace [B, H, tokens, kernel volume] laid out as the unfused chain's attention weights
 (every slot of every window written once, by the CTA owning its key), and ``na_bwd_ds_rpb``
-and ``na_bwd_ds_rpb_sum`` reduce it into d_rpb in a fixed order (``ds_workspace``; the kv
+and the mma.sync backward's ``na_bwd_rpb_sum`` reduce it into d_rpb in a fixed order (``ds_workspace``; the kv
 heads in runs, ``ds_head_groups``, so that the workspace is no larger than the gradients).
 The default takes it only with ``BIAS_DS`` (not yet run on a GPU).
 
@@ -259,14 +259,14 @@ def instantiations():
                                                    tma=True)[1]))
                 out.append((SOURCE, _names(dtype, dp, rank, Q_ONE_WG[dp])[2]))
                 out.append((SOURCE, _names(dtype, dp, rank, KV_ONE_WG[dp])[1]))
-        out += [(SOURCE, n) for n in _ds_names(dtype)]
+        out.append((SOURCE, _ds_name(dtype)))
     return sorted(set(out))
 
 
-def _ds_names(dtype):
-    """The bias-gradient reduction of the dS workspace: per chunk, then the sum."""
-    ct = c_type(dtype)
-    return f"natten::na_bwd_ds_rpb<{ct}>", f"natten::na_bwd_ds_rpb_sum<{ct}>"
+def _ds_name(dtype):
+    """The bias-gradient reduction of the dS workspace per chunk (the sum of its partial
+    tables: the mma.sync backward's ``na_bwd_rpb_sum``)."""
+    return f"natten::na_bwd_ds_rpb<{c_type(dtype)}>"
 
 
 @functools.lru_cache(maxsize=512)
@@ -425,7 +425,7 @@ def _geometry(problem, tile):
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """How one problem is cut (depends on the problem alone; the device adds the window
-    tables of ``na_bwd_fused_rpb``)."""
+    tables of the bias reduction)."""
     names: tuple        # (delta, dK/dV, dQ pass or with dq_atomic the dQ store) expressions
     dq_atomic: bool     # dQ added in the dK/dV pass into a float32 workspace
     ctas: int           # 128-row owner boxes per (batch, head) (the bias reduction's)
@@ -433,8 +433,10 @@ class Tiling:
     smem: tuple         # dynamic shared memory of the (dK/dV, dQ) passes, bytes
     box: tuple          # the dK/dV pass's owner box per axis (what its launch records)
     workspaces: tuple   # after delta: with dq_atomic the float32 dQ, with a bias the boxes
-    bias: numpy.void    # with a bias: the BiasGeom of na_bwd_fused_rpb, else None
-    entries: int        # bias-table entries: na_bwd_fused_rpb's grid x (0 without a bias)
+    #                     and their reduction's partial tables, or the dS workspace and
+    #                     its partial tables
+    bias: numpy.void    # with a bias and the dQ pass: the BiasGeom of its boxes, else None
+    entries: int        # bias-table entries (0 without a bias)
     kv_tma_name: str    # the dK/dV pass loading its query tiles by TMA ("": none)
     kv_tma_refusal: str  # why there is none (None: there is one, kv_tma_maps)
     q_ctas: int         # the dQ pass's owner boxes per (batch, head) (its grid x)
@@ -443,6 +445,7 @@ class Tiling:
     kv_ctas: int        # the dK/dV pass's owner boxes per (batch, kv head) (its grid x)
     kv_threads: int     # its threads (the loader and kv_wg compute warpgroups)
     ds_parts: int = 0   # dq_atomic with a bias: na_bwd_ds_rpb's CTAs per (batch, head)
+    rpb_parts: int = 0  # with a bias otherwise: na_bwd_rpb_boxes' (mma_backward.rpb_parts)
 
 
 def _tiling(problem, tile, dq_atomic, smem):
@@ -454,7 +457,7 @@ def _tiling(problem, tile, dq_atomic, smem):
         smem = (_ds_kv_smem(problem, tile) if problem.has_rpb else
                 smem_bytes(dp, tile.bq, tile.kv_stages, True, True), smem[1])
     workspaces = (dq_workspace(problem, dp),) if dq_atomic else ()
-    bias, entries, ds_parts = None, 0, 0
+    bias, entries, ds_parts, rpb_parts = None, 0, 0, 0
     if problem.has_rpb and dq_atomic:
         # The dS workspace and the reduction's partial tables [B, H, CTAs, entries].
         entries = _table_entries(problem)
@@ -470,13 +473,16 @@ def _tiling(problem, tile, dq_atomic, smem):
         size = problem.batch * problem.heads * ctas * int(bias["vol"])
         workspaces += (((size,), numpy.dtype(numpy.float32)),)
         entries = _table_entries(problem)
+        rpb_parts = _mma_backward().rpb_parts(problem, bias)
+        if rpb_parts:   # and the partial tables of their reduction
+            workspaces += (_mma_backward().rpb_tables(problem, rpb_parts, entries),)
     kv_tma_refusal = _kv_tma_refusal(problem, tile)
     kv_tma = "" if kv_tma_refusal else _names(problem.dtype, dp, 1, tile, dq_atomic, tma=True)[1]
     qb, kb = owner_box(problem.rank, tile.q_wg), owner_box(problem.rank, tile.kv_wg)
     return Tiling(names, dq_atomic, ctas, delta_blocks, smem, kb[:problem.rank], workspaces,
                   bias, entries, kv_tma, kv_tma_refusal, owner_ctas(problem, qb),
                   qb[:problem.rank], 128 * (tile.q_wg + 1), owner_ctas(problem, kb),
-                  128 * (tile.kv_wg + 1), ds_parts)
+                  128 * (tile.kv_wg + 1), ds_parts, rpb_parts)
 
 
 def _kv_tma_refusal(problem, tile):
@@ -601,7 +607,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     if problem.has_rpb and t.dq_atomic:
         # A run of kv heads at a time: its dK/dV pass fills the dS workspace, the first
         # reduction empties it into the run's partial tables.
-        ds_rpb = get_kernel(SOURCE, _ds_names(problem.dtype)[0], extra_options=OPTIONS)
+        ds_rpb = get_kernel(SOURCE, _ds_name(problem.dtype), extra_options=OPTIONS)
         for h, n in ds_head_groups(problem):
             calls += [
                 KernelCall(fn_kv, (t.kv_ctas, n, problem.batch), (t.kv_threads, 1, 1),
@@ -628,7 +634,7 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
     if problem.has_rpb and t.dq_atomic:
         calls.append(_ds_sum(problem, t, p, PART, D_RPB))
     elif t.bias is not None:
-        calls.append(_bias_reduction(problem, t, p, PART, D_RPB))
+        calls += _bias_reduction(problem, t, p, PART, Operand(13), D_RPB)
     return Plan(tuple(calls),
                 workspaces=((tuple(lse.shape), numpy.dtype(numpy.float32)), *t.workspaces))
 
@@ -642,23 +648,23 @@ def _bias_geometry(problem):
     return mb.bias_geometry(problem, tab_off, mb.tiles_per_axis(problem, box), box)
 
 
-def _bias_reduction(problem, t, p, part, d_rpb):
-    """The launch that adds the dQ CTAs' bias-gradient boxes into d_rpb (the mma.sync
-    backward's ``na_bwd_fused_rpb``, with its window tables on the current device)."""
-    from . import mma_backward as mb
+def _mma_backward():
+    from . import mma_backward
+    return mma_backward
+
+
+def _bias_reduction(problem, t, p, boxes, tables, d_rpb):
+    """The launches that add the dQ CTAs' bias-gradient boxes into d_rpb (the mma.sync
+    backward's ``rpb_reduction``, with its window tables on the current device)."""
+    mb = _mma_backward()
     tab = mb._geometry(problem, OWNER_BOX[problem.rank])[0]
-    return KernelCall(get_kernel(mb.SOURCE, f"na_bwd_fused_rpb<{c_type(problem.dtype)}>"),
-                      (t.entries, problem.heads, 1), (128, 1, 1), (part, d_rpb, tab, p, t.bias),
-                      name="na_bwd_fused_rpb", backend="fused")
+    return mb.rpb_reduction(problem, t.bias, t.rpb_parts, tab, p, boxes, tables, d_rpb)
 
 
 def _ds_sum(problem, t, p, part, d_rpb):
     """The launch that sums the partial tables of ``na_bwd_ds_rpb`` into d_rpb, in a fixed
-    order."""
-    ds_sum = get_kernel(SOURCE, _ds_names(problem.dtype)[1], extra_options=OPTIONS)
-    return KernelCall(ds_sum, (-(-t.entries // 128), problem.heads, 1), (128, 1, 1),
-                      (part, d_rpb, numpy.int32(t.entries), numpy.int32(t.ds_parts), p),
-                      name="na_bwd_ds_rpb_sum", backend="fused")
+    order (the mma.sync backward's ``rpb_sum``)."""
+    return _mma_backward().rpb_sum(problem, p, part, d_rpb, t.entries, t.ds_parts)
 
 
 def dq_workspace(problem, dp):
