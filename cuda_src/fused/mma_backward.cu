@@ -772,6 +772,33 @@ na_bwd_fused_one(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   }
 }
 
+// The origin (table coordinates of entry 0) of dQ CTA t's box, and whether that CTA exists
+// (false where its dilation group is shorter than the grid: it wrote no box). The CTA's tile
+// and dilation group per axis are decoded as na_bwd_fused_q does.
+__device__ __forceinline__ bool rpb_box_origin(const int4* __restrict__ tab, const NAParams& p,
+                                               const bwd::BiasGeom& bg, int t, int (&o)[3]) {
+  unsigned bx = (unsigned)t;
+  int tix[3];
+  bool live = true;
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    tix[a] = (int)(bx % (unsigned)bg.ntile[a]);
+    bx /= (unsigned)bg.ntile[a];
+  }
+#pragma unroll
+  for (int a = 2; a >= 0; --a) {
+    const Axis axis = axis_of(p, a);
+    const int d = axis.dilation;
+    const int g = (int)(bx % (unsigned)d);
+    bx /= (unsigned)d;
+    const int glen = axis.group_len(g), org = tix[a] * bg.tile[a];
+    const int last = min(org + bg.tile[a] - 1, glen - 1);
+    live &= org < glen;
+    o[a] = org < glen ? tab[bg.tab_off[a] + g + d * last].x - last + (int)p.kernel[a] - 1 : 0;
+  }
+  return live;
+}
+
 // d_rpb from the dQ pass's CTA boxes (bias_part, [batch * heads, bg.ctas, bg.vol]): one CTA
 // per table entry (grid x) and head (grid y); its threads take the dQ CTAs in turn (thread i:
 // CTAs i, i + 128, ...; each over the batch in order) and sum those whose box holds the
@@ -792,27 +819,12 @@ na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
   const int heads = (int)p.heads, batch = (int)p.batch;
   float sum = 0.f;
   for (int t = threadIdx.x; t < bg.ctas; t += blockDim.x) {
-    // The CTA's tile and dilation group per axis, decomposed as na_bwd_fused_q does.
-    unsigned bx = (unsigned)t;
-    int tix[3], local = 0;
-    bool inside = true;
+    int origin[3], local = 0;
+    bool inside = rpb_box_origin(tab, p, bg, t, origin);   // (no such dQ CTA: no box)
 #pragma unroll
-    for (int a = 2; a >= 0; --a) {
-      tix[a] = (int)(bx % (unsigned)bg.ntile[a]);
-      bx /= (unsigned)bg.ntile[a];
-    }
-#pragma unroll
-    for (int a = 2; a >= 0; --a) {
-      const Axis axis = axis_of(p, a);
-      const int d = axis.dilation;
-      const int g = (int)(bx % (unsigned)d);
-      bx /= (unsigned)d;
-      const int glen = axis.group_len(g), org = tix[a] * bg.tile[a];
-      const int last = min(org + bg.tile[a] - 1, glen - 1);
-      const int origin = org < glen ? tab[bg.tab_off[a] + g + d * last].x - last +
-                                          (int)p.kernel[a] - 1 : 0;
-      const int l = o[a] - origin;
-      inside &= org < glen && l >= 0 && l < bg.dim[a];  // no such dQ CTA, or not in its box
+    for (int a = 0; a < 3; ++a) {
+      const int l = o[a] - origin[a];
+      inside &= l >= 0 && l < bg.dim[a];   // the entry in the CTA's box
       local += l * bg.bst[a];
     }
     if (!inside) continue;
@@ -849,32 +861,6 @@ template <int SLOTS>
 struct RpbRun {
   static constexpr int value = SLOTS >= 64 ? 1 : 64 / SLOTS;
 };
-
-// The origin (table coordinates of entry 0) of dQ CTA t's box, and whether that CTA exists
-// (false where its dilation group is shorter than the grid: it wrote no box).
-__device__ __forceinline__ bool rpb_box_origin(const int4* __restrict__ tab, const NAParams& p,
-                                               const bwd::BiasGeom& bg, int t, int (&o)[3]) {
-  unsigned bx = (unsigned)t;
-  int tix[3];
-  bool live = true;
-#pragma unroll
-  for (int a = 2; a >= 0; --a) {
-    tix[a] = (int)(bx % (unsigned)bg.ntile[a]);
-    bx /= (unsigned)bg.ntile[a];
-  }
-#pragma unroll
-  for (int a = 2; a >= 0; --a) {
-    const Axis axis = axis_of(p, a);
-    const int d = axis.dilation;
-    const int g = (int)(bx % (unsigned)d);
-    bx /= (unsigned)d;
-    const int glen = axis.group_len(g), org = tix[a] * bg.tile[a];
-    const int last = min(org + bg.tile[a] - 1, glen - 1);
-    live &= org < glen;
-    o[a] = org < glen ? tab[bg.tab_off[a] + g + d * last].x - last + (int)p.kernel[a] - 1 : 0;
-  }
-  return live;
-}
 
 template <int SLOTS>
 __global__ void __launch_bounds__(kRpbThreads)
