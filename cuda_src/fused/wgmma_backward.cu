@@ -219,9 +219,9 @@ __device__ __forceinline__ bool begin_cta(Geom& G, int& live, unsigned full, uns
 // ATOMIC and BIAS (ds_ws): no dQ pass, so each score's dS (16-bit, as the GEMMs take it)
 // inside its key's window and group goes to the workspace ds_ws [B, ws_heads, tokens,
 // kernel volume] (the query heads of kv heads from hk_base on: the launch's) at its query's
-// row and the key's slot in the query's window (DsWs, bwd_geom.cuh), which
-// na_bwd_ds_rpb and (mma_backward.cu's) na_bwd_rpb_sum reduce into d_rpb: every slot of a window is written
-// once, by the CTA owning its key.
+// row and the key's slot in the query's window (DsWs, bwd_geom.cuh), which na_bwd_ds_rpb
+// and (mma_backward.cu's) na_bwd_rpb_sum reduce into d_rpb: every slot of a window is
+// written once, by the CTA owning its key.
 // TMA (rank 1): thread 0 of the loader stages each tile's Q and dO by tensor maps (tq, tdo:
 // tma.cuh, 64-row boxes stepping the dilation), the loader's threads only the owner K, V
 // (once) and the tile's lse and delta; a stage is full after their 128 arrivals, thread 0's
