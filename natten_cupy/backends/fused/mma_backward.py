@@ -142,8 +142,8 @@ def rpb_parts(problem, bg):
     where the one-launch reduction runs instead (``RPB_TWO_LAUNCH`` off, or a box or the
     table too large for it)."""
     vol, tvol, ctas = int(bg["vol"]), int(bg["tvol"]), int(bg["ctas"])
-    if (not RPB_TWO_LAUNCH or ctas == 0 or vol > RPB_THREADS * RPB_SLOTS[-1] or 4 * tvol > RPB_TABLE_SMEM
-            or problem.batch > MAX_GRID_Y):
+    if (not RPB_TWO_LAUNCH or ctas == 0 or vol > RPB_THREADS * RPB_SLOTS[-1]
+            or 4 * tvol > RPB_TABLE_SMEM or problem.batch > MAX_GRID_Y):
         return 0
     return -(-ctas // RPB_BOXES_PER_PART)
 

@@ -30,8 +30,9 @@ d_rpb in a fixed order. With ``dq_atomic`` and a bias there is no dQ pass: the d
 (``na_bwd_hopper_kv_ds``) also writes each score's dS (16-bit, as its GEMMs take it) into a
 workspace [B, H, tokens, kernel volume] laid out as the unfused chain's attention weights
 (every slot of every window written once, by the CTA owning its key), and ``na_bwd_ds_rpb``
-and the mma.sync backward's ``na_bwd_rpb_sum`` reduce it into d_rpb in a fixed order (``ds_workspace``; the kv
-heads in runs, ``ds_head_groups``, so that the workspace is no larger than the gradients).
+and the mma.sync backward's ``na_bwd_rpb_sum`` reduce it into d_rpb in a fixed order
+(``ds_workspace``; the kv heads in runs, ``ds_head_groups``, so that the workspace is no
+larger than the gradients).
 The default takes it only with ``BIAS_DS`` (not yet run on a GPU).
 
 ``configure`` decides once per problem, tile and dQ variant (cached): the Tiling or why this
