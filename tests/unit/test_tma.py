@@ -158,7 +158,8 @@ def test_backward_tma_refuses_with_the_reason_before_any_gpu_work(shape, kernel,
     raises, naming why (tma=None takes its cp.async loader there)."""
     from natten_cupy import _args
     from natten_cupy.backends.fused import mma_backward, wgmma_backward as H
-    monkeypatch.setattr(H, "get_kernel", lambda *a, **k: None)
+    for part in (H, mma_backward):   # (the bias reduction's kernels are mma_backward's)
+        monkeypatch.setattr(part, "get_kernel", lambda *a, **k: None)
     monkeypatch.setattr(mma_backward, "_geometry", lambda p, t: (numpy.uint64(0), [0] * 3, {}))
     x = numpy.zeros(shape, F16)
     rank = len(shape) - 3
