@@ -465,8 +465,7 @@ def _tiling(problem, tile, dq_atomic, smem):
         ds_parts = (-(-_tokens(problem) // DS_CHUNK)
                     * -(-problem.num_neighbors // DS_SLOTS))
         workspaces += (ds_workspace(problem),
-                       ((problem.batch * problem.heads * ds_parts * entries,),
-                        numpy.dtype(numpy.float32)))
+                       _mma_backward().rpb_tables(problem, ds_parts, entries))
     # BiasGeom's fields are int32: a launch too large to run (plan_backward says so) has none.
     elif problem.has_rpb and ctas < 2 ** 31:
         bias = _bias_geometry(problem)
@@ -641,9 +640,9 @@ def plan_backward(problem, d_out, q, k, v, out, lse, dq, dk, dv, rpb=None, d_rpb
 
 
 def _bias_geometry(problem):
-    """The BiasGeom that ``na_bwd_fused_rpb`` (the mma.sync backward's) reduces this part's
-    dQ CTAs' bias-gradient boxes by: told this part's owner boxes."""
-    from . import mma_backward as mb
+    """The BiasGeom that the mma.sync backward's bias reduction (``rpb_reduction``) reduces
+    this part's dQ CTAs' bias-gradient boxes by: told this part's owner boxes."""
+    mb = _mma_backward()
     box = OWNER_BOX[problem.rank]
     _, tab_off, _ = mb._window_tables(tuple(mb._axes(problem)), box)
     return mb.bias_geometry(problem, tab_off, mb.tiles_per_axis(problem, box), box)
