@@ -12,6 +12,8 @@ Per workload, side by side in one process on the same inputs:
   workspace (``hopper_ds``, where that fits), with their differences to mma.sync's;
 * the default biased backward with the other reduction of the dQ CTAs' bias-gradient boxes
   (``mma_backward.RPB_TWO_LAUNCH`` flipped: ``bwd_rpb_two_launch`` or ``bwd_rpb_one_launch``);
+* where that backward is mma.sync's, with the other count of copies of its dQ pass's warp
+  boxes (``mma_backward.BIAS_BOX_COPIES`` 1 <-> 4: ``bwd_rpb_copies4`` or ``bwd_rpb_copies1``);
 * the unfused chain with the same bias (qk with rpb, softmax, av; backward: av, softmax and
   qk backwards with d_rpb), the way the bias ran before the fused kernels took it.
 
@@ -57,6 +59,15 @@ def _rpb_reduction(two):
     mma_backward.RPB_TWO_LAUNCH = two
     mma_backward._configure.cache_clear()
     wgmma_backward._configure.cache_clear()
+    _fast.clear()
+
+
+def _box_copies(n):
+    """Sets mma_backward.BIAS_BOX_COPIES (part of its decision cache's key) and clears the
+    warm-call plans."""
+    from natten_cupy import _fast
+    from natten_cupy.backends.fused import mma_backward
+    mma_backward.BIAS_BOX_COPIES = n
     _fast.clear()
 
 
@@ -138,6 +149,7 @@ def run_workload(wid, dtype, reps):
             part.backward(biased, q, k, v, out_b, lse_b, d_out, *g[:3], rpb=rpb, d_rpb=g[3],
                           **opts)
         t[f"bwd_rpb_{tag}"] = kernel_ms(run_part, reps)
+        row[f"split_bwd_rpb_{tag}"] = kernel_split(run_part)
         part_grads[tag] = g
     for tag in ("hopper", "hopper_dq_pass", "hopper_ds"):
         if tag in part_grads:
@@ -164,6 +176,22 @@ def run_workload(wid, dtype, reps):
         row[f"err_d_rpb_{tag}_vs_default"] = _rel(other, d_rpb_default)
     finally:
         _rpb_reduction(not two)
+    # The default biased backward with the other count of copies of the mma.sync dQ pass's
+    # warp boxes (mma_backward.BIAS_BOX_COPIES 1 <-> 4), where that pass runs it.
+    if row["backward_with_rpb"] == "mma_backward":
+        copies = mma_backward.BIAS_BOX_COPIES
+        try:
+            _box_copies(5 - copies)
+            tag = f"copies{5 - copies}"
+            t[f"bwd_rpb_{tag}"] = kernel_ms(
+                lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)
+            row[f"split_bwd_rpb_{tag}"] = kernel_split(
+                lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb))
+            other = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)[3]
+            row[f"err_d_rpb_{tag}_vs_default"] = _rel(other, d_rpb_default)
+            row[f"wcopies_{tag}"] = int(mma_backward.configure(biased).bias["wcopies"])
+        finally:
+            _box_copies(copies)
     dq, dk, dv, d_rpb = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)
     again = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)
     row["bitwise_repeat"] = all(bool((a.view(cupy.uint16 if a.itemsize == 2 else cupy.uint32)
