@@ -66,3 +66,17 @@ def rpb_reduction(request, monkeypatch):
     clear()
     yield request.param
     clear()
+
+
+@pytest.fixture(params=[1, 4], ids=["box-copies-1", "box-copies-4"])
+def box_copies(request, monkeypatch):
+    """The mma.sync dQ pass's bias-gradient boxes with one and with four copies per warp
+    (``BIAS_BOX_COPIES``), the warm-call plans cleared on the way in and out. Yields the
+    setting."""
+    from natten_cupy import _fast
+    from natten_cupy.backends.fused import mma_backward
+
+    monkeypatch.setattr(mma_backward, "BIAS_BOX_COPIES", request.param)
+    _fast.clear()
+    yield request.param
+    _fast.clear()

@@ -145,7 +145,10 @@ __device__ __forceinline__ void stage_slab(unsigned char* smem, const T* src0, c
 // per warp) and writes the CTA's box to bias_part, which na_bwd_fused_rpb reduces in a fixed
 // order. Per step a warp stores its 16 x 32 dS tile, then each lane adds one gathered row's
 // column into the box, owner row after owner row: in one such add the lanes' rows differ, so
-// their slots do (no atomics, a fixed order, the same bits every run).
+// their slots do (no atomics, a fixed order, the same bits every run). With bg.wcopies = 4
+// the warp's box has four copies, row r adding into copy r % 4: four rows a turn, their
+// loads together (in one turn a lane's slots, and the lanes' slots, differ), a barrier per
+// turn rather than per row; the copies are summed in order at the end.
 // EXTRA (dQ pass, no bias): after the window, the owners also attend to the p.extra_tokens
 // additional tokens xk, xv of their head's extra head, gathered slab_rows at a time.
 // ONE (owners are keys): the gathered rows' delta is summed here from o and d_o instead of
@@ -233,7 +236,7 @@ __device__ __forceinline__ void bwd_pass(
   const int tab_n = OwnerIsKey ? bg.tvol : bg.vol, wbox = (bg.wvol + 1) / 2 * 2;
   float* btab = reinterpret_cast<float*>(bdesc + kWarps * kNB);
   float* bacc = btab + (tab_n + 1) / 2 * 2;           // kWarps boxes (8-byte aligned each)
-  float* dstile = bacc + kWarps * wbox;               // kWarps x 16 x kTileStride
+  float* dstile = bacc + kWarps * bg.wcopies * wbox;  // kWarps x 16 x kTileStride
   int* own_as = reinterpret_cast<int*>(dstile + kWarps * 16 * kTileStride);  // kWarps x 16
   int* wshift = own_as + kWarps * 16;  // per warp, its box's origin minus the CTA box's (x 4)
 
@@ -318,7 +321,7 @@ __device__ __forceinline__ void bwd_pass(
   int own_t[2] = {0, 0};
   int origin[3] = {0, 0, 0};  // dQ pass: table coordinates of the CTA box's first entry
   bwd::BiasDesc* wbdesc = bdesc + warp * kNB;
-  float* wacc = bacc + warp * wbox;
+  float* wacc = bacc + warp * bg.wcopies * wbox;
   float* wtile = dstile + warp * 16 * kTileStride;
   float* const wtl = wtile + group * kTileStride + quad * 2;  // this lane's tile entries
   int* wown = own_as + warp * 16;
@@ -353,7 +356,8 @@ __device__ __forceinline__ void bwd_pass(
       }
     }
     if (!OwnerIsKey) {
-      for (int i = threadIdx.x; i < kWarps * wbox; i += kWarps * 32) bacc[i] = 0.f;
+      for (int i = threadIdx.x; i < kWarps * bg.wcopies * wbox; i += kWarps * 32)
+        bacc[i] = 0.f;
       // The warp box's origin: the table coordinates its last owner reaches first (windows
       // are monotone, so no earlier owner reaches lower); a patch past the group's end has
       // no rows and keeps a zero box.
@@ -515,10 +519,25 @@ __device__ __forceinline__ void bwd_pass(
           float* const at = wacc + wbdesc[lane].a;
           // Only where owner row r attends the row (elsewhere the entry may lie outside
           // the box); the lanes' words differ within a row, the barrier orders the rows.
+          if (bg.wcopies == 4) {   // rows r0..r0+3 into copies 0..3: no two slots alike
+#pragma unroll
+            for (int r0 = 0; r0 < 16; r0 += 4) {
+              float x[4];
+#pragma unroll
+              for (int j = 0; j < 4; ++j)
+                x[j] = (m >> (r0 + j)) & 1u ? at[j * wbox - wown[r0 + j]] : 0.f;
+#pragma unroll
+              for (int j = 0; j < 4; ++j)
+                if ((m >> (r0 + j)) & 1u)
+                  at[j * wbox - wown[r0 + j]] = x[j] + wtile[(r0 + j) * kTileStride + lane];
+              __syncwarp();
+            }
+          } else {
 #pragma unroll 8
-          for (int r = 0; r < 16; ++r) {
-            if ((m >> r) & 1u) at[-wown[r]] += wtile[r * kTileStride + lane];
-            __syncwarp();
+            for (int r = 0; r < 16; ++r) {
+              if ((m >> r) & 1u) at[-wown[r]] += wtile[r * kTileStride + lane];
+              __syncwarp();
+            }
           }
         }
       }
@@ -639,7 +658,7 @@ __device__ __forceinline__ void bwd_pass(
   }
 
   // dQ pass with bias: this CTA's box, the warps' boxes (placed at their origins) summed
-  // in warp order.
+  // in warp order (each warp's copies in copy order).
   if constexpr (BIAS && !OwnerIsKey) {
     __syncthreads();
     if (col0 == 0) {
@@ -653,8 +672,11 @@ __device__ __forceinline__ void bwd_pass(
           const int x0 = u0 - wshift[w * 4], x1 = u1 - wshift[w * 4 + 1],
                     x2 = u2 - wshift[w * 4 + 2];
           if (x0 >= 0 && x0 < bg.wdim[0] && x1 >= 0 && x1 < bg.wdim[1] && x2 >= 0 &&
-              x2 < bg.wdim[2])
-            v += bacc[w * wbox + x0 * bg.wbst[0] + x1 * bg.wbst[1] + x2];
+              x2 < bg.wdim[2]) {
+            const float* wb =
+                bacc + w * bg.wcopies * wbox + x0 * bg.wbst[0] + x1 * bg.wbst[1] + x2;
+            for (int c = 0; c < bg.wcopies; ++c) v += wb[c * wbox];
+          }
         }
         dst[i] = v;
       }
@@ -849,21 +871,21 @@ na_bwd_fused_rpb(const float* __restrict__ bias_part, T* __restrict__ d_rpb,
 // + per) of its (batch, head) into a table of the head's entries in shared memory: thread i
 // holds box entries i + kRpbThreads s (s < SLOTS) in registers across consecutive boxes of
 // one origin (the interior CTAs' boxes share it), and adds them into the table where the
-// origin changes (a barrier apart: in one such add the threads' entries differ). Runs of
-// RpbRun<SLOTS> boxes of the current origin load together (about 64 loads a thread in flight;
-// no branch per slot: entries past the box load as zeros). Writes the table (every entry) to
-// parts [B, H, parts, entries], which na_bwd_rpb_sum adds. The same fields of bg as
+// origin changes (a barrier apart: in one such add the threads' entries differ). RpbRun<SLOTS>
+// boxes load together whatever their origins (about 64 loads a thread in flight; no branch
+// per slot: entries past the box load as zeros), then add in order. Writes the table (every
+// entry) to parts [B, H, parts, entries], which na_bwd_rpb_sum adds. The same fields of bg as
 // na_bwd_fused_rpb (the Hopper dQ pass's boxes too); boxes of up to kRpbThreads * SLOTS
 // entries, tables of up to the launcher's shared memory. Every entry's adds run in box order
 // whichever path takes a box, so the same boxes give the same bits.
 constexpr int kRpbThreads = 256;
 template <int SLOTS>
 struct RpbRun {
-  static constexpr int value = SLOTS >= 64 ? 1 : 64 / SLOTS;
+  static constexpr int value = SLOTS >= 64 ? 1 : (64 / SLOTS < 16 ? 64 / SLOTS : 16);
 };
 
 template <int SLOTS>
-__global__ void __launch_bounds__(kRpbThreads)
+__global__ void __launch_bounds__(kRpbThreads, 1)
 na_bwd_rpb_boxes(const float* __restrict__ bias_part, float* __restrict__ parts,
                  const int4* __restrict__ tab, const NAParams p, const bwd::BiasGeom bg,
                  const int per) {
@@ -910,41 +932,33 @@ na_bwd_rpb_boxes(const float* __restrict__ bias_part, float* __restrict__ parts,
       origin_s[tid] = make_int4(o[0], o[1], o[2], live);
     }
     __syncthreads();
-    for (int i = 0; i < m;) {
-      bool run = i + RUN <= m;
-      for (int u = 0; run && u < RUN; ++u) {
+    // RUN boxes at a time: every load first (dead boxes and boxes past the turn load as
+    // zeros), then the adds in box order, flushing where the origin changes (the same for
+    // every thread: the branch and the barrier in flush are uniform).
+    for (int i = 0; i < m; i += RUN) {
+      const float* box = src + (i64)(tb + i) * vol;
+      float x[RUN][SLOTS];
+#pragma unroll
+      for (int u = 0; u < RUN; ++u) {
+        const bool live = i + u < m && origin_s[min(i + u, m - 1)].w;
+        const float* bu = box + (i64)u * vol;
+#pragma unroll
+        for (int s = 0; s < SLOTS; ++s) x[u][s] = live && in[s] ? bu[s * kRpbThreads] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < RUN; ++u) {
+        if (i + u >= m) break;
         const int4 o = origin_s[i + u];
-        run = o.w && o.x == cur[0] && o.y == cur[1] && o.z == cur[2];
-      }
-      if (run) {   // RUN live boxes of the current origin: their loads first
-        const float* box = src + (i64)(tb + i) * vol;
-        float x[RUN][SLOTS];
-#pragma unroll
-        for (int u = 0; u < RUN; ++u)
-#pragma unroll
-          for (int s = 0; s < SLOTS; ++s)
-            x[u][s] = in[s] ? box[(i64)u * vol + s * kRpbThreads] : 0.f;
-#pragma unroll
-        for (int u = 0; u < RUN; ++u)
-#pragma unroll
-          for (int s = 0; s < SLOTS; ++s) acc[s] += x[u][s];
-        i += RUN;
-        continue;
-      }
-      const int4 o = origin_s[i];
-      if (o.w) {
+        if (!o.w) continue;
         if (o.x != cur[0] || o.y != cur[1] || o.z != cur[2]) {
           if (cur[0] >= 0) flush();
           cur[0] = o.x;
           cur[1] = o.y;
           cur[2] = o.z;
         }
-        const float* box = src + (i64)(tb + i) * vol;
 #pragma unroll
-        for (int s = 0; s < SLOTS; ++s)
-          if (in[s]) acc[s] += box[s * kRpbThreads];
+        for (int s = 0; s < SLOTS; ++s) acc[s] += x[u][s];
       }
-      ++i;
     }
     __syncthreads();   // origin_s is rewritten next turn
   }

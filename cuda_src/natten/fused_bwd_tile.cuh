@@ -57,6 +57,7 @@ struct BiasGeom {
   int wdim[3];     // one warp's accumulator box per axis (the offsets its patch reaches)
   int wbst[3];     // its row-major strides (wbst[2] = 1)
   int wvol;        // wdim[0] * wdim[1] * wdim[2]
+  int wcopies;     // copies of each warp's box (1 or 4: owner row r adds into copy r % 4)
 };
 
 // Owner rows of a 16-row patch whose position on one axis lies in [x, y): the patch is

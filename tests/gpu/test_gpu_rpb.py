@@ -91,6 +91,26 @@ def test_fused_rpb_boxes_reduced_in_two_launches(case, rpb_reduction):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("box_copies", [4], indirect=True)
+@pytest.mark.parametrize("case", TWO_LAUNCH[:2] + CASES[1::2],
+                         ids=[c.id for c in TWO_LAUNCH[:2] + CASES[1::2]])
+def test_fused_rpb_dq_pass_with_four_box_copies(case, box_copies):
+    """The mma.sync dQ pass adding four owner rows a turn into four copies of each warp's
+    box (where they fit the bias budget, as the first two geometries' do): against the float64
+    reference, and with deterministic=True bitwise the same in three runs."""
+    from natten_cupy import _args
+    from natten_cupy.backends.fused import mma_backward
+    if case in TWO_LAUNCH[:2]:
+        x = numpy.empty((case.batch, *case.spatial, case.heads, case.head_dim), case.np_dtype)
+        rpb = numpy.empty((case.heads, *(2 * k - 1 for k in case.kernel)), case.np_dtype)
+        problem = _args.check_fused(case.rank, x, x, x, case.kernel, 1, case.dilation,
+                                    case.causal, None, "auto", rpb=rpb)
+        assert mma_backward.configure(problem).bias["wcopies"] == 4
+    assert gpu_cases.check_backend(case, "fused") is None
+    gpu_cases.assert_runs_repeat(dataclasses.replace(case, deterministic=True), "fused")
+
+
+@pytest.mark.gpu
 def test_a_bias_too_large_for_the_fused_backward_runs_on_naive():
     """1-D window 3001: the bias table and the dQ pass's boxes exceed the fused backward's
     shared-memory budget; the fused backend says so and auto runs naive, correctly."""

@@ -11,6 +11,7 @@ the fused ones on the GPU (``tests/gpu/test_gpu_rpb.py``).
 """
 
 import dataclasses
+import math
 
 import numpy
 import pytest
@@ -268,12 +269,12 @@ def test_the_hopper_parts_serve_head_dims_from_32_forward_and_above_32_backward(
 
 
 def test_bias_geometry_matches_the_c_struct():
-    """bwd::BiasGeom: 28 int32s in these fields, in this order (fused_bwd_tile.cuh)."""
+    """bwd::BiasGeom: 29 int32s in these fields, in this order (fused_bwd_tile.cuh)."""
     from natten_cupy.backends.fused import mma_backward
     g = mma_backward.BIAS_GEOM
-    assert g.itemsize == 28 * 4
+    assert g.itemsize == 29 * 4
     assert list(g.names) == ["dim", "bst", "tile", "ntile", "tab_off", "vol", "ctas", "tst",
-                             "tvol", "wdim", "wbst", "wvol"]
+                             "tvol", "wdim", "wbst", "wvol", "wcopies"]
     # The box of a 2-D 7x7 window over 8x8 dQ tiles: min(13, 7 + 8 - 1) = 13 per axis; a
     # warp's 4x4 patch: min(13, 7 + 4 - 1) = 10.
     assert mma_backward._bias_box(_problem()) == (13, 13, 1)
@@ -281,6 +282,30 @@ def test_bias_geometry_matches_the_c_struct():
     assert mma_backward._bias_box(_problem(kernel=(255,), spatial=(1000,))) == (255 + 63, 1, 1)
     assert mma_backward._bias_box(_problem(kernel=(255,), spatial=(1000,)), 1) == \
         (255 + 15, 1, 1)
+
+
+@pytest.mark.parametrize("setting", [1, 4])
+def test_the_dq_pass_box_copies_fit_the_bias_budget(setting, monkeypatch):
+    """BIAS_BOX_COPIES copies of each warp's box where they fit BIAS_SMEM_BUDGET with the
+    CTA's box, else one; the shared memory the plan asks for counts them; the Hopper dQ
+    pass's geometry (a tile given) has none."""
+    from natten_cupy.backends.fused import mma_backward as M
+    monkeypatch.setattr(M, "BIAS_BOX_COPIES", setting)
+    small = _problem(kernel=(9, 9), spatial=(64, 64))     # warp box 12 x 12
+    big = _problem(kernel=(6, 9, 9), spatial=(12, 32, 32))   # 6 x 12 x 12: 4 copies too big
+    wvol = {small: 144, big: 864}
+    for p, fits in ((small, True), (big, False)):
+        want = setting if fits else 1
+        t = M.configure(p)
+        assert isinstance(t, M.Tiling), t
+        assert int(t.bias["wcopies"]) == want == M._box_copies(p)
+        boxes = M._bias_smem(p)[False] - M._padded(math.prod(M._bias_box(p)))
+        assert boxes == M.KWARPS * 4 * (want * wvol[p] + 16 * (M.KNB + 8) + 16 + 4)
+        assert M._bias_smem(p)[False] <= M.BIAS_SMEM_BUDGET
+        four = M._padded(math.prod(M._bias_box(p))) + M._warp_boxes(p, 4)
+        assert (four <= M.BIAS_SMEM_BUDGET) is fits
+    hopper = M.bias_geometry(small, (0, 0, 0), [8, 8, 1], (8, 16, 1))
+    assert int(hopper["wcopies"]) == 1
 
 
 def test_kernel_instantiations_with_a_bias_are_listed():

@@ -102,6 +102,12 @@ TILES = {
 # Shared memory a pass may give the bias: the head's table (float) and, in the dQ pass, the
 # per-warp bias-gradient boxes (4 warps x box x 4 bytes).
 BIAS_SMEM_BUDGET = 64 * 1024
+# Copies of each warp's box in the dQ pass (bwd::BiasGeom.wcopies): with 4, owner row r adds
+# into copy r % 4, four rows a turn with their loads together and one warp barrier a turn
+# (else one add and one barrier per row, each add's load waiting on the last row's store),
+# where the copies fit BIAS_SMEM_BUDGET. Built without a GPU and not yet measured: 1 (NOTES-
+# fused-bwd.md, twentieth session).
+BIAS_BOX_COPIES = 1
 KWARPS, KNB = 4, 32   # kWarps, kNB of fused/mma_backward.cu
 
 # bwd::PassGeom and bwd::BiasGeom of fused_bwd_tile.cuh, field for field (the launch
@@ -115,7 +121,8 @@ BIAS_GEOM = numpy.dtype([("dim", numpy.int32, (3,)), ("bst", numpy.int32, (3,)),
                          ("tab_off", numpy.int32, (3,)), ("vol", numpy.int32),
                          ("ctas", numpy.int32), ("tst", numpy.int32, (3,)),
                          ("tvol", numpy.int32), ("wdim", numpy.int32, (3,)),
-                         ("wbst", numpy.int32, (3,)), ("wvol", numpy.int32)], align=True)
+                         ("wbst", numpy.int32, (3,)), ("wvol", numpy.int32),
+                         ("wcopies", numpy.int32)], align=True)
 # bwd::ExtraGeom: the additional tokens' dK/dV launch and the sum of its splits.
 EXTRA_GEOM = numpy.dtype([("split_rows", numpy.int32), ("slab_rows", numpy.int32),
                           ("bh0", numpy.int32), ("splits", numpy.int32), ("dp", numpy.int32)],
@@ -191,12 +198,29 @@ def _bias_smem(problem):
     holds a head's table, the dQ pass the CTA's box of it and per warp a box of its patch's
     offsets (an even count of words), a 16 x 40 dS tile, 16 owner-row parts and its box's
     shift."""
-    def padded(n):   # (the boxes start 8-aligned)
-        return 4 * (n + n % 2) + KWARPS * KNB * 8
-    table = padded(math.prod(_bias_table_dims(problem)))
+    table = _padded(math.prod(_bias_table_dims(problem)))
+    box = _padded(math.prod(_bias_box(problem)))
+    return {True: table, False: box + _warp_boxes(problem, _box_copies(problem))}
+
+
+def _padded(n):
+    """Bytes of n floats (the boxes start 8-aligned) and the step's gathered-row parts."""
+    return 4 * (n + n % 2) + KWARPS * KNB * 8
+
+
+def _warp_boxes(problem, copies):
+    """Bytes of the dQ pass's per-warp bias parts with ``copies`` copies of each warp's box."""
     wvol = math.prod(_bias_box(problem, 1))
-    boxes = KWARPS * 4 * (wvol + wvol % 2 + 16 * (KNB + 8) + 16 + 4)
-    return {True: table, False: padded(math.prod(_bias_box(problem))) + boxes}
+    return KWARPS * 4 * (copies * (wvol + wvol % 2) + 16 * (KNB + 8) + 16 + 4)
+
+
+def _box_copies(problem):
+    """Copies of each warp's box in the dQ pass (BIAS_BOX_COPIES where they fit, else 1)."""
+    if BIAS_BOX_COPIES == 1:
+        return 1
+    box = _padded(math.prod(_bias_box(problem)))
+    fits = box + _warp_boxes(problem, BIAS_BOX_COPIES) <= BIAS_SMEM_BUDGET
+    return BIAS_BOX_COPIES if fits else 1
 
 
 def _bias_box(problem, level=0):
@@ -212,11 +236,11 @@ def configure(problem):
     arrays), or a str saying why this part cannot run it: the one place the part decides,
     read by ``refuse`` and ``plan_backward``. Cached per problem and tiles (``TILES[rank]``
     is part of the key, so a probe that swaps a rank's tiles gets a fresh decision)."""
-    return _configure(problem, TILES[problem.rank], BUCKET_160)
+    return _configure(problem, TILES[problem.rank], BUCKET_160, BIAS_BOX_COPIES)
 
 
 @functools.lru_cache(maxsize=512)
-def _configure(problem, tiles, bucket_160):   # (bucket_160: part of the cache key)
+def _configure(problem, tiles, bucket_160, box_copies):   # (the last two: cache key only)
     if problem.dtype == FLOAT32 and not problem.allow_tf32:
         return "exact float32 runs in exact_fp32"
     bias_smem = _bias_smem(problem) if problem.has_rpb else {True: 0, False: 0}
@@ -412,6 +436,7 @@ def bias_geometry(problem, tab_off, per_axis, tile=None):
     Hopper backward's, whose boxes ``na_bwd_fused_rpb`` reduces too; then only the fields
     that kernel reads are meaningful)."""
     g = numpy.zeros((), dtype=BIAS_GEOM)
+    copies = 1 if tile else _box_copies(problem)   # (the Hopper dQ pass has no warp boxes)
     tile = tile or TILES[problem.rank][0]
     ks = tuple(problem.kernel_size) + (1,) * (3 - problem.rank)
     dim = tuple(min(2 * k - 1, k + t - 1) for k, t in zip(ks, tile))
@@ -429,6 +454,7 @@ def bias_geometry(problem, tab_off, per_axis, tile=None):
     g["wdim"] = wdim
     g["wbst"] = (wdim[1] * wdim[2], wdim[2], 1)
     g["wvol"] = math.prod(wdim)
+    g["wcopies"] = copies
     return g[()]
 
 
