@@ -33,7 +33,7 @@ workspace [B, H, tokens, kernel volume] laid out as the unfused chain's attentio
 and the mma.sync backward's ``na_bwd_rpb_sum`` reduce it into d_rpb in a fixed order
 (``ds_workspace``; the kv heads in runs, ``ds_head_groups``, so that the workspace is no
 larger than the gradients).
-The default takes it only with ``BIAS_DS`` (not yet run on a GPU).
+The default takes it only with ``BIAS_DS`` (off: it measured slower than the dQ pass).
 
 ``configure`` decides once per problem, tile and dQ variant (cached): the Tiling or why this
 part refuses the problem on any device; ``refuse`` adds the device's compute capability and
@@ -513,14 +513,15 @@ def kv_tma_maps(problem, t, d_out, q):
 ATOMIC_1D_FROM = 1024
 # With a bias, where ``atomic_pays`` would take the atomic variant: dQ added in the dK/dV pass
 # and d_rpb from its dS workspace (``na_bwd_hopper_kv_ds``), instead of the dQ pass summing
-# d_rpb. Built and checked without a GPU (compiled, plans tested), not yet run on one: off by
-# default until its GPU tests and bench/probes/rpb_probe.py have run (``dq_atomic=True`` asks
-# for it; NOTES-hopper-bwd.md, eighteenth session).
+# d_rpb. Correct on the GPU (tests/gpu/test_gpu_hopper_bwd.py), but slower than the default
+# biased backward but on one workload (H100, bench/results/rpb_probe_reductions.json: M5
+# 2.88 against 2.17 ms, W2b 1.61 against 1.36, 3D-D128 1.39 against 1.44): off
+# (``dq_atomic=True`` asks for it; NOTES-hopper-bwd.md).
 BIAS_DS = False
 # The head-dim buckets where it does (with ``BIAS_DS``). At 64 the mma.sync backward takes
 # biased 2-D and 3-D problems unless this holds 64 (``fused._hopper_bwd_pays``): the Hopper
 # dQ pass summing d_rpb measured far slower there (M4 13.8 ms against 9.07, rpb_probe.json),
-# the dS-workspace variant not yet.
+# and the dS-workspace variant too (M4 14.5, M7 4.73 against 2.60, 2D-D64 0.97 against 0.52).
 BIAS_DS_BUCKETS = (128,)
 
 
