@@ -514,8 +514,8 @@ ATOMIC_1D_FROM = 1024
 # With a bias, where ``atomic_pays`` would take the atomic variant: dQ added in the dK/dV pass
 # and d_rpb from its dS workspace (``na_bwd_hopper_kv_ds``), instead of the dQ pass summing
 # d_rpb. Correct on the GPU (tests/gpu/test_gpu_hopper_bwd.py), but slower than the default
-# biased backward but on one workload (H100, bench/results/rpb_probe_reductions.json: M5
-# 2.88 against 2.17 ms, W2b 1.61 against 1.36, 3D-D128 1.39 against 1.44): off
+# biased backward on every workload but one (H100, bench/results/rpb_probe_reductions.json:
+# M5 2.88 against 2.17 ms, W2b 1.61 against 1.36; 3D-D128 1.39 against 1.44): off
 # (``dq_atomic=True`` asks for it; NOTES-hopper-bwd.md).
 BIAS_DS = False
 # The head-dim buckets where it does (with ``BIAS_DS``). At 64 the mma.sync backward takes
