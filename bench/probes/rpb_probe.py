@@ -163,17 +163,20 @@ def run_workload(wid, dtype, reps):
     # The default biased backward with the other reduction of the dQ CTAs' bias-gradient
     # boxes (mma_backward.RPB_TWO_LAUNCH flipped; the decision caches and warm-call plans
     # cleared both ways), where the default has such boxes; its d_rpb against the default's.
+    def biased_bwd():
+        return bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)
+
+    d_rpb_default = biased_bwd()[3]
+
+    def other_setting(tag):   # the default biased backward under a flipped setting
+        t[f"bwd_rpb_{tag}"] = kernel_ms(biased_bwd, reps)
+        row[f"split_bwd_rpb_{tag}"] = kernel_split(biased_bwd)
+        row[f"err_d_rpb_{tag}_vs_default"] = _rel(biased_bwd()[3], d_rpb_default)
+
     two = not mma_backward.RPB_TWO_LAUNCH
-    d_rpb_default = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)[3]
     try:
         _rpb_reduction(two)
-        tag = "two_launch" if two else "one_launch"
-        t[f"bwd_rpb_{tag}"] = kernel_ms(
-            lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)
-        row[f"split_bwd_rpb_{tag}"] = kernel_split(
-            lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb))
-        other = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)[3]
-        row[f"err_d_rpb_{tag}_vs_default"] = _rel(other, d_rpb_default)
+        other_setting("two_launch" if two else "one_launch")
     finally:
         _rpb_reduction(not two)
     # The default biased backward with the other count of copies of the mma.sync dQ pass's
@@ -182,14 +185,9 @@ def run_workload(wid, dtype, reps):
         copies = mma_backward.BIAS_BOX_COPIES
         try:
             _box_copies(5 - copies)
-            tag = f"copies{5 - copies}"
-            t[f"bwd_rpb_{tag}"] = kernel_ms(
-                lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb), reps)
-            row[f"split_bwd_rpb_{tag}"] = kernel_split(
-                lambda: bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb))
-            other = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)[3]
-            row[f"err_d_rpb_{tag}_vs_default"] = _rel(other, d_rpb_default)
-            row[f"wcopies_{tag}"] = int(mma_backward.configure(biased).bias["wcopies"])
+            other_setting(f"copies{5 - copies}")
+            row[f"wcopies_copies{5 - copies}"] = int(
+                mma_backward.configure(biased).bias["wcopies"])
         finally:
             _box_copies(copies)
     dq, dk, dv, d_rpb = bwd(d_out, q, k, v, out_b, lse_b, ks, **kw, rpb=rpb)
