@@ -199,8 +199,7 @@ def _bias_smem(problem):
     offsets (an even count of words), a 16 x 40 dS tile, 16 owner-row parts and its box's
     shift."""
     table = _padded(math.prod(_bias_table_dims(problem)))
-    box = _padded(math.prod(_bias_box(problem)))
-    return {True: table, False: box + _warp_boxes(problem, _box_copies(problem))}
+    return {True: table, False: _dq_bias_bytes(problem, _box_copies(problem))}
 
 
 def _padded(n):
@@ -214,13 +213,16 @@ def _warp_boxes(problem, copies):
     return KWARPS * 4 * (copies * (wvol + wvol % 2) + 16 * (KNB + 8) + 16 + 4)
 
 
+def _dq_bias_bytes(problem, copies):
+    """Bytes of the dQ pass's bias parts: the CTA's box and the per-warp parts."""
+    return _padded(math.prod(_bias_box(problem))) + _warp_boxes(problem, copies)
+
+
 def _box_copies(problem):
     """Copies of each warp's box in the dQ pass (BIAS_BOX_COPIES where they fit, else 1)."""
-    if BIAS_BOX_COPIES == 1:
-        return 1
-    box = _padded(math.prod(_bias_box(problem)))
-    fits = box + _warp_boxes(problem, BIAS_BOX_COPIES) <= BIAS_SMEM_BUDGET
-    return BIAS_BOX_COPIES if fits else 1
+    if BIAS_BOX_COPIES != 1 and _dq_bias_bytes(problem, BIAS_BOX_COPIES) <= BIAS_SMEM_BUDGET:
+        return BIAS_BOX_COPIES
+    return 1
 
 
 def _bias_box(problem, level=0):
